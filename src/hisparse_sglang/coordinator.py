@@ -1,0 +1,640 @@
+"""Request lifecycle of HiSparse: resident and offloaded requests, swap-in, eager backup.
+
+Framework-free: requests are SGLang request-pool slots (ints) and token positions; the SGLang
+adapter in ``integration/sglang`` translates SGLang's calls into these.
+
+Modes of a decoding request:
+
+* **resident**: every token has a device row (``KVAllocator.device_row_of_loc``); the swap-in op
+  only translates positions to rows. Its KV is written through to the host pool (staging after
+  prefill, then one token per decode step), so it can be demoted at any step.
+* **offloaded**: the request owns a device buffer (``DeviceBufferPool``) of ``D`` LRU slots plus a
+  page whose first slot holds the newest token; the swap-in op copies missed tokens from host.
+
+Policy (see docs/resident-first.md):
+
+* ``resident_first`` on: requests stay resident while device pages last. When an allocation
+  (a prefill, or resident requests starting new pages) lacks pages, in-flight promotions are
+  cancelled and then resident requests are demoted, longest context first, preferring requests
+  out of their cooldown, until enough pages are free. An offloaded request is promoted back
+  (shortest first, at most ``max_switches_per_step`` per step) when, after the promotion,
+  ``promote_free_fraction`` of the device pool stays free and its cooldown has passed.
+  Promotion copies the KV host -> device on a side stream while the request keeps decoding
+  offloaded, then switches at a later step.
+* ``resident_first`` off: a request is demoted as soon as it outgrows its buffer (SGLang's
+  in-tree behaviour) and never promoted.
+
+Demotion needs no copy: the request keeps ``D`` of its resident rows (the most recent whole pages)
+as LRU slots and the page of its newest token as the reserved page; the other pages are freed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Sequence
+
+import torch
+
+from hisparse_sglang.config import HiSparseConfig
+from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
+from hisparse_sglang.memory.allocator import KVAllocator, PoolStats
+from hisparse_sglang.memory.device_buffers import DeviceBufferPool
+from hisparse_sglang.memory.host_pool import HostKVPool
+from hisparse_sglang.ops import reference
+from hisparse_sglang.streams import CopyEvent, StreamSet
+
+__all__ = ["Coordinator", "RequestRecord", "RESIDENT", "OFFLOADED", "CoordinatorStats"]
+
+logger = logging.getLogger(__name__)
+
+RESIDENT = "resident"
+OFFLOADED = "offloaded"
+
+
+@dataclasses.dataclass
+class _Promotion:
+    pages: torch.Tensor  # device pages, page k holds positions [k * P, (k + 1) * P)
+    covered: int  # positions [0, covered) are being copied host -> device
+    event: CopyEvent
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """The coordinator's view of one request (CPU only).
+
+    Attributes:
+        slot: SGLang request-pool slot.
+        seq_len: positions ``[0, seq_len)`` have KV (the last one may be written by the forward in
+            flight).
+        host_len: positions ``[0, host_len)`` are on the host or being copied there.
+        mode: RESIDENT or OFFLOADED.
+        staging: copy of the prefill KV to the host, while it may be in flight.
+        promotion: an offloaded request's promotion in flight.
+        mode_step: coordinator step of the last mode switch.
+    """
+
+    slot: int
+    seq_len: int
+    host_len: int
+    mode: str
+    staging: CopyEvent | None = None
+    promotion: _Promotion | None = None
+    mode_step: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorStats:
+    pools: PoolStats
+    resident_requests: int
+    offloaded_requests: int
+    promoting_requests: int
+    demotions: int
+    promotions: int
+    promotion_cancels: int
+    swap_in_lookups: int
+    swap_in_misses: int
+    bytes_swapped_in: int
+
+
+class Coordinator:
+    """Owns the per-request state of HiSparse on one GPU (one TP rank).
+
+    Args:
+        config: HiSparse settings.
+        allocator: logical/host and device rows (shared with SGLang's allocator adapter).
+        buffers: device buffers of offloaded requests.
+        host_pool: host KV rows, indexed by logical location.
+        device_layers: one device KV tensor per layer, rows along dim 0.
+        req_to_token: int32 ``[R, C]`` logical location of each position of each request slot
+            (SGLang's ``ReqToTokenPool.req_to_token``).
+        ops: module with ``swap_in`` and ``copy_rows`` (the CUDA ops or their reference twins).
+        streams: side streams and events (CPU stand-in by default).
+        agree: makes event-dependent decisions identical across TP ranks (all-reduce MIN of a
+            list of booleans); identity on one rank.
+    """
+
+    def __init__(
+        self,
+        config: HiSparseConfig,
+        allocator: KVAllocator,
+        buffers: DeviceBufferPool,
+        host_pool: HostKVPool,
+        device_layers: Sequence[torch.Tensor],
+        req_to_token: torch.Tensor,
+        ops=reference,
+        streams: StreamSet | None = None,
+        agree: Callable[[list[bool]], list[bool]] | None = None,
+    ) -> None:
+        if allocator.page_size != config.page_size or buffers.page_size != config.page_size:
+            raise HiSparseMemoryError(
+                f"page sizes disagree: config {config.page_size}, allocator {allocator.page_size}, "
+                f"buffers {buffers.page_size}."
+            )
+        if len(device_layers) != host_pool.layer_num or buffers.layer_num != host_pool.layer_num:
+            raise HiSparseMemoryError(
+                f"layer counts disagree: device {len(device_layers)}, host {host_pool.layer_num}, "
+                f"buffers {buffers.layer_num}."
+            )
+        self.config = config
+        self.allocator = allocator
+        self.buffers = buffers
+        self.host_pool = host_pool
+        self.device_layers = list(device_layers)
+        self.req_to_token = req_to_token
+        self.ops = ops
+        self.device = allocator.device
+        self.streams = streams or StreamSet(self.device)
+        self.agree = agree or (lambda flags: flags)
+        self.page_size = config.page_size
+        self.buffer_size = config.device_buffer_size
+        self.buffer_pages = (config.device_buffer_size + config.page_size) // config.page_size
+        self.requests: dict[int, RequestRecord] = {}
+        self.pending: list[int] = []
+        self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.top_k_rows = torch.full(
+            (buffers.num_req_slots, config.top_k), -1, dtype=torch.int32, device=self.device
+        )
+        self.swap_counters = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self._pending_backup: CopyEvent | None = None
+        self.demotions = 0
+        self.promotions = 0
+        self.promotion_cancels = 0
+
+    # ================================================================== admission
+    def admit_prefilled(self, slot: int, prefill_len: int) -> None:
+        """A request finished prefill: its ``prefill_len`` tokens are resident; stage them to host."""
+        self._check_new(slot)
+        if prefill_len < 1:
+            raise HiSparseMemoryError(f"request slot {slot}: prefill_len must be >= 1, got {prefill_len}.")
+        locs = self.req_to_token[slot, :prefill_len].to(torch.int64)
+        rows = self.allocator.translate(locs)
+        with self.streams.on(self.streams.staging):
+            self.ops.copy_rows(self.device_layers, self.host_pool.layers, rows, locs)
+            staging = self.streams.record(self.streams.staging)
+            self.streams.keep_alive(locs, self.streams.staging)
+            self.streams.keep_alive(rows, self.streams.staging)
+        self.requests[slot] = RequestRecord(
+            slot, seq_len=prefill_len, host_len=prefill_len, mode=RESIDENT, staging=staging,
+            mode_step=self.streams.step,
+        )
+        self.pending.append(slot)
+
+    def collect_ready(self) -> list[int]:
+        """Requests admitted by :meth:`admit_prefilled` that may start decoding (FIFO prefix).
+
+        With ``resident_first`` every staged request is ready at once (it decodes resident while
+        its KV streams to the host). Otherwise a request that must be demoted at its first decode
+        step waits until its staging copy is done.
+        """
+        if not self.pending:
+            return []
+        flags = []
+        for slot in self.pending:
+            record = self.requests[slot]
+            must_demote = not self.config.resident_first and record.seq_len - 1 >= self.buffer_size
+            flags.append(not must_demote or record.staging is None or record.staging.query())
+        flags = self.agree(flags)
+        count = 0
+        while count < len(flags) and flags[count]:
+            count += 1
+        ready, self.pending = self.pending[:count], self.pending[count:]
+        return ready
+
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
+    def admit_direct(self, slot: int, kv_len: int) -> None:
+        """PD disaggregation: positions ``[0, kv_len)`` were written to the host pool directly.
+
+        A short request (its KV fits in a buffer) becomes resident by copying its KV to fresh
+        device pages; a long one starts offloaded with an empty buffer (every first lookup
+        misses) and may be promoted later.
+        """
+        self._check_new(slot)
+        if kv_len < 1:
+            raise HiSparseMemoryError(f"request slot {slot}: kv_len must be >= 1, got {kv_len}.")
+        record = RequestRecord(slot, seq_len=kv_len, host_len=kv_len, mode=RESIDENT, mode_step=self.streams.step)
+        locs = self.req_to_token[slot, :kv_len].to(torch.int64)
+        if kv_len - 1 < self.buffer_size:
+            pages = self._alloc_pages_with_reclaim(-(-kv_len // self.page_size))
+            rows = self.allocator.device_rows.page_rows(pages)[:kv_len]
+            self.ops.copy_rows(self.host_pool.layers, self.device_layers, locs, rows)
+            self.allocator.map_(locs, rows)
+        else:
+            pages = self._alloc_pages_with_reclaim(self.buffer_pages)
+            self.buffers.acquire(slot, self.allocator.device_rows.page_rows(pages), first_token=None)
+            self.allocator.unmap_(locs)
+            record.mode = OFFLOADED
+        self.requests[slot] = record
+
+    # ================================================================== decode step
+    def prepare_decode(self, slots: Sequence[int], seq_lens: Sequence[int], new_locs: torch.Tensor) -> None:
+        """Bind the new token of every request of a decode batch to a device row.
+
+        Args:
+            slots: request slots of the batch.
+            seq_lens: lengths including the new token (its position is ``seq_len - 1``).
+            new_locs: int64 ``[B]`` on ``device``: logical location of each new token.
+        """
+        self.streams.step += 1
+        records = [self._record(slot) for slot in slots]
+        for record, seq_len in zip(records, seq_lens):
+            if seq_len != record.seq_len + 1:
+                raise HiSparseMemoryError(
+                    f"request slot {record.slot}: decode step to length {seq_len} but the coordinator has "
+                    f"{record.seq_len} tokens (one step at a time)."
+                )
+        self._backup_previous_tokens(records)
+        self._switch_modes(records)
+        self._assign_new_rows(records, new_locs)
+        for record in records:
+            record.seq_len += 1
+        self._record_backup_event()
+
+    def swap_in(
+        self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, layer_id: int
+    ) -> torch.Tensor:
+        """Device rows of one layer's top-k tokens (int32 ``[B, K]``, -1 for padding)."""
+        batch = top_k.shape[0]
+        out = self.top_k_rows[:batch]
+        return self.ops.swap_in(
+            top_k,
+            seq_lens,
+            req_pool_indices,
+            self.num_real_reqs,
+            self.req_to_token,
+            self.allocator.device_row_of_loc,
+            self.buffers.buffer_of_req,
+            self.buffers.slot_rows,
+            self.buffers.slot_tokens[layer_id],
+            self.buffers.lru_order[layer_id],
+            self.host_pool.layers[layer_id],
+            self.device_layers[layer_id],
+            out=out,
+            counters=self.swap_counters,
+        )
+
+    def wait_for_pending_backup(self) -> None:
+        """Order the current stream after the last step's backups (before the forward writes)."""
+        if self._pending_backup is not None:
+            self._pending_backup.wait_on_current_stream()
+            self._pending_backup = None
+
+    # ================================================================== request end
+    def finish(self, slot: int) -> None:
+        """Release what the coordinator holds for a request that ends (finish, abort, retract).
+
+        Resident rows are freed afterwards by ``KVAllocator.free`` of the request's locations
+        (SGLang's ``release_kv_cache``); the coordinator frees buffers and promotion pages and
+        unmaps every location of an offloaded request so that free does not see buffer rows.
+        Unknown slots are ignored (a request that never reached decoding).
+        """
+        if slot in self.pending:
+            self.pending.remove(slot)
+        record = self.requests.pop(slot, None)
+        if record is None:
+            return
+        self.streams.wait_for_producer()
+        self.wait_for_pending_backup()
+        if record.staging is not None:
+            record.staging.wait_on_current_stream()
+        if record.promotion is not None:
+            self._cancel_promotion(record)
+        if record.mode == OFFLOADED:
+            self.allocator.free_device_pages_of_rows(self.buffers.release(slot))
+            self.allocator.unmap_(self.req_to_token[slot, : record.seq_len])
+
+    # ================================================================== capacity
+    def reclaimable_pages(self) -> int:
+        """Device pages demotions and promotion cancels could free now."""
+        total = 0
+        for record in self.requests.values():
+            if record.promotion is not None:
+                total += record.promotion.pages.numel()
+            if self._demotable(record):
+                total += self._pages_held(record) - self.buffer_pages
+        return total
+
+    def can_decode(self, slots: Sequence[int]) -> bool:
+        """Whether the next decode step of ``slots`` can bind every new token to a device row.
+
+        Offloaded requests need no device row for a new token; a resident request needs a new
+        page when its new token starts one, unless it can be demoted instead. The scheduler
+        retracts requests while this is False (SGLang's ``check_decode_mem``).
+        """
+        records = [self.requests[slot] for slot in slots]
+        needing = [r for r in records if self._starts_page(r)]
+        free = self.allocator.device_rows.free_pages
+        if len(needing) <= free:
+            return True
+        return sum(not self._demotable(r) for r in needing) <= free + self.reclaimable_pages()
+
+    def reclaim(self, pages_needed: int) -> bool:
+        """Free device pages until ``pages_needed`` are free; returns whether that succeeded."""
+        if self.allocator.device_rows.free_pages >= pages_needed:
+            return True
+        self.streams.wait_for_producer()
+        self.wait_for_pending_backup()
+        for record in sorted(self.requests.values(), key=lambda r: -r.seq_len):
+            if self.allocator.device_rows.free_pages >= pages_needed:
+                break
+            if record.promotion is not None:
+                self._cancel_promotion(record)
+        for record in self._demotion_order():
+            if self.allocator.device_rows.free_pages >= pages_needed:
+                break
+            if record.staging is not None and not record.staging.query():
+                record.staging.synchronize()
+            self._demote(record, record.seq_len)
+        return self.allocator.device_rows.free_pages >= pages_needed
+
+    def stats(self) -> CoordinatorStats:
+        counters = self.swap_counters.tolist()
+        modes = [record.mode for record in self.requests.values()]
+        return CoordinatorStats(
+            pools=self.allocator.stats(self.buffers.num_buffers, self.buffers.used_buffers),
+            resident_requests=modes.count(RESIDENT),
+            offloaded_requests=modes.count(OFFLOADED),
+            promoting_requests=sum(r.promotion is not None for r in self.requests.values()),
+            demotions=self.demotions,
+            promotions=self.promotions,
+            promotion_cancels=self.promotion_cancels,
+            swap_in_lookups=counters[0],
+            swap_in_misses=counters[1],
+            bytes_swapped_in=counters[1] * self.host_pool.item_bytes,
+        )
+
+    # ================================================================== internals: decode step
+    def _backup_previous_tokens(self, records: list[RequestRecord]) -> None:
+        """Copy each request's previous token (position ``seq_len - 1`` before this step) to host."""
+        resident_slots, resident_positions, offloaded_slots, offloaded_positions = [], [], [], []
+        for record in records:
+            for position in range(record.host_len, record.seq_len):
+                if record.mode == RESIDENT:
+                    resident_slots.append(record.slot)
+                    resident_positions.append(position)
+                else:
+                    if position != record.seq_len - 1:
+                        raise HiSparseMemoryError(
+                            f"request slot {record.slot}: offloaded with positions {record.host_len}.."
+                            f"{record.seq_len - 1} not on host; only the newest may be missing."
+                        )
+                    offloaded_slots.append(record.slot)
+                    offloaded_positions.append(position)
+            record.host_len = record.seq_len
+        if not resident_slots and not offloaded_slots:
+            return
+        slots = torch.tensor(resident_slots + offloaded_slots, dtype=torch.int64).to(self.device)
+        positions = torch.tensor(resident_positions + offloaded_positions, dtype=torch.int64).to(self.device)
+        host_rows = self.req_to_token[slots, positions].to(torch.int64)
+        parts = []
+        if resident_slots:
+            parts.append(self.allocator.translate(host_rows[: len(resident_slots)]).to(torch.int64))
+        if offloaded_slots:
+            buffer_ids = self.buffers.buffer_of_req[slots[len(resident_slots) :]].to(torch.int64)
+            parts.append(self.buffers.slot_rows[buffer_ids, self.buffer_size].to(torch.int64))
+        device_rows = torch.cat(parts)
+        with self.streams.on(self.streams.backup):
+            self.ops.copy_rows(self.device_layers, self.host_pool.layers, device_rows, host_rows)
+            self.streams.keep_alive(device_rows, self.streams.backup)
+            self.streams.keep_alive(host_rows, self.streams.backup)
+
+    def _record_backup_event(self) -> None:
+        self._pending_backup = self.streams.record(self.streams.backup)
+
+    def _switch_modes(self, records: list[RequestRecord]) -> None:
+        """Finish promotions, force or relieve demotions, start promotions (bounded per step)."""
+        step = self.streams.step
+        switching = False
+
+        promoting = [r for r in self.requests.values() if r.promotion is not None]
+        done = self.agree([r.promotion.event.query() for r in promoting]) if promoting else []
+        for record, finished in zip(promoting, done):
+            if finished:
+                if not switching:
+                    self.streams.wait_for_producer()
+                    switching = True
+                self._complete_promotion(record)
+
+        if not self.config.resident_first:
+            for record in records:
+                # The request will hold seq_len + 1 tokens: demote once its older tokens exceed the buffer.
+                if record.mode == RESIDENT and record.seq_len - 1 >= self.buffer_size:
+                    if not switching:
+                        self.streams.wait_for_producer()
+                        switching = True
+                    self._demote(record, record.seq_len)
+
+        needed = self._relieve_pressure(records)
+
+        if self.config.resident_first:
+            self._start_promotions(needed, step)
+
+    def _relieve_pressure(self, records: list[RequestRecord]) -> int:
+        """Cancel promotions, then demote, until the batch's new tokens fit; returns pages needed.
+
+        Demoting a request that would start a new page this step also removes its need.
+        """
+        synced = False
+        while True:
+            needed = self._pages_needed_for_new_tokens(records)
+            if needed <= self.allocator.device_rows.free_pages:
+                return needed
+            if not synced:
+                self.streams.wait_for_producer()
+                self.wait_for_pending_backup()
+                synced = True
+            promoting = [r for r in self.requests.values() if r.promotion is not None]
+            if promoting:
+                self._cancel_promotion(max(promoting, key=lambda r: r.promotion.pages.numel()))
+                continue
+            needing = {r.slot for r in records if self._starts_page(r)}
+            order = self._demotion_order(needing)
+            if not order:
+                raise PoolExhaustedError(
+                    f"device KV pool exhausted: {needed} page(s) needed for new tokens, "
+                    f"{self.allocator.device_rows.free_pages} free and nothing left to demote; "
+                    f"the scheduler should have retracted a request (can_decode() was False)."
+                )
+            victim = order[0]
+            if victim.staging is not None and not victim.staging.query():
+                victim.staging.synchronize()
+            self._demote(victim, victim.seq_len)
+
+    def _starts_page(self, record: RequestRecord) -> bool:
+        return record.mode == RESIDENT and record.promotion is None and record.seq_len % self.page_size == 0
+
+    def _pages_needed_for_new_tokens(self, records: list[RequestRecord]) -> int:
+        return sum(1 for r in records if self._starts_page(r))
+
+    def _assign_new_rows(self, records: list[RequestRecord], new_locs: torch.Tensor) -> None:
+        resident_index = [i for i, r in enumerate(records) if r.mode == RESIDENT]
+        offloaded_index = [i for i, r in enumerate(records) if r.mode == OFFLOADED]
+        if resident_index:
+            index = torch.tensor(resident_index, dtype=torch.int64).to(self.device)
+            slots = torch.tensor([records[i].slot for i in resident_index], dtype=torch.int64).to(self.device)
+            lengths = torch.tensor([records[i].seq_len + 1 for i in resident_index], dtype=torch.int64)
+            last_locs = self.req_to_token[slots, (lengths - 2).to(self.device)].to(torch.int64)
+            rows = self.allocator.device_rows.alloc_decode(lengths, self.allocator.translate(last_locs).to(torch.int64))
+            if rows is None:
+                raise PoolExhaustedError("device KV pool exhausted while binding new tokens of resident requests.")
+            self.allocator.map_(new_locs[index], rows)
+        if offloaded_index:
+            index = torch.tensor(offloaded_index, dtype=torch.int64).to(self.device)
+            slots = torch.tensor([records[i].slot for i in offloaded_index], dtype=torch.int64).to(self.device)
+            buffer_ids = self.buffers.buffer_of_req[slots].to(torch.int64)
+            self.allocator.map_(new_locs[index], self.buffers.slot_rows[buffer_ids, self.buffer_size])
+
+    # ================================================================== internals: transitions
+    def _pages_held(self, record: RequestRecord) -> int:
+        if record.mode == OFFLOADED:
+            return self.buffer_pages
+        return -(-record.seq_len // self.page_size)
+
+    def _demotable(self, record: RequestRecord) -> bool:
+        return record.mode == RESIDENT and record.promotion is None and record.seq_len - 1 >= self.buffer_size
+
+    def _demotion_order(self, needing: set[int] = frozenset()) -> list[RequestRecord]:
+        """Demotion candidates: out of cooldown first, then most pages gained, then longest context.
+
+        The gain of a demotion is the pages it frees plus one if the request would otherwise start
+        a new page this step (``needing``).
+        """
+        step = self.streams.step
+        cooldown = self.config.switch_cooldown_steps
+
+        def key(record: RequestRecord):
+            gain = self._pages_held(record) - self.buffer_pages + (record.slot in needing)
+            return (step - record.mode_step < cooldown, -gain, -record.seq_len, record.slot)
+
+        return sorted((r for r in self.requests.values() if self._demotable(r)), key=key)
+
+    def _demote(self, record: RequestRecord, num_tokens: int) -> None:
+        """Turn a resident request with ``num_tokens`` resident tokens into an offloaded one.
+
+        The last whole pages before the newest token's page become the LRU slots (slot ``i`` holds
+        token ``first + i``), the newest token's page becomes the reserved page with the newest
+        token's row in slot ``D``; every other page is freed.
+        """
+        page = self.page_size
+        newest = num_tokens - 1
+        newest_page = newest // page
+        first = (newest_page - self.buffer_size // page) * page
+        if first < 0:
+            raise HiSparseMemoryError(
+                f"request slot {record.slot}: {num_tokens} tokens do not fill a buffer of {self.buffer_size}."
+            )
+        locs = self.req_to_token[record.slot, :num_tokens].to(torch.int64)
+        rows = self.allocator.translate(locs).to(torch.int64)
+        lru_rows = rows[first : first + self.buffer_size]
+        newest_row = rows[newest : newest + 1]
+        page_base = newest_row - newest % page
+        page_offsets = torch.arange(page, dtype=torch.int64, device=self.device)
+        other_rows = (page_base + page_offsets)[page_offsets != newest % page]
+        buffer_rows = torch.cat([lru_rows, newest_row, other_rows])
+        if first > 0:
+            self.allocator.free_device_pages_of_rows(rows[:first:page])
+        # The newest token keeps its row, which is now the reserved slot.
+        self.allocator.unmap_(locs[:newest])
+        self.buffers.acquire(record.slot, buffer_rows, first_token=first)
+        record.mode = OFFLOADED
+        record.mode_step = self.streams.step
+        self.demotions += 1
+
+    def _start_promotions(self, pages_reserved: int, step: int) -> None:
+        capacity = self.allocator.device_rows.capacity_pages
+        keep_free = int(self.config.promote_free_fraction * capacity)
+        started = 0
+        candidates = sorted(
+            (
+                r
+                for r in self.requests.values()
+                if r.mode == OFFLOADED
+                and r.promotion is None
+                and step - r.mode_step >= self.config.switch_cooldown_steps
+                and r.slot not in self.pending
+            ),
+            key=lambda r: (r.seq_len, r.slot),
+        )
+        for record in candidates:
+            if started >= self.config.max_switches_per_step:
+                break
+            # Positions [0, seq_len) are on the host once this step's backup lands.
+            covered = record.seq_len
+            pages_needed = -(-covered // self.page_size)
+            free_after = self.allocator.device_rows.free_pages - pages_reserved - pages_needed
+            if free_after < keep_free:
+                break
+            pages = self.allocator.device_rows.alloc_pages(pages_needed)
+            locs = self.req_to_token[record.slot, :covered].to(torch.int64)
+            rows = self.allocator.device_rows.page_rows(pages)[:covered]
+            with self.streams.on(self.streams.promotion):
+                if self.streams.backup is not None:
+                    # This step's backup of the previous token runs on the backup stream.
+                    self.streams.promotion.wait_stream(self.streams.backup)
+                self.ops.copy_rows(self.host_pool.layers, self.device_layers, locs, rows)
+                event = self.streams.record(self.streams.promotion)
+                self.streams.keep_alive(locs, self.streams.promotion)
+                self.streams.keep_alive(rows, self.streams.promotion)
+            record.promotion = _Promotion(pages=pages, covered=covered, event=event)
+            started += 1
+
+    def _complete_promotion(self, record: RequestRecord) -> None:
+        """Switch an offloaded request whose promotion copy is done to resident."""
+        promotion = record.promotion
+        total = record.seq_len  # positions [0, seq_len) are on host once this step's backup lands
+        extra_pages = -(-total // self.page_size) - promotion.pages.numel()
+        if extra_pages > 0:
+            if self.allocator.device_rows.free_pages < extra_pages:
+                self._cancel_promotion(record)
+                return
+            pages = torch.cat([promotion.pages, self.allocator.device_rows.alloc_pages(extra_pages)])
+        else:
+            pages = promotion.pages
+        rows = self.allocator.device_rows.page_rows(pages)[:total]
+        locs = self.req_to_token[record.slot, :total].to(torch.int64)
+        if total > promotion.covered:
+            # Tokens decoded while the promotion copy ran; same stream as this step's backups.
+            with self.streams.on(self.streams.backup):
+                self.ops.copy_rows(
+                    self.host_pool.layers, self.device_layers, locs[promotion.covered :], rows[promotion.covered :]
+                )
+                self.streams.keep_alive(locs, self.streams.backup)
+                self.streams.keep_alive(rows, self.streams.backup)
+        self.allocator.free_device_pages_of_rows(self.buffers.release(record.slot))
+        self.allocator.map_(locs, rows)
+        record.mode = RESIDENT
+        record.promotion = None
+        record.mode_step = self.streams.step
+        self.promotions += 1
+
+    def _cancel_promotion(self, record: RequestRecord) -> None:
+        promotion = record.promotion
+        promotion.event.wait_on_current_stream()
+        self.allocator.device_rows.free_pages_(promotion.pages)
+        record.promotion = None
+        self.promotion_cancels += 1
+
+    def _alloc_pages_with_reclaim(self, count: int) -> torch.Tensor:
+        if not self.reclaim(count):
+            raise PoolExhaustedError(
+                f"device KV pool exhausted: {count} page(s) needed, {self.allocator.device_rows.free_pages} "
+                f"free after demoting every eligible request."
+            )
+        return self.allocator.device_rows.alloc_pages(count)
+
+    # ================================================================== helpers
+    def _record(self, slot: int) -> RequestRecord:
+        record = self.requests.get(slot)
+        if record is None:
+            raise HiSparseMemoryError(f"request slot {slot} is not admitted to the HiSparse coordinator.")
+        if slot in self.pending:
+            raise HiSparseMemoryError(f"request slot {slot} is still staging; collect_ready() has not released it.")
+        return record
+
+    def _check_new(self, slot: int) -> None:
+        if slot in self.requests:
+            raise HiSparseMemoryError(f"request slot {slot} is already admitted.")
+        if not 0 <= slot < self.buffers.num_req_slots:
+            raise HiSparseMemoryError(f"request slot {slot} is outside [0, {self.buffers.num_req_slots}).")

@@ -1,0 +1,36 @@
+"""Typed errors raised by hisparse_sglang. Messages name the offending value and the fix."""
+
+from __future__ import annotations
+
+__all__ = [
+    "HiSparseError",
+    "HiSparseConfigError",
+    "HiSparseMemoryError",
+    "PoolExhaustedError",
+    "KernelBuildError",
+    "UnsupportedSetupError",
+]
+
+
+class HiSparseError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class HiSparseConfigError(HiSparseError, ValueError):
+    """The --hisparse-config JSON (or a value derived from it) is invalid."""
+
+
+class HiSparseMemoryError(HiSparseError, RuntimeError):
+    """A memory-pool operation broke an invariant (double free, foreign row, wrong size)."""
+
+
+class PoolExhaustedError(HiSparseMemoryError):
+    """A pool has fewer free rows than an operation needs; callers check capacity first."""
+
+
+class KernelBuildError(HiSparseError, RuntimeError):
+    """A CUDA kernel could not be compiled or loaded."""
+
+
+class UnsupportedSetupError(HiSparseError, ValueError):
+    """The serving setup (model, backend, dtype, flags) cannot run HiSparse."""

@@ -1,0 +1,1 @@
+"""Adapters to serving frameworks; only ``integration.sglang`` imports sglang."""

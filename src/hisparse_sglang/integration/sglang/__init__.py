@@ -1,0 +1,1 @@
+"""The boundary to SGLang: the only package of hisparse_sglang that imports sglang."""

@@ -1,0 +1,266 @@
+"""A paged row allocator whose free list lives on the compute device.
+
+Allocation results are device tensors and every count is known on the CPU, so allocating and
+freeing never wait for the GPU (except :meth:`PagedAllocator.free_locs`, which must deduplicate
+pages of arbitrary token locations, like SGLang's own paged allocator).
+
+The API follows SGLang's paged-allocator semantics so that the SGLang adapter can delegate to it:
+``alloc_extend`` continues each request's last partial page and then takes whole pages;
+``alloc_decode`` hands one row per request, a new page only when the new token starts one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
+
+__all__ = ["PagedAllocator", "extend_layout"]
+
+
+def extend_layout(
+    prefix_lens: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Where each token of a batched extend lands, computed on the CPU.
+
+    For request ``b`` the tokens at positions ``[prefix_lens[b], seq_lens[b])`` are laid out in
+    request order. Tokens that fill the request's last partial page continue after its last
+    location; the rest take new pages in order.
+
+    Returns:
+        request: int64 ``[T]``, the batch index of each token.
+        continue_offset: int64 ``[T]``, ``j + 1`` for the ``j``-th token continuing the last page
+            (its location is ``last_loc[b] + j + 1``), 0 for tokens on new pages.
+        new_page_slot: int64 ``[T]``, ``ordinal * page_size + offset`` for tokens on new pages (the
+            ordinal counts new pages across the batch), -1 for continuing tokens.
+        num_new_pages: total new pages.
+    """
+    prefix_lens = prefix_lens.to(device="cpu", dtype=torch.int64).reshape(-1)
+    seq_lens = seq_lens.to(device="cpu", dtype=torch.int64).reshape(-1)
+    if prefix_lens.numel() != seq_lens.numel():
+        raise HiSparseMemoryError(
+            f"prefix_lens has {prefix_lens.numel()} entries but seq_lens has {seq_lens.numel()}."
+        )
+    if bool((seq_lens < prefix_lens).any()):
+        raise HiSparseMemoryError("every seq_len must be >= its prefix_len.")
+    first_page_end = (prefix_lens + page_size - 1) // page_size * page_size
+    num_continue = torch.minimum(seq_lens, first_page_end) - prefix_lens
+    num_new = seq_lens - prefix_lens - num_continue
+    new_pages = (num_new + page_size - 1) // page_size
+    new_page_base = torch.cumsum(new_pages, 0) - new_pages
+    counts = seq_lens - prefix_lens
+    total = int(counts.sum())
+    batch = torch.arange(prefix_lens.numel(), dtype=torch.int64)
+    request = torch.repeat_interleave(batch, counts)
+    token_start = torch.cumsum(counts, 0) - counts
+    index_in_request = torch.arange(total, dtype=torch.int64) - token_start[request]
+    is_continue = index_in_request < num_continue[request]
+    continue_offset = torch.where(is_continue, index_in_request + 1, torch.zeros_like(index_in_request))
+    new_index = index_in_request - num_continue[request]
+    new_page_slot = torch.where(
+        is_continue,
+        torch.full_like(index_in_request, -1),
+        new_page_base[request] * page_size + new_index,
+    )
+    return request, continue_offset, new_page_slot, int(new_pages.sum())
+
+
+class PagedAllocator:
+    """Pages of ``page_size`` rows over rows ``[0, num_pages * page_size)``.
+
+    Page 0 is never handed out: SGLang writes the KV of padded tokens to location 0.
+
+    Args:
+        name: shown in error messages ("host", "device").
+        num_pages: total pages, the reserved page 0 included.
+        page_size: rows per page.
+        device: where the free list and the returned tensors live.
+        sort_frees: keep the free list sorted so that allocations stay contiguous (SGLang's
+            ``need_sort``, used by PD disaggregation to merge transfers into page runs).
+        checked: verify every free against an ownership table (a host sync per call on GPUs;
+            meant for tests and debugging).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        num_pages: int,
+        page_size: int,
+        device: torch.device | str = "cpu",
+        sort_frees: bool = False,
+        checked: bool = False,
+    ) -> None:
+        if num_pages < 2:
+            raise HiSparseMemoryError(
+                f"{name} pool needs at least 2 pages of {page_size} rows (page 0 is reserved), got {num_pages}; "
+                f"give it more memory."
+            )
+        self.name = name
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.sort_frees = sort_frees
+        self.checked = checked
+        # A stack: the next page handed out is the last free entry.
+        self._free = torch.empty(num_pages, dtype=torch.int64, device=self.device)
+        self._owned = torch.zeros(num_pages, dtype=torch.bool, device=self.device) if checked else None
+        self._num_free = 0
+        self.clear()
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def capacity_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def capacity_rows(self) -> int:
+        return self.capacity_pages * self.page_size
+
+    @property
+    def free_pages(self) -> int:
+        return self._num_free
+
+    @property
+    def free_rows(self) -> int:
+        return self._num_free * self.page_size
+
+    @property
+    def used_pages(self) -> int:
+        return self.capacity_pages - self._num_free
+
+    def clear(self) -> None:
+        """Free every page; the lowest page ids are handed out first."""
+        self._num_free = self.num_pages - 1
+        self._free[: self._num_free] = torch.arange(
+            self.num_pages - 1, 0, -1, dtype=torch.int64, device=self.device
+        )
+        if self._owned is not None:
+            self._owned.zero_()
+
+    # ------------------------------------------------------------------ pages
+    def alloc_pages(self, count: int) -> torch.Tensor:
+        """Take ``count`` pages; returns their ids (int64 on ``device``).
+
+        Raises:
+            PoolExhaustedError: fewer than ``count`` pages are free; nothing is taken.
+        """
+        if count < 0:
+            raise HiSparseMemoryError(f"{self.name} pool: cannot allocate {count} pages.")
+        if count > self._num_free:
+            raise PoolExhaustedError(
+                f"{self.name} pool exhausted: {count} page(s) of {self.page_size} rows requested, "
+                f"{self._num_free} free of {self.capacity_pages}."
+            )
+        start = self._num_free - count
+        pages = self._free[start : self._num_free].flip(0)
+        self._num_free = start
+        if self._owned is not None:
+            self._owned[pages] = True
+        return pages
+
+    def free_pages_(self, pages: torch.Tensor) -> None:
+        """Return pages (distinct ids) to the free list.
+
+        Raises:
+            HiSparseMemoryError: (checked mode) a page is reserved, out of range, repeated or free.
+        """
+        pages = pages.reshape(-1).to(device=self.device, dtype=torch.int64)
+        count = pages.numel()
+        if count == 0:
+            return
+        if self._owned is not None:
+            self._check_owned(pages)
+            self._owned[pages] = False
+        if count > self.num_pages - 1 - self._num_free:
+            raise HiSparseMemoryError(
+                f"{self.name} pool: freeing {count} pages but only {self.used_pages} are allocated (double free)."
+            )
+        self._free[self._num_free : self._num_free + count] = pages.flip(0)
+        self._num_free += count
+        if self.sort_frees:
+            self._free[: self._num_free] = torch.sort(self._free[: self._num_free], descending=True).values
+
+    def _check_owned(self, pages: torch.Tensor) -> None:
+        low, high = int(pages.min()), int(pages.max())
+        if low < 1 or high >= self.num_pages:
+            raise HiSparseMemoryError(
+                f"{self.name} pool: page {low if low < 1 else high} is outside [1, {self.num_pages})."
+            )
+        if torch.unique(pages).numel() != pages.numel():
+            raise HiSparseMemoryError(f"{self.name} pool: a page is freed twice in one call.")
+        owned = self._owned[pages]
+        if not bool(owned.all()):
+            raise HiSparseMemoryError(
+                f"{self.name} pool: double free of page {int(pages[~owned][0])} (it is not allocated)."
+            )
+
+    def page_rows(self, pages: torch.Tensor) -> torch.Tensor:
+        """Rows of the given pages, page after page (int64)."""
+        offsets = torch.arange(self.page_size, dtype=torch.int64, device=pages.device)
+        return (pages.reshape(-1, 1) * self.page_size + offsets).reshape(-1)
+
+    def free_locs(self, locs: torch.Tensor) -> None:
+        """Free every page that contains one of ``locs`` (SGLang's ``free`` semantics)."""
+        locs = locs.reshape(-1)
+        if locs.numel() == 0:
+            return
+        self.free_pages_(torch.unique(locs.to(torch.int64) // self.page_size))
+
+    # ------------------------------------------------------------------ SGLang-style batched allocation
+    def alloc_extend(
+        self,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Rows for positions ``[prefix_lens[b], seq_lens[b])`` of every request ``b``.
+
+        Args:
+            prefix_lens_cpu: int64 ``[B]`` on the CPU.
+            seq_lens_cpu: int64 ``[B]`` on the CPU.
+            last_loc: int64 ``[B]`` on ``device``: the row of position ``prefix_lens[b] - 1``,
+                or -1 when the prefix is empty (then the request starts on a new page).
+
+        Returns:
+            int64 ``[sum(seq_lens - prefix_lens)]`` rows on ``device`` in request order, or None
+            if there are not enough free pages (nothing is taken).
+        """
+        request, continue_offset, new_page_slot, num_new_pages = extend_layout(
+            prefix_lens_cpu, seq_lens_cpu, self.page_size
+        )
+        if num_new_pages > self._num_free:
+            return None
+        pages = self.alloc_pages(num_new_pages)
+        if request.numel() == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        plan = torch.stack([request, continue_offset, new_page_slot]).to(self.device, non_blocking=True)
+        request_d, continue_d, slot_d = plan[0], plan[1], plan[2]
+        continued = last_loc.to(torch.int64)[request_d] + continue_d
+        if num_new_pages == 0:
+            return continued
+        page_ordinal = torch.clamp(slot_d, min=0) // self.page_size
+        on_new_page = pages[page_ordinal] * self.page_size + torch.clamp(slot_d, min=0) % self.page_size
+        return torch.where(continue_d > 0, continued, on_new_page)
+
+    def alloc_decode(self, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
+        """One row per request for the token at position ``seq_lens[b] - 1``.
+
+        Args:
+            seq_lens_cpu: int64 ``[B]`` on the CPU, lengths including the new token.
+            last_loc: int64 ``[B]`` on ``device``, the row of position ``seq_lens[b] - 2``.
+
+        Returns:
+            int64 ``[B]`` rows on ``device``, or None if there are not enough free pages.
+        """
+        seq_lens_cpu = seq_lens_cpu.to(device="cpu", dtype=torch.int64).reshape(-1)
+        needs_page = (seq_lens_cpu - 1) % self.page_size == 0
+        num_new_pages = int(needs_page.sum())
+        if num_new_pages > self._num_free:
+            return None
+        pages = self.alloc_pages(num_new_pages)
+        if num_new_pages == 0:
+            return last_loc.to(torch.int64) + 1
+        ordinal = (torch.cumsum(needs_page.to(torch.int64), 0) - 1).clamp(min=0)
+        plan = torch.stack([needs_page.to(torch.int64), ordinal]).to(self.device, non_blocking=True)
+        fresh = pages[plan[1]] * self.page_size
+        return torch.where(plan[0] > 0, fresh, last_loc.to(torch.int64) + 1)

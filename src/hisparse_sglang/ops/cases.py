@@ -1,0 +1,190 @@
+"""Synthetic swap-in inputs for tests and benchmarks.
+
+Every host row holds bytes unique to the row, device rows start poisoned, and each offloaded
+request's top-k mixes hits, misses, the newest token, duplicates, padding and out-of-range
+positions in proportions the caller chooses, so a misplaced byte cannot match by luck.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["SwapInCase", "make_case", "POISON"]
+
+POISON = 0xCD
+
+
+@dataclasses.dataclass
+class SwapInCase:
+    """Inputs of one swap-in call (one layer); see ops.reference.swap_in for the meaning."""
+
+    top_k: torch.Tensor
+    seq_lens: torch.Tensor
+    req_pool_indices: torch.Tensor
+    num_real_reqs: torch.Tensor
+    req_to_token: torch.Tensor
+    device_row_of_loc: torch.Tensor
+    buffer_of_req: torch.Tensor
+    slot_rows: torch.Tensor
+    slot_tokens: torch.Tensor
+    lru_order: torch.Tensor
+    host_kv: torch.Tensor
+    device_kv: torch.Tensor
+    expected_misses: int
+
+    def args(self) -> tuple:
+        return (
+            self.top_k, self.seq_lens, self.req_pool_indices, self.num_real_reqs, self.req_to_token,
+            self.device_row_of_loc, self.buffer_of_req, self.slot_rows, self.slot_tokens, self.lru_order,
+            self.host_kv, self.device_kv,
+        )
+
+    def clone(self, device: torch.device | str | None = None, pin_host: bool = False) -> "SwapInCase":
+        """Deep copy; with ``device``, every tensor but the host KV moves there."""
+        fields = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, torch.Tensor):
+                if field.name == "host_kv":
+                    value = value.clone().pin_memory() if pin_host else value.clone()
+                else:
+                    value = value.to(device) if device is not None else value.clone()
+                    if device is not None and value.data_ptr() == getattr(self, field.name).data_ptr():
+                        value = value.clone()
+            fields[field.name] = value
+        return SwapInCase(**fields)
+
+
+def make_case(
+    batch: int,
+    top_k: int,
+    buffer_size: int,
+    row_bytes: int = 64,
+    *,
+    page_size: int = 64,
+    miss_rate: float = 0.2,
+    seq_len: int | None = None,
+    resident_fraction: float = 0.0,
+    num_real: int | None = None,
+    newest_fraction: float = 0.01,
+    duplicate_fraction: float = 0.0,
+    padding_fraction: float = 0.0,
+    out_of_range_fraction: float = 0.0,
+    empty_slot_fraction: float = 0.0,
+    extra_slots: int = 3,
+    seed: int = 0,
+    host_kv: torch.Tensor | None = None,
+) -> SwapInCase:
+    """Build a swap-in call of ``batch`` requests on the CPU.
+
+    Args:
+        miss_rate: share of an offloaded request's distinct non-newest tokens that no slot holds.
+        seq_len: every request's length (default: 2 x buffer_size + 7).
+        resident_fraction: share of requests that are resident (no buffer).
+        num_real: batch rows that are real (the rest are CUDA-graph padding).
+        newest_fraction, duplicate_fraction, padding_fraction, out_of_range_fraction: shares of top-k
+            entries that are the newest position, repeats of an earlier entry, -1, or >= seq_len.
+        empty_slot_fraction: share of LRU slots that hold no token.
+        extra_slots: request slots beyond the batch (requests use a random subset of slots).
+        host_kv: reuse this host KV tensor (it must have the rows and row size this case needs;
+            its contents must be those make_case writes) instead of filling a new one.
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand() -> float:
+        return float(torch.rand((), generator=generator))
+
+    misses = torch.empty(0, dtype=torch.int64)
+    seq_len = seq_len if seq_len is not None else 2 * buffer_size + 7
+    if seq_len - 1 < 1:
+        raise ValueError("seq_len must be >= 2")
+    padded = buffer_size + page_size
+    num_slots = batch + extra_slots
+    context = seq_len + 16
+    slots = torch.randperm(num_slots, generator=generator)[:batch]
+
+    # Host rows: a random injective map (slot, position) -> host row; unique bytes per row.
+    num_host_rows = num_slots * context + 1
+    req_to_token = torch.randperm(num_host_rows - 1, generator=generator)[: num_slots * context]
+    req_to_token = (req_to_token + 1).to(torch.int32).reshape(num_slots, context)
+    if host_kv is None or tuple(host_kv.shape) != (num_host_rows, row_bytes):
+        host_kv = torch.arange(num_host_rows * (row_bytes // 4), dtype=torch.int32).view(torch.uint8)
+        host_kv = host_kv.reshape(num_host_rows, row_bytes)
+
+    # Device rows: resident requests and buffers take disjoint random rows; the rest stay poisoned.
+    num_buffers = batch
+    resident_rows = batch * seq_len if resident_fraction > 0 else 0
+    num_device_rows = page_size + num_buffers * padded + resident_rows
+    device_rows = (torch.randperm(num_device_rows - page_size, generator=generator) + page_size).to(torch.int32)
+    cursor = 0
+    device_row_of_loc = torch.zeros(num_host_rows + 1, dtype=torch.int32)
+    device_row_of_loc[-1] = -1
+    buffer_of_req = torch.full((num_slots,), -1, dtype=torch.int32)
+    slot_rows = torch.zeros((num_buffers, padded), dtype=torch.int32)
+    slot_tokens = torch.full((num_buffers, buffer_size), -1, dtype=torch.int32)
+    lru_order = torch.zeros((num_buffers, buffer_size), dtype=torch.int16)
+    device_kv = torch.full((num_device_rows, row_bytes), POISON, dtype=torch.uint8)
+    top = torch.full((batch, top_k), -1, dtype=torch.int32)
+    expected_misses = 0
+
+    for b in range(batch):
+        slot = int(slots[b])
+        candidates = torch.randperm(seq_len - 1, generator=generator)  # non-newest positions
+        if rand() < resident_fraction:
+            rows = device_rows[cursor : cursor + seq_len]
+            cursor += seq_len
+            device_row_of_loc[req_to_token[slot, :seq_len].to(torch.int64)] = rows
+            chosen = candidates[:top_k]
+        else:
+            buffer = b
+            buffer_of_req[slot] = buffer
+            slot_rows[buffer] = device_rows[cursor : cursor + padded]
+            cursor += padded
+            lru_order[buffer] = torch.randperm(buffer_size, generator=generator).to(torch.int16)
+            distinct = min(top_k, seq_len - 1)
+            num_miss = int(round(miss_rate * distinct))
+            num_hit = distinct - num_miss
+            held_count = min(buffer_size, seq_len - 1, num_hit + int((buffer_size - num_hit) * (1 - empty_slot_fraction)))
+            held_count = max(held_count, num_hit)
+            held = candidates[:held_count]
+            misses = candidates[held_count : held_count + num_miss]
+            hit_tokens = held[torch.randperm(held_count, generator=generator)[:num_hit]]
+            slot_order = torch.randperm(buffer_size, generator=generator)[:held_count]
+            slot_tokens[buffer, slot_order] = held.to(torch.int32)
+            held_rows = slot_rows[buffer, slot_order].to(torch.int64)
+            device_kv[held_rows] = host_kv[req_to_token[slot, held].to(torch.int64)]
+            chosen = torch.cat([hit_tokens, misses])
+            chosen = chosen[torch.randperm(chosen.numel(), generator=generator)]
+        entries = torch.full((top_k,), -1, dtype=torch.int64)
+        entries[: chosen.numel()] = chosen
+        roll = torch.rand(top_k, generator=generator)
+        edges = torch.cumsum(torch.tensor([newest_fraction, padding_fraction, out_of_range_fraction, duplicate_fraction]), 0)
+        index = torch.arange(top_k)
+        earlier = (torch.rand(top_k, generator=generator) * index).to(torch.int64)
+        duplicates = entries[earlier]
+        entries = torch.where(roll < edges[0], torch.full_like(entries, seq_len - 1), entries)
+        entries = torch.where((roll >= edges[0]) & (roll < edges[1]), torch.full_like(entries, -1), entries)
+        beyond = seq_len + torch.randint(0, 9, (top_k,), generator=generator)
+        entries = torch.where((roll >= edges[1]) & (roll < edges[2]), beyond, entries)
+        entries = torch.where((roll >= edges[2]) & (roll < edges[3]) & (index > 0), duplicates, entries)
+        top[b] = entries.to(torch.int32)
+        if buffer_of_req[slot] >= 0 and b < (num_real if num_real is not None else batch):
+            expected_misses += int(torch.isin(misses, entries).sum())
+
+    return SwapInCase(
+        top_k=top,
+        seq_lens=torch.full((batch,), seq_len, dtype=torch.int64),
+        req_pool_indices=slots.to(torch.int64),
+        num_real_reqs=torch.tensor([batch if num_real is None else num_real], dtype=torch.int32),
+        req_to_token=req_to_token,
+        device_row_of_loc=device_row_of_loc,
+        buffer_of_req=buffer_of_req,
+        slot_rows=slot_rows,
+        slot_tokens=slot_tokens,
+        lru_order=lru_order,
+        host_kv=host_kv,
+        device_kv=device_kv,
+        expected_misses=expected_misses,
+    )

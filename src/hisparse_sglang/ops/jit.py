@@ -1,0 +1,174 @@
+"""Compile-on-first-use of the CUDA sources in ``csrc/``, loaded through apache-tvm-ffi.
+
+The shared library is cached outside the package directory (``$HISPARSE_CACHE_DIR``, default
+``~/.cache/hisparse_sglang``) under a key made of the source contents, the compiler flags, the
+target architecture, the package version and the tvm-ffi version. It is built in a temporary
+directory and renamed into place atomically while holding a file lock, so concurrent processes
+(one SGLang scheduler per GPU) build it once.
+
+Environment:
+    HISPARSE_CACHE_DIR: cache location.
+    HISPARSE_CUDA_ARCH: target such as ``9.0a`` or ``8.0`` (default: the current GPU; ``a`` suffix
+        on 9.0 for Hopper-specific code paths).
+    CUDA_HOME: toolkit location (else the directory of ``nvcc`` on PATH, else /usr/local/cuda).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import time
+
+from hisparse_sglang import __version__
+from hisparse_sglang.errors import KernelBuildError
+
+__all__ = ["load_module", "cache_dir", "source_dir", "cuda_arch"]
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = ("swap_in.cuh", "swap_in_binding.cu")
+_NVCC_FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-Xcompiler",
+    "-fPIC",
+    "--expt-relaxed-constexpr",
+    "-lineinfo",
+)
+
+
+def source_dir() -> pathlib.Path:
+    """The kernel sources: shipped as package data, or ``csrc/`` of a source checkout."""
+    package_copy = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+    if (package_copy / _SOURCES[0]).exists():
+        return package_copy
+    checkout = pathlib.Path(__file__).resolve().parents[3] / "csrc"
+    if (checkout / _SOURCES[0]).exists():
+        return checkout
+    raise KernelBuildError(
+        f"CUDA sources not found in {package_copy} or {checkout}; reinstall hisparse-sglang."
+    )
+
+
+def cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("HISPARSE_CACHE_DIR", pathlib.Path.home() / ".cache" / "hisparse_sglang"))
+
+
+def cuda_arch() -> str:
+    """Target architecture, e.g. ``9.0a``."""
+    override = os.environ.get("HISPARSE_CUDA_ARCH")
+    if override:
+        return override
+    import torch
+
+    if not torch.cuda.is_available():
+        raise KernelBuildError(
+            "no CUDA device to compile the HiSparse kernels for; set HISPARSE_CUDA_ARCH (e.g. 9.0a) to build without one."
+        )
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}.{minor}{'a' if (major, minor) == (9, 0) else ''}"
+
+
+def _gencode(arch: str) -> list[str]:
+    digits = arch.replace(".", "")
+    return [f"-gencode=arch=compute_{digits},code=sm_{digits}"]
+
+
+def _cuda_home() -> pathlib.Path:
+    if os.environ.get("CUDA_HOME"):
+        return pathlib.Path(os.environ["CUDA_HOME"])
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        resolved = pathlib.Path(nvcc).resolve()
+        if resolved.parent.name == "bin" and (resolved.parent.parent / "include" / "cuda_runtime.h").exists():
+            return resolved.parent.parent
+    for candidate in ("/usr/local/cuda", *sorted(map(str, pathlib.Path("/usr/local").glob("cuda-*")), reverse=True)):
+        if (pathlib.Path(candidate) / "bin" / "nvcc").exists():
+            return pathlib.Path(candidate)
+    raise KernelBuildError("nvcc not found: install the CUDA toolkit or set CUDA_HOME.")
+
+
+def _tvm_ffi_paths() -> tuple[list[str], pathlib.Path, str]:
+    try:
+        import tvm_ffi
+        from tvm_ffi import libinfo
+    except ImportError as exc:
+        raise KernelBuildError(f"apache-tvm-ffi is required to build the HiSparse kernels: {exc}") from exc
+    library = pathlib.Path(libinfo.find_libtvm_ffi())
+    includes = [libinfo.find_include_path(), libinfo.find_dlpack_include_path()]
+    return includes, library, getattr(tvm_ffi, "__version__", "unknown")
+
+
+def _build_key(sources: pathlib.Path, arch: str, flags: list[str], tvm_version: str) -> str:
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        digest.update(name.encode())
+        digest.update((sources / name).read_bytes())
+    digest.update(" ".join(flags).encode())
+    digest.update(arch.encode())
+    digest.update(__version__.encode())
+    digest.update(tvm_version.encode())
+    return digest.hexdigest()[:20]
+
+
+@functools.cache
+def load_module():
+    """Build (once per cache key) and load the kernel library; returns the tvm-ffi module."""
+    sources = source_dir()
+    arch = cuda_arch()
+    includes, library, tvm_version = _tvm_ffi_paths()
+    flags = [*_NVCC_FLAGS, *_gencode(arch)]
+    key = _build_key(sources, arch, flags, tvm_version)
+    target_dir = cache_dir() / f"hisparse_kernels_{key}"
+    target = target_dir / "hisparse_kernels.so"
+    if not target.exists():
+        _build(sources, target, flags, includes, library)
+    import tvm_ffi
+
+    return tvm_ffi.load_module(str(target))
+
+
+def _build(sources: pathlib.Path, target: pathlib.Path, flags: list[str], includes: list[str], library: pathlib.Path) -> None:
+    target.parent.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.parent.parent / (target.parent.name + ".lock")
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():  # another process built it while we waited
+            return
+        nvcc = _cuda_home() / "bin" / "nvcc"
+        with tempfile.TemporaryDirectory(dir=target.parent.parent, prefix=".build-") as scratch:
+            output = pathlib.Path(scratch) / target.name
+            command = [
+                str(nvcc),
+                *flags,
+                *(f"-I{path}" for path in includes),
+                str(sources / "swap_in_binding.cu"),
+                "-o",
+                str(output),
+                f"-L{library.parent}",
+                f"-l{library.stem.removeprefix('lib')}",
+                f"-Xlinker=-rpath={library.parent}",
+            ]
+            started = time.monotonic()
+            logger.info("HiSparse: compiling CUDA kernels for %s (first use)", target.parent.name)
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise KernelBuildError(
+                    f"nvcc failed ({result.returncode}) building the HiSparse kernels:\n{' '.join(command)}\n"
+                    f"{result.stderr[-4000:]}"
+                )
+            staged = pathlib.Path(scratch) / "final"
+            staged.mkdir()
+            shutil.move(str(output), staged / target.name)
+            if target.parent.exists():  # left behind by a build that crashed before the rename
+                shutil.rmtree(target.parent)
+            os.replace(staged, target.parent)
+            logger.info("HiSparse: kernels compiled in %.1f s", time.monotonic() - started)

@@ -1,0 +1,181 @@
+"""Pure-PyTorch reference twins of the CUDA kernels: the executable specification.
+
+The CUDA kernels in ``csrc/`` must produce bit-identical outputs and table updates for every
+input that satisfies the documented preconditions. The code favours clarity over speed.
+
+Names used below: ``B`` batch rows, ``K`` top-k, ``R`` request slots, ``C`` context capacity per
+request slot, ``NB`` device buffers, ``D`` LRU slots per buffer, ``P`` page size.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["swap_in", "copy_rows", "eager_backup"]
+
+
+def swap_in(
+    top_k: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    num_real_reqs: torch.Tensor,
+    req_to_token: torch.Tensor,
+    device_row_of_loc: torch.Tensor,
+    buffer_of_req: torch.Tensor,
+    slot_rows: torch.Tensor,
+    slot_tokens: torch.Tensor,
+    lru_order: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_kv: torch.Tensor,
+    out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Make one layer's top-k tokens resident on the GPU and return their device rows.
+
+    Args:
+        top_k: int32 ``[B, K]``, token positions chosen by the indexer; -1 is padding. Entries
+            outside ``[0, seq_len)`` are treated as padding too.
+        seq_lens: int32/int64 ``[B]``, tokens of each request including the one being decoded,
+            so the newest token is at position ``seq_len - 1``.
+        req_pool_indices: int32/int64 ``[B]``, the request slot ``r`` of each batch row.
+        num_real_reqs: int32 ``[1]``, batch rows ``>= num_real_reqs[0]`` are CUDA-graph padding:
+            their output row is all -1 and nothing else changes.
+        req_to_token: int32 ``[R, C]``, logical location of each position of each request; the
+            logical location is also the token's host row.
+        device_row_of_loc: int32 ``[N + 1]``, device row of each logical location (resident
+            tokens).
+        buffer_of_req: int32 ``[R]``, buffer id of request slot ``r``; -1 means the request is
+            resident: every one of its tokens has a device row in ``device_row_of_loc``.
+        slot_rows: int32 ``[NB, D + P]``, device row of each slot; slot ``D`` holds the newest token.
+        slot_tokens: int32 ``[NB, D]`` (this layer), token held by each LRU slot, -1 = empty.
+            Updated in place.
+        lru_order: int16 ``[NB, D]`` (this layer), permutation of slots, least recently used
+            first. Updated in place.
+        host_kv: ``[N, ...]`` (this layer, any dtype), host rows; read only.
+        device_kv: ``[M, ...]`` (this layer, same row layout), device rows; missed tokens are
+            copied into it.
+        out: optional int32 ``[B, K]`` to write into.
+        counters: optional int64 ``[2]``, incremented in place for offloaded rows by the number of
+            distinct non-newest tokens looked up (``[0]``) and of misses copied (``[1]``).
+
+    Returns:
+        int32 ``[B, K]``: the device row of every top-k entry, -1 for padding.
+
+    Semantics of a real batch row ``b`` with request ``r``, length ``s``, buffer ``buf``:
+
+    * Resident (``buf == -1``): entry ``t`` maps to ``device_row_of_loc[req_to_token[r, t]]``.
+      Nothing is copied or updated.
+    * Offloaded: entries equal to the newest position ``s - 1`` map to ``slot_rows[buf, D]``.
+      The other valid entries form a set ``U`` of distinct tokens (duplicates collapse).
+
+      - Hits: LRU slots whose token is in ``U`` keep their token; its entries map to the slot's row.
+      - Misses: tokens of ``U`` held by no slot, ordered by their first occurrence in ``top_k``.
+      - Evictable slots: slots not hit, in LRU order (empty slots are just stale slots).
+        The ``k``-th miss goes to the ``k``-th evictable slot: its host row
+        ``req_to_token[r, t]`` is copied to the slot's device row, the slot's token becomes ``t``.
+      - New LRU order: evictable slots left unused (still in LRU order), then the slots that took
+        misses (in miss order), then the hit slots (in their previous LRU order).
+
+    Preconditions (not checked by the kernel): ``K <= D``; no token is held by two LRU slots of
+    one buffer; every position ``< s - 1`` of an offloaded request has been written to its host
+    row; slot rows are distinct; requests in a batch are distinct.
+    """
+    batch, num_top_k = top_k.shape
+    buffer_size = slot_tokens.shape[1]
+    if out is None:
+        out = torch.empty((batch, num_top_k), dtype=torch.int32, device=top_k.device)
+    out.fill_(-1)
+    num_real = int(num_real_reqs.reshape(-1)[0])
+    for b in range(min(batch, num_real)):
+        req = int(req_pool_indices[b])
+        seq_len = int(seq_lens[b])
+        tokens = top_k[b].to(torch.int64)
+        valid = (tokens >= 0) & (tokens < seq_len)
+        buf = int(buffer_of_req[req])
+        if buf < 0:
+            locs = req_to_token[req, tokens[valid]].to(torch.int64)
+            out[b, valid] = device_row_of_loc[locs].to(torch.int32)
+            continue
+
+        newest = seq_len - 1
+        is_newest = valid & (tokens == newest)
+        out[b, is_newest] = slot_rows[buf, buffer_size]
+        other_index = torch.nonzero(valid & ~is_newest).reshape(-1)
+        if other_index.numel() == 0:
+            continue
+        other_tokens = tokens[other_index]
+        distinct, inverse = torch.unique(other_tokens, return_inverse=True)
+        first_seen = torch.full((distinct.numel(),), num_top_k, dtype=torch.int64, device=tokens.device)
+        first_seen.scatter_reduce_(0, inverse, other_index, reduce="amin")
+        wanted = distinct[torch.argsort(first_seen)]  # distinct tokens in first-occurrence order
+
+        held = slot_tokens[buf].to(torch.int64)
+        slot_is_hit = torch.isin(held, wanted)
+        lru = lru_order[buf].to(torch.int64)
+        lru_hits = lru[slot_is_hit[lru]]
+        lru_evictable = lru[~slot_is_hit[lru]]
+        misses = wanted[~torch.isin(wanted, held[slot_is_hit])]
+        num_miss = misses.numel()
+        if counters is not None:
+            counters[0] += wanted.numel()
+            counters[1] += num_miss
+        if num_miss > lru_evictable.numel():
+            raise ValueError(
+                f"request slot {req}: {num_miss} misses but only {lru_evictable.numel()} evictable slots "
+                f"(top_k must not exceed device_buffer_size)."
+            )
+        fill_slots = lru_evictable[:num_miss]
+
+        host_rows = req_to_token[req, misses].to(torch.int64)
+        device_rows = slot_rows[buf, fill_slots].to(torch.int64)
+        device_kv[device_rows] = host_kv[host_rows].to(device_kv.device)
+        slot_tokens[buf, fill_slots] = misses.to(slot_tokens.dtype)
+        lru_order[buf] = torch.cat([lru_evictable[num_miss:], fill_slots, lru_hits]).to(lru_order.dtype)
+
+        # Every wanted token now sits in exactly one slot: look entries up by token.
+        held = slot_tokens[buf].to(torch.int64)
+        occupied = torch.nonzero(held >= 0).reshape(-1)
+        order = torch.argsort(held[occupied])
+        sorted_tokens = held[occupied][order]
+        sorted_slots = occupied[order]
+        position = torch.searchsorted(sorted_tokens, other_tokens)
+        out[b, other_index] = slot_rows[buf, sorted_slots[position]]
+    out[min(batch, num_real) :] = -1
+    return out
+
+
+def copy_rows(
+    src_layers: Sequence[torch.Tensor],
+    dst_layers: Sequence[torch.Tensor],
+    src_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+) -> None:
+    """For every layer ``l``: ``dst_layers[l][dst_rows[i]] = src_layers[l][src_rows[i]]``.
+
+    Args:
+        src_layers, dst_layers: one tensor per layer, rows along dim 0, identical row layout
+            (host tensors pinned, device tensors on the GPU; any direction).
+        src_rows, dst_rows: integer ``[n]``; ``dst_rows`` distinct.
+    """
+    if len(src_layers) != len(dst_layers):
+        raise ValueError(f"{len(src_layers)} source layers but {len(dst_layers)} destination layers.")
+    if src_rows.numel() != dst_rows.numel():
+        raise ValueError(f"{src_rows.numel()} source rows but {dst_rows.numel()} destination rows.")
+    if src_rows.numel() == 0:
+        return
+    for src, dst in zip(src_layers, dst_layers):
+        src_index = src_rows.to(device=src.device, dtype=torch.int64)
+        dst_index = dst_rows.to(device=dst.device, dtype=torch.int64)
+        dst[dst_index] = src[src_index].to(dst.device)
+
+
+def eager_backup(
+    device_layers: Sequence[torch.Tensor],
+    host_layers: Sequence[torch.Tensor],
+    device_rows: torch.Tensor,
+    host_rows: torch.Tensor,
+) -> None:
+    """Copy the given device rows of every layer to the given host rows (the newest tokens' KV)."""
+    copy_rows(device_layers, host_layers, device_rows, host_rows)

@@ -1,0 +1,156 @@
+"""The CUDA swap-in and row-copy ops (same signatures and semantics as ``ops.reference``).
+
+The kernels are compiled on first use (``ops.jit``). Everything here runs on torch's current
+CUDA stream and is CUDA-graph capturable once :func:`reserve` has sized the workspace.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from hisparse_sglang.errors import HiSparseError
+from hisparse_sglang.ops.jit import load_module
+
+__all__ = ["swap_in", "copy_rows", "eager_backup", "reserve", "choose_splits", "DEFAULT_THREADS"]
+
+DEFAULT_THREADS = 512
+MAX_SPLITS = 16
+
+_workspaces: dict[torch.device, torch.Tensor] = {}
+_layer_pointers: dict[tuple[int, ...], torch.Tensor] = {}
+_occupancy: dict[tuple[int, int, int, int], int] = {}
+_empty_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def reserve(device: torch.device | str, max_batch: int, top_k: int) -> None:
+    """Allocate the swap-in workspace for batches up to ``max_batch`` (call before graph capture)."""
+    _workspace(torch.device(device), max_batch, top_k)
+
+
+def _workspace(device: torch.device, batch: int, top_k: int) -> torch.Tensor:
+    needed = batch * (2 * top_k + 3)
+    workspace = _workspaces.get(device)
+    if workspace is None or workspace.numel() < needed:
+        if torch.cuda.is_current_stream_capturing():
+            raise HiSparseError(
+                f"swap-in workspace for batch {batch} x top_k {top_k} not reserved before CUDA-graph capture; "
+                f"call hisparse_sglang.ops.swap_in.reserve() first."
+            )
+        # Flags and counters must start at zero; the kernel leaves them at zero after every launch.
+        workspace = torch.zeros(needed, dtype=torch.int32, device=device)
+        _workspaces[device] = workspace
+    return workspace
+
+
+def choose_splits(batch: int, top_k: int, buffer_size: int, threads: int, device: torch.device) -> int:
+    """CTAs per request: spread small batches over the GPU, keep every CTA co-resident."""
+    key = (threads, top_k, buffer_size, device.index or 0)
+    if key not in _occupancy:
+        _occupancy[key] = int(load_module().swap_in_occupancy(threads, top_k, buffer_size))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    resident = max(1, sms * _occupancy[key])
+    splits = max(1, min(MAX_SPLITS, (2 * sms) // max(batch, 1)))
+    while splits > 1 and batch * splits > resident:
+        splits -= 1
+    return splits
+
+
+def swap_in(
+    top_k: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    num_real_reqs: torch.Tensor,
+    req_to_token: torch.Tensor,
+    device_row_of_loc: torch.Tensor,
+    buffer_of_req: torch.Tensor,
+    slot_rows: torch.Tensor,
+    slot_tokens: torch.Tensor,
+    lru_order: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_kv: torch.Tensor,
+    out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    *,
+    splits: int | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """CUDA twin of :func:`hisparse_sglang.ops.reference.swap_in` (see there for shapes and rules).
+
+    ``host_kv`` must be pinned host memory; every other tensor lives on the GPU.
+    """
+    batch, k = top_k.shape
+    device = top_k.device
+    if out is None:
+        out = torch.empty((batch, k), dtype=torch.int32, device=device)
+    threads = threads or DEFAULT_THREADS
+    if splits is None:
+        splits = choose_splits(batch, k, slot_tokens.shape[1], threads, device)
+    if counters is None:
+        counters = _empty_counters.setdefault(device, torch.empty(0, dtype=torch.int64, device=device))
+    load_module().swap_in(
+        top_k,
+        seq_lens,
+        req_pool_indices,
+        num_real_reqs,
+        req_to_token,
+        device_row_of_loc,
+        buffer_of_req,
+        slot_rows,
+        slot_tokens,
+        lru_order,
+        host_kv,
+        device_kv,
+        out,
+        counters,
+        _workspace(device, batch, k),
+        splits,
+        threads,
+        torch.cuda.current_stream(device).cuda_stream,
+    )
+    return out
+
+
+def _pointers(layers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    key = tuple(t.data_ptr() for t in layers) + (device.index or 0,)
+    pointers = _layer_pointers.get(key)
+    if pointers is None:
+        pointers = torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64).to(device)
+        _layer_pointers[key] = pointers
+    return pointers
+
+
+def copy_rows(
+    src_layers: Sequence[torch.Tensor],
+    dst_layers: Sequence[torch.Tensor],
+    src_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+) -> None:
+    """CUDA twin of :func:`hisparse_sglang.ops.reference.copy_rows` (one launch for every layer).
+
+    Host tensors must be pinned; ``src_rows`` and ``dst_rows`` must be on the GPU.
+    """
+    if src_rows.numel() == 0:
+        return
+    device = src_rows.device
+    first = src_layers[0]
+    row_bytes = first.numel() // first.shape[0] * first.element_size()
+    load_module().copy_rows(
+        _pointers(src_layers, device),
+        _pointers(dst_layers, device),
+        src_rows,
+        dst_rows,
+        row_bytes,
+        torch.cuda.current_stream(device).cuda_stream,
+    )
+
+
+def eager_backup(
+    device_layers: Sequence[torch.Tensor],
+    host_layers: Sequence[torch.Tensor],
+    device_rows: torch.Tensor,
+    host_rows: torch.Tensor,
+) -> None:
+    """Copy the given device rows of every layer to the given host rows, in one launch."""
+    copy_rows(device_layers, host_layers, device_rows, host_rows)

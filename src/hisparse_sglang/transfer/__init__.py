@@ -1,0 +1,1 @@
+"""Mooncake transfer engine boundary: the only package of hisparse_sglang that imports mooncake."""

@@ -1,0 +1,66 @@
+"""Test markers, each skipped with a reason when its requirement is missing.
+
+* ``gpu``: a CUDA GPU (the kernel tests; run them on the GPU machine).
+* ``sglang``: sglang==0.5.17 importable (installed by .ci/run).
+* ``mooncake``: the Mooncake transfer engine importable (installed by .ci/run).
+* ``slow``: long tests; skipped unless HISPARSE_RUN_SLOW=1.
+* ``e2e``: serves a real model; needs a GPU and HISPARSE_E2E=1 (see docs/gpu-e2e.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import pytest
+
+
+@functools.cache
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+@functools.cache
+def _sglang_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        return None
+
+
+@functools.cache
+def _has_mooncake() -> str | None:
+    """None if importable, else the reason."""
+    if importlib.util.find_spec("mooncake") is None:
+        return "mooncake transfer engine not installed (pip install 'hisparse-sglang[mooncake]')"
+    try:
+        import mooncake.engine  # noqa: F401
+    except Exception as exc:  # e.g. libibverbs.so.1 missing
+        return f"mooncake transfer engine does not import: {exc}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords and not _has_gpu():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine (docs/kernels.md)"))
+        if "sglang" in item.keywords and _sglang_version() != "0.5.17":
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs sglang==0.5.17 (found {_sglang_version()}); .ci/run installs it")
+            )
+        if "mooncake" in item.keywords:
+            reason = _has_mooncake()
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
+        if "slow" in item.keywords and os.environ.get("HISPARSE_RUN_SLOW") != "1":
+            item.add_marker(pytest.mark.skip(reason="slow test; set HISPARSE_RUN_SLOW=1 to run it"))
+        if "e2e" in item.keywords and (not _has_gpu() or os.environ.get("HISPARSE_E2E") != "1"):
+            item.add_marker(pytest.mark.skip(reason="end-to-end test; needs a GPU and HISPARSE_E2E=1 (docs/gpu-e2e.md)"))

@@ -1,0 +1,174 @@
+"""The CUDA swap-in and copy kernels against their reference twins, bit for bit (GPU only)."""
+
+import pytest
+import torch
+
+from hisparse_sglang.ops import reference
+from hisparse_sglang.ops.cases import POISON, make_case
+
+pytestmark = pytest.mark.gpu
+
+
+def cuda_ops():
+    from hisparse_sglang.ops import swap_in as ops
+
+    return ops
+
+
+def run_both(case, splits=None, threads=None, graph=False):
+    """Run the reference on CPU copies and the kernel on GPU copies; return both states."""
+    expected = case.clone()
+    expected_counters = torch.zeros(2, dtype=torch.int64)
+    expected_out = reference.swap_in(*expected.args(), counters=expected_counters)
+
+    actual = case.clone(device="cuda", pin_host=True)
+    counters = torch.zeros(2, dtype=torch.int64, device="cuda")
+    out = torch.full(tuple(case.top_k.shape), 777, dtype=torch.int32, device="cuda")  # sentinel
+    ops = cuda_ops()
+    if graph:
+        ops.reserve("cuda", case.top_k.shape[0], case.top_k.shape[1])
+        ops.swap_in(*actual.clone(device="cuda", pin_host=True).args(), out=out.clone(), splits=splits, threads=threads)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            ops.swap_in(*actual.args(), out=out, counters=counters, splits=splits, threads=threads)
+        g.replay()
+    else:
+        ops.swap_in(*actual.args(), out=out, counters=counters, splits=splits, threads=threads)
+    torch.cuda.synchronize()
+    return (expected, expected_out, expected_counters), (actual, out.cpu(), counters.cpu())
+
+
+def assert_same(name, expected, actual):
+    expected = expected.cpu()
+    actual = actual.cpu()
+    if not torch.equal(expected, actual):
+        diff = torch.nonzero(expected != actual)
+        first = tuple(diff[0].tolist())
+        raise AssertionError(
+            f"{name}: {diff.shape[0]} elements differ; first at {first}: expected {expected[first].item()}, "
+            f"got {actual[first].item()}"
+        )
+
+
+def check(case, **kwargs):
+    (exp, exp_out, exp_counters), (act, out, counters) = run_both(case, **kwargs)
+    assert_same("out", exp_out, out)
+    assert_same("slot_tokens", exp.slot_tokens, act.slot_tokens)
+    assert_same("lru_order", exp.lru_order, act.lru_order)
+    assert_same("device_kv", exp.device_kv, act.device_kv)
+    assert_same("counters", exp_counters, counters)
+    assert torch.equal(act.host_kv, case.host_kv), "the kernel wrote host memory"
+    return exp_out
+
+
+CORRECTNESS = [
+    # (batch, top_k, buffer_size, row_bytes, miss_rate)
+    (1, 2048, 4096, 1152, 0.2),
+    (8, 2048, 4096, 1152, 0.2),
+    (33, 2048, 4096, 656, 0.05),
+    (4, 2048, 6144, 1152, 0.5),
+    (5, 1024, 2048, 656, 0.3),
+    (3, 512, 512, 1152, 1.0),
+    (7, 512, 1024, 64, 0.0),
+    (2, 2048, 2048, 1152, 1.0),
+]
+
+
+@pytest.mark.parametrize("batch,top_k,buffer_size,row_bytes,miss_rate", CORRECTNESS)
+@pytest.mark.parametrize("threads", [256, 512, 1024])
+def test_matches_reference(batch, top_k, buffer_size, row_bytes, miss_rate, threads):
+    case = make_case(
+        batch, top_k, buffer_size, row_bytes, miss_rate=miss_rate, duplicate_fraction=0.03, padding_fraction=0.02,
+        out_of_range_fraction=0.01, resident_fraction=0.25, empty_slot_fraction=0.1, seed=batch * 31 + top_k,
+    )
+    check(case, threads=threads)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 16])
+def test_split_copies_match_reference(splits):
+    case = make_case(3, 2048, 4096, 1152, miss_rate=0.4, duplicate_fraction=0.02, seed=splits)
+    check(case, splits=splits)
+
+
+@pytest.mark.parametrize("offset", [-1, 0, 1])
+def test_seq_len_around_buffer_size(offset):
+    buffer_size = 1024
+    case = make_case(4, 512, buffer_size, 656, seq_len=buffer_size + offset, miss_rate=0.3, seed=100 + offset)
+    check(case)
+
+
+def test_all_hits_copy_nothing():
+    case = make_case(16, 2048, 4096, 1152, miss_rate=0.0, seed=5)
+    (exp, exp_out, _), (act, out, counters) = run_both(case)
+    assert int(counters[1]) == 0
+    assert torch.equal(exp_out, out)
+    assert torch.equal(act.device_kv.cpu(), case.device_kv)
+
+
+def test_all_misses_with_duplicates_and_newest():
+    case = make_case(6, 2048, 4096, 1152, miss_rate=1.0, duplicate_fraction=0.2, newest_fraction=0.05, seed=6)
+    check(case)
+
+
+def test_padded_rows_output_minus_one_and_touch_nothing():
+    case = make_case(8, 1024, 2048, 1152, miss_rate=0.5, num_real=3, seed=7)
+    exp_out = check(case)
+    assert bool((exp_out[3:] == -1).all())
+
+
+def test_empty_real_batch():
+    case = make_case(4, 512, 1024, 64, miss_rate=0.5, num_real=0, seed=8)
+    exp_out = check(case)
+    assert bool((exp_out == -1).all())
+
+
+def test_graph_replay_matches_reference():
+    case = make_case(8, 2048, 4096, 1152, miss_rate=0.2, duplicate_fraction=0.02, seed=9)
+    check(case, graph=True, splits=4)
+
+
+def test_graph_replays_many_times_with_changing_inputs():
+    """Capture once, replay over several steps whose inputs change in place (flags reset each time)."""
+    ops = cuda_ops()
+    base = make_case(4, 1024, 2048, 656, miss_rate=0.3, seed=10)
+    gpu = base.clone(device="cuda", pin_host=True)
+    ref = base.clone()
+    out = torch.empty(tuple(base.top_k.shape), dtype=torch.int32, device="cuda")
+    ops.reserve("cuda", 4, 1024)
+    ops.swap_in(*gpu.clone(device="cuda", pin_host=True).args(), out=out.clone(), splits=3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.swap_in(*gpu.args(), out=out, splits=3)
+    for step in range(6):
+        generator = torch.Generator().manual_seed(step)
+        top_k = torch.randint(0, int(base.seq_lens[0]) - 1, tuple(base.top_k.shape), generator=generator, dtype=torch.int32)
+        ref.top_k.copy_(top_k)
+        gpu.top_k.copy_(top_k)
+        expected = reference.swap_in(*ref.args())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same(f"out step {step}", expected, out)
+        assert_same(f"lru step {step}", ref.lru_order, gpu.lru_order)
+        assert_same(f"device_kv step {step}", ref.device_kv, gpu.device_kv)
+
+
+@pytest.mark.parametrize("row_bytes", [1152, 656, 64])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_copy_rows_every_layer_both_directions(row_bytes, index_dtype):
+    ops = cuda_ops()
+    layers = 5
+    host = [torch.arange(300 * row_bytes, dtype=torch.int64).add(layer * 7).remainder(251).to(torch.uint8)
+            .reshape(300, row_bytes).pin_memory() for layer in range(layers)]
+    device = [torch.full((200, row_bytes), POISON, dtype=torch.uint8, device="cuda") for _ in range(layers)]
+    src = torch.randperm(300)[:97]
+    dst = torch.randperm(200)[:97]
+    ops.copy_rows(host, device, src.to("cuda", index_dtype), dst.to("cuda", index_dtype))
+    back = [torch.zeros((300, row_bytes), dtype=torch.uint8).pin_memory() for _ in range(layers)]
+    ops.eager_backup(device, back, dst.to("cuda", index_dtype), src.to("cuda", index_dtype))
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        expected = torch.full((200, row_bytes), POISON, dtype=torch.uint8)
+        expected[dst] = host[layer][src]
+        assert_same(f"device layer {layer}", expected, device[layer])
+        assert_same(f"host layer {layer}", host[layer][src], back[layer][src])
