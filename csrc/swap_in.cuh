@@ -19,6 +19,7 @@
 namespace hisparse {
 
 constexpr int kWarpSize = 32;
+constexpr int kBatch = 4;  // independent global loads a thread issues before it needs the first
 constexpr int32_t kEmptyKey = -1;
 constexpr int32_t kNoFirst = 0x7fffffff;
 
@@ -64,7 +65,8 @@ inline size_t swap_in_smem_bytes(int top_k, int buffer_size, int hash_bits) {
   bytes += hash * 4;            // keys
   bytes += hash * 4;            // first occurrence index
   bytes += hash * 2;            // slot holding the token (int16), -1 none
-  bytes += size_t(top_k) * 4;   // tokens of the top-k entries
+  bytes += hash * 4;            // host row of the token
+  bytes += size_t(buffer_size) * 4;  // copy of the slot -> token table
   bytes += size_t(top_k) * 2;   // hash index per entry (-1: padding or newest)
   bytes += size_t(top_k) * 2;   // hash index per miss rank
   bytes += size_t(top_k) * 2;   // evictable slot per miss rank
@@ -181,23 +183,35 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   const int D = p.buffer_size;
   int32_t* out = p.out + int64_t(b) * p.out_stride;
 
-  if (b >= *p.num_real_reqs) {
+  // Independent loads first: the real-batch size, this row's request and length.
+  const int num_real = *p.num_real_reqs;
+  const int64_t req = load_index(p.req_pool_indices, p.req_pool_indices_is_64, b);
+  const int64_t seq_len = load_index(p.seq_lens, p.seq_lens_is_64, b);
+  if (b >= num_real) {
     if (part == 0) {
       for (int i = tid; i < K; i += THREADS) out[i] = -1;
     }
     return;
   }
-  const int64_t req = load_index(p.req_pool_indices, p.req_pool_indices_is_64, b);
-  const int64_t seq_len = load_index(p.seq_lens, p.seq_lens_is_64, b);
   const int32_t* top_k = p.top_k_positions + int64_t(b) * p.top_k_stride;
   const int32_t* positions_to_loc = p.req_to_token + req * p.req_to_token_stride;
   const int32_t buffer = p.buffer_of_req[req];
 
   if (buffer < 0) {  // resident: translate positions to device rows
     if (part == 0) {
-      for (int i = tid; i < K; i += THREADS) {
-        const int32_t t = top_k[i];
-        out[i] = (t >= 0 && t < seq_len) ? p.device_row_of_loc[positions_to_loc[t]] : -1;
+      // Batches of independent loads per thread: the three dependent lookups cost three
+      // memory round trips per batch, not per entry.
+      for (int base = tid; base < K; base += THREADS * kBatch) {
+        int32_t t[kBatch];
+        int32_t loc[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) t[u] = base + u * THREADS < K ? top_k[base + u * THREADS] : -1;
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) loc[u] = (t[u] >= 0 && t[u] < seq_len) ? positions_to_loc[t[u]] : -1;
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (base + u * THREADS < K) out[base + u * THREADS] = loc[u] >= 0 ? p.device_row_of_loc[loc[u]] : -1;
+        }
       }
     }
     return;
@@ -226,9 +240,10 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   const int H = 1 << p.hash_bits;
   int32_t* keys = reinterpret_cast<int32_t*>(smem);
   int32_t* first = keys + H;
-  int16_t* token_slot = reinterpret_cast<int16_t*>(first + H);
-  int32_t* entry_token = reinterpret_cast<int32_t*>(token_slot + H + (H & 1));
-  int16_t* entry_hash = reinterpret_cast<int16_t*>(entry_token + K);
+  int32_t* token_host_row = first + H;
+  int32_t* held_tokens = token_host_row + H;
+  int16_t* token_slot = reinterpret_cast<int16_t*>(held_tokens + D);
+  int16_t* entry_hash = token_slot + H;
   int16_t* miss_hash = entry_hash + K;
   int16_t* miss_slot = miss_hash + K;
   int16_t* lru_copy = miss_slot + K;
@@ -237,7 +252,6 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   int32_t* slot_tokens = p.slot_tokens + int64_t(buffer) * p.slot_tokens_stride;
   int16_t* lru = p.lru_order + int64_t(buffer) * p.lru_stride;
   const int32_t newest = static_cast<int32_t>(seq_len - 1);
-  const int32_t newest_row = slot_rows[D];
 
   for (int i = tid; i < H; i += THREADS) {
     keys[i] = kEmptyKey;
@@ -247,34 +261,72 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   for (int j = tid; j < D; j += THREADS) slot_hit[j] = 0;
   __syncthreads();
 
-  // S1: classify entries; insert the distinct non-newest tokens with their first index.
+  // S1, two halves of the block at once so that their global loads overlap:
+  //  - first half: classify the top-k entries, insert the distinct non-newest tokens with their
+  //    first index and their host row;
+  //  - second half: stage the slot -> token table and the LRU order in shared memory.
+  constexpr int kHalf = THREADS / 2;
   const uint32_t mask = static_cast<uint32_t>(H - 1);
-  for (int i = tid; i < K; i += THREADS) {
-    const int32_t t = top_k[i];
-    entry_token[i] = t;
-    int16_t h_out = -1;
-    if (t < 0 || t >= seq_len) {
-      out[i] = -1;
-    } else if (t == newest) {
-      out[i] = newest_row;
-    } else {
-      uint32_t h = hash_of(t, p.hash_bits);
-      while (true) {
-        const int32_t prev = atomicCAS(keys + h, kEmptyKey, t);
-        if (prev == kEmptyKey || prev == t) break;
-        h = (h + 1u) & mask;
+  if (tid < kHalf) {
+    const int32_t newest_row = slot_rows[D];
+    for (int base = tid; base < K; base += kHalf * kBatch) {
+      int32_t t[kBatch];
+      int32_t host_row[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) t[u] = base + u * kHalf < K ? top_k[base + u * kHalf] : -1;
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        host_row[u] = (t[u] >= 0 && t[u] < newest) ? positions_to_loc[t[u]] : 0;
       }
-      atomicMin(first + h, i);
-      h_out = static_cast<int16_t>(h);
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = base + u * kHalf;
+        if (i >= K) continue;
+        int16_t h_out = -1;
+        if (t[u] < 0 || t[u] >= seq_len) {
+          out[i] = -1;
+        } else if (t[u] == newest) {
+          out[i] = newest_row;
+        } else {
+          uint32_t h = hash_of(t[u], p.hash_bits);
+          while (true) {
+            const int32_t prev = atomicCAS(keys + h, kEmptyKey, t[u]);
+            if (prev == kEmptyKey || prev == t[u]) break;
+            h = (h + 1u) & mask;
+          }
+          atomicMin(first + h, i);
+          token_host_row[h] = host_row[u];  // duplicates write the same value
+          h_out = static_cast<int16_t>(h);
+        }
+        entry_hash[i] = h_out;
+      }
     }
-    entry_hash[i] = h_out;
+  } else {
+    constexpr int kSlotBatch = 2 * kBatch;
+    for (int base = tid - kHalf; base < D; base += kHalf * kSlotBatch) {
+      int32_t t[kSlotBatch];
+      int16_t order[kSlotBatch];
+#pragma unroll
+      for (int u = 0; u < kSlotBatch; ++u) {
+        const int j = base + u * kHalf;
+        t[u] = j < D ? slot_tokens[j] : -1;
+        order[u] = j < D ? lru[j] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kSlotBatch; ++u) {
+        const int j = base + u * kHalf;
+        if (j < D) {
+          held_tokens[j] = t[u];
+          lru_copy[j] = order[u];
+        }
+      }
+    }
   }
   __syncthreads();
 
-  // S2: hit detection over the LRU slots; keep a copy of the LRU order.
+  // S2: hit detection over the LRU slots.
   for (int j = tid; j < D; j += THREADS) {
-    lru_copy[j] = lru[j];
-    const int32_t t = slot_tokens[j];
+    const int32_t t = held_tokens[j];
     if (t >= 0) {
       const int h = find_key(keys, t, p.hash_bits);
       if (h >= 0) {
@@ -337,15 +389,28 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   __syncthreads();
 
   // S5: assign misses to slots, publish the copy plan.
-  for (int k = tid; k < num_miss; k += THREADS) {
-    const int h = miss_hash[k];
-    const int16_t slot = miss_slot[k];
-    const int32_t t = keys[h];
-    token_slot[h] = slot;
-    slot_tokens[slot] = t;
-    plan[2 * k] = positions_to_loc[t];
-    plan[2 * k + 1] = slot_rows[slot];
+  for (int base = tid; base < num_miss; base += THREADS * kBatch) {
+    int32_t device_row[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int k = base + u * THREADS;
+      device_row[u] = k < num_miss ? slot_rows[miss_slot[k]] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int k = base + u * THREADS;
+      if (k < num_miss) {
+        const int h = miss_hash[k];
+        const int16_t slot = miss_slot[k];
+        token_slot[h] = slot;
+        slot_tokens[slot] = keys[h];
+        plan[2 * k] = token_host_row[h];
+        plan[2 * k + 1] = device_row[u];
+      }
+    }
   }
+  // Every writer of the plan fences before the flag is released (read by helper CTAs).
+  if (p.splits > 1) __threadfence();
   __syncthreads();
   if (tid == 0 && p.splits > 1) {
     p.plan_count[b] = num_miss;
@@ -354,9 +419,19 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   }
 
   // S6: output rows of the non-newest valid entries; statistics.
-  for (int i = tid; i < K; i += THREADS) {
-    const int h = entry_hash[i];
-    if (h >= 0) out[i] = slot_rows[token_slot[h]];
+  for (int base = tid; base < K; base += THREADS * kBatch) {
+    int32_t row[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = base + u * THREADS;
+      const int h = i < K ? entry_hash[i] : -1;
+      row[u] = h >= 0 ? slot_rows[token_slot[h]] : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = base + u * THREADS;
+      if (i < K && entry_hash[i] >= 0) out[i] = row[u];
+    }
   }
   if (tid == 0 && p.counters != nullptr) {
     atomicAdd(p.counters, static_cast<unsigned long long>(num_distinct));
@@ -386,32 +461,37 @@ struct CopyRowsParams {
   int64_t row_bytes;           // multiple of 16
 };
 
-// Copies `count` rows of every layer; consecutive threads copy consecutive 16-byte pieces.
-template <int THREADS>
+// Copies `count` rows of every layer. Each block copies one contiguous chunk of the flattened
+// (layer, row, 16-byte piece) space; consecutive threads copy consecutive pieces and each thread
+// has kUnroll loads in flight. Index is uint32_t when the space fits (cheaper division).
+template <int THREADS, typename Index>
 __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const CopyRowsParams p) {
   constexpr int kUnroll = 4;
-  const int64_t vectors_per_row = p.row_bytes / 16;
-  const int64_t per_layer = p.count * vectors_per_row;
-  const int64_t total = per_layer * p.layers;
-  const int64_t stride = int64_t(gridDim.x) * THREADS;
-  for (int64_t base = int64_t(blockIdx.x) * THREADS + threadIdx.x; base < total; base += stride * kUnroll) {
+  const Index vectors_per_row = static_cast<Index>(p.row_bytes / 16);
+  const Index per_layer = static_cast<Index>(p.count) * vectors_per_row;
+  const Index total = per_layer * static_cast<Index>(p.layers);
+  const Index step = static_cast<Index>(THREADS) * kUnroll;
+  const Index chunk = (total + gridDim.x * step - 1) / (gridDim.x * step) * step;
+  const Index chunk_begin = static_cast<Index>(blockIdx.x) * chunk;
+  const Index chunk_end = chunk_begin + chunk < total ? chunk_begin + chunk : total;
+  for (Index base = chunk_begin + threadIdx.x; base < chunk_end; base += step) {
     int4 value[kUnroll];
     int4* dst[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t g = base + u * stride;
+      const Index g = base + static_cast<Index>(u) * THREADS;
       dst[u] = nullptr;
-      if (g < total) {
-        const int64_t layer = g / per_layer;
-        const int64_t rest = g % per_layer;
-        const int64_t row = rest / vectors_per_row;
-        const int64_t vector = rest % vectors_per_row;
+      if (g < chunk_end) {
+        const Index layer = g / per_layer;
+        const Index rest = g - layer * per_layer;
+        const Index row = rest / vectors_per_row;
+        const Index vector = rest - row * vectors_per_row;
         const int64_t src_row = load_index(p.src_rows, p.src_rows_is_64, static_cast<int>(row));
         const int64_t dst_row = load_index(p.dst_rows, p.dst_rows_is_64, static_cast<int>(row));
         const int4* src =
             reinterpret_cast<const int4*>(reinterpret_cast<const uint8_t*>(p.src_layers[layer]) + src_row * p.row_bytes) +
             vector;
-        value[u] = __ldcg(src);
+        value[u] = __ldg(src);
         dst[u] = reinterpret_cast<int4*>(reinterpret_cast<uint8_t*>(p.dst_layers[layer]) + dst_row * p.row_bytes) + vector;
       }
     }

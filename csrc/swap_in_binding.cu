@@ -57,15 +57,21 @@ int hash_bits_for(int top_k) {
   return bits;
 }
 
+// Raises (never lowers) the kernel's dynamic shared-memory limit; the one place that sets it.
 template <int THREADS>
-void launch_swap_in(const hisparse::SwapInParams& params, size_t smem, cudaStream_t stream) {
-  static size_t configured = 0;
-  if (smem > 48 * 1024 && smem > configured) {
+void ensure_smem(size_t smem) {
+  static size_t configured = 48 * 1024;
+  if (smem > configured) {
     check_cuda(
         cudaFuncSetAttribute(hisparse::swap_in_kernel<THREADS>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
         "cudaFuncSetAttribute(swap_in)");
     configured = smem;
   }
+}
+
+template <int THREADS>
+void launch_swap_in(const hisparse::SwapInParams& params, size_t smem, cudaStream_t stream) {
+  ensure_smem<THREADS>(smem);
   const int grid = params.batch * params.splits;
   hisparse::swap_in_kernel<THREADS><<<grid, THREADS, smem, stream>>>(params);
   check_cuda(cudaGetLastError(), "swap_in launch");
@@ -74,11 +80,7 @@ void launch_swap_in(const hisparse::SwapInParams& params, size_t smem, cudaStrea
 template <int THREADS>
 int64_t occupancy(size_t smem) {
   int blocks = 0;
-  if (smem > 48 * 1024) {
-    check_cuda(
-        cudaFuncSetAttribute(hisparse::swap_in_kernel<THREADS>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-        "cudaFuncSetAttribute(swap_in)");
-  }
+  ensure_smem<THREADS>(smem);
   check_cuda(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, hisparse::swap_in_kernel<THREADS>, THREADS, smem),
       "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
@@ -92,7 +94,7 @@ void hisparse_swap_in(
     TensorView top_k, TensorView seq_lens, TensorView req_pool_indices, TensorView num_real_reqs,
     TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
     TensorView slot_tokens, TensorView lru_order, TensorView host_kv, TensorView device_kv, TensorView out,
-    TensorView counters, TensorView workspace, int64_t splits, int64_t threads, int64_t stream) {
+    TensorView counters, TensorView plan, TensorView sync, int64_t splits, int64_t threads, int64_t stream) {
   require(top_k.ndim() == 2 && is_int(top_k, 32) && on_cuda(top_k), "top_k must be int32 [batch, top_k] on CUDA");
   const int64_t batch = top_k.size(0);
   const int64_t K = top_k.size(1);
@@ -126,10 +128,13 @@ void hisparse_swap_in(
   require(row_bytes % 16 == 0, "KV rows must be a multiple of 16 bytes");
   require(splits >= 1, "splits must be >= 1");
   require(counters.numel() == 0 || (is_int(counters, 64) && counters.numel() >= 2), "counters must be int64 [2] or empty");
-  require(is_int(workspace, 32) && workspace.numel() >= batch * (2 * K + 3), "workspace too small");
+  require(is_int(plan, 32) && plan.numel() >= batch * 2 * K, "plan workspace too small");
+  // sync = [flags | done | counts], capacity rows each, all zero between launches.
+  require(is_int(sync, 32) && sync.numel() % 3 == 0 && sync.numel() / 3 >= batch, "sync workspace too small");
   if (batch == 0) return;
 
-  int32_t* ws = data_of<int32_t>(workspace);
+  const int64_t capacity = sync.numel() / 3;
+  int32_t* sync_data = data_of<int32_t>(sync);
   hisparse::SwapInParams p{};
   p.top_k_positions = data_of<int32_t>(top_k);
   p.top_k_stride = top_k.stride(0);
@@ -154,10 +159,10 @@ void hisparse_swap_in(
   p.out = data_of<int32_t>(out);
   p.out_stride = out.stride(0);
   p.counters = counters.numel() ? reinterpret_cast<unsigned long long*>(data_of<int64_t>(counters)) : nullptr;
-  p.plan = ws;
-  p.plan_count = ws + batch * 2 * K;
-  p.flags = p.plan_count + batch;
-  p.done = p.flags + batch;
+  p.plan = data_of<int32_t>(plan);
+  p.flags = sync_data;
+  p.done = sync_data + capacity;
+  p.plan_count = sync_data + 2 * capacity;
   p.batch = static_cast<int>(batch);
   p.num_top_k = static_cast<int>(K);
   p.buffer_size = static_cast<int>(D);
@@ -189,7 +194,7 @@ int64_t hisparse_swap_in_occupancy(int64_t threads, int64_t top_k, int64_t buffe
 // For every layer l: dst_layers[l][dst_rows[i]] = src_layers[l][src_rows[i]] (any direction).
 void hisparse_copy_rows(
     TensorView src_layers, TensorView dst_layers, TensorView src_rows, TensorView dst_rows, int64_t row_bytes,
-    int64_t stream) {
+    int64_t max_blocks, int64_t stream) {
   require(on_cuda(src_layers) && is_uint(src_layers, 64) && src_layers.ndim() == 1, "src_layers must be uint64 [L] on CUDA");
   require(on_cuda(dst_layers) && is_uint(dst_layers, 64) && dst_layers.numel() == src_layers.numel(),
           "dst_layers must be uint64 [L] on CUDA");
@@ -209,11 +214,20 @@ void hisparse_copy_rows(
   p.count = count;
   p.layers = static_cast<int>(src_layers.numel());
   p.row_bytes = row_bytes;
-  constexpr int kThreads = 256;
+  constexpr int kThreads = 512;
   const int64_t total = count * (row_bytes / 16) * p.layers;
+  int multiprocessors = 0;
+  check_cuda(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, src_layers.device().device_id),
+             "cudaDeviceGetAttribute");
   int64_t blocks = (total + kThreads * 4 - 1) / (kThreads * 4);
-  if (blocks > 4096) blocks = 4096;
-  hisparse::copy_rows_kernel<kThreads><<<int(blocks), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p);
+  const int64_t block_limit = max_blocks > 0 ? max_blocks : 4 * int64_t(multiprocessors);
+  if (blocks > block_limit) blocks = block_limit;
+  const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
+  if (total + int64_t(blocks) * kThreads * 8 < (int64_t(1) << 32)) {
+    hisparse::copy_rows_kernel<kThreads, uint32_t><<<int(blocks), kThreads, 0, cuda_stream>>>(p);
+  } else {
+    hisparse::copy_rows_kernel<kThreads, uint64_t><<<int(blocks), kThreads, 0, cuda_stream>>>(p);
+  }
   check_cuda(cudaGetLastError(), "copy_rows launch");
 }
 

@@ -110,7 +110,8 @@ class SimulatedServer:
         self.buffers = DeviceBufferPool(
             layer_num, max_reqs, max(num_buffers, 1), config.device_buffer_size, config.page_size, device
         )
-        self.host_pool = HostKVPool(layer_num, host_pages * config.page_size, item_bytes, pin=False)
+        self.device = torch.device(device)
+        self.host_pool = HostKVPool(layer_num, host_pages * config.page_size, item_bytes, pin=self.device.type == "cuda")
         self.device_layers = [
             torch.zeros((device_pages * config.page_size, item_bytes), dtype=torch.uint8, device=device)
             for _ in range(layer_num)
@@ -131,6 +132,7 @@ class SimulatedServer:
         self.requests: dict[int, _SimRequest] = {}
         self.finished: list[int] = []
         self.retracted: list[tuple[int, int, int]] = []
+        self.last_rows: list[torch.Tensor] = []  # swap-in output of each layer in the last step
         self._next_uid = 1
 
     # ------------------------------------------------------------------ scheduler-facing
@@ -154,7 +156,11 @@ class SimulatedServer:
         chunks = [prompt_len] if prompt_len <= 2 * self.page_size else [prompt_len // 2 + 3, prompt_len]
         start = 0
         for end in chunks:
-            last_loc = self.req_to_token[slot, start - 1 : start].to(torch.int64) if start else torch.tensor([-1])
+            last_loc = (
+                self.req_to_token[slot, start - 1 : start].to(torch.int64)
+                if start
+                else torch.tensor([-1], device=self.device)
+            )
             locs = self.allocator.alloc_extend(torch.tensor([start]), torch.tensor([end]), last_loc)
             if locs is None:
                 raise HiSparseMemoryError("simulated prefill could not allocate after reclaim.")
@@ -190,9 +196,10 @@ class SimulatedServer:
             return self._report(0, lookups_before, misses_before)
         seq_lens = torch.tensor([r.seq_len + 1 for r in batch], dtype=torch.int64)
         slots = torch.tensor([r.slot for r in batch], dtype=torch.int64)
-        last_loc = self.req_to_token[slots, seq_lens - 2].to(torch.int64)
+        slots = slots.to(self.device)
+        last_loc = self.req_to_token[slots, (seq_lens - 2).to(self.device)].to(torch.int64)
         new_locs = self.allocator.alloc_decode(seq_lens, last_loc)
-        self.req_to_token[slots, seq_lens - 1] = new_locs.to(torch.int32)
+        self.req_to_token[slots, (seq_lens - 1).to(self.device)] = new_locs.to(torch.int32)
         self.coordinator.prepare_decode([r.slot for r in batch], seq_lens.tolist(), new_locs)
 
         # The forward pass: write the new token's KV, then per layer select top-k and swap in.
@@ -201,11 +208,13 @@ class SimulatedServer:
             r.seq_len += 1
             self._write_kv(r.uid, r.slot, torch.tensor([r.seq_len - 1]))
         self.coordinator.num_real_reqs.fill_(len(batch))
+        self.last_rows = []
         for layer_id in range(self.layer_num):
             top_k = torch.stack([self._select(r, layer_id) for r in batch]).to(torch.int32)
-            rows = self.coordinator.swap_in(slots, seq_lens, top_k, layer_id)
+            rows = self.coordinator.swap_in(slots, seq_lens.to(self.device), top_k.to(self.device), layer_id)
+            self.last_rows.append(rows.cpu().clone())
             if self.verify:
-                self._verify_rows(batch, top_k, rows, layer_id)
+                self._verify_rows(batch, top_k, rows.cpu(), layer_id)
 
         for r in list(batch):
             if r.seq_len >= r.target_len:
@@ -264,7 +273,7 @@ class SimulatedServer:
                 self._check_buffer(request, buffer_id)
                 if record.promotion is not None:
                     owned_rows.append(self.allocator.device_rows.page_rows(record.promotion.pages))
-            host = self.host_pool.layers[0][locs[: record.host_len]]
+            host = self.host_pool.layers[0][locs[: record.host_len].cpu()]
             expected = token_rows(request.uid, torch.arange(record.host_len), 0, self.item_bytes)
             assert torch.equal(host, expected), f"host rows of request {request.uid} are wrong"
         assert self.allocator.logical.used_pages == logical_pages, (
@@ -302,10 +311,11 @@ class SimulatedServer:
         raise KeyError(slot)
 
     def _write_kv(self, uid: int, slot: int, positions: torch.Tensor) -> None:
+        positions = positions.to(self.device)
         rows = self.allocator.translate(self.req_to_token[slot, positions].to(torch.int64)).to(torch.int64)
         assert bool((rows > 0).all()), "the model writes KV to an unmapped location"
         for layer_id, layer in enumerate(self.device_layers):
-            layer[rows] = token_rows(uid, positions, layer_id, self.item_bytes)
+            layer[rows] = token_rows(uid, positions.cpu(), layer_id, self.item_bytes).to(self.device)
 
     def _initial_selection(self, seq_len: int) -> torch.Tensor:
         count = min(self.config.top_k, seq_len)
@@ -331,7 +341,7 @@ class SimulatedServer:
         for b, request in enumerate(batch):
             valid = top_k[b] >= 0
             assert bool((rows[b][~valid] == -1).all()), "padding did not map to -1"
-            got = self.device_layers[layer_id][rows[b][valid].to(torch.int64)]
+            got = self.device_layers[layer_id][rows[b][valid].to(device=self.device, dtype=torch.int64)].cpu()
             want = token_rows(request.uid, top_k[b][valid], layer_id, self.item_bytes)
             if not torch.equal(got, want):
                 bad = int(torch.nonzero((got != want).any(dim=1))[0])
@@ -345,13 +355,13 @@ class SimulatedServer:
         for layer_id in range(self.layer_num):
             tokens = self.buffers.slot_tokens[layer_id, buffer_id].to(torch.int64)
             lru = self.buffers.lru_order[layer_id, buffer_id].to(torch.int64)
-            assert torch.equal(torch.sort(lru).values, torch.arange(size)), "LRU order is not a permutation"
+            assert torch.equal(torch.sort(lru).values.cpu(), torch.arange(size)), "LRU order is not a permutation"
             held = tokens[tokens >= 0]
             assert torch.unique(held).numel() == held.numel(), "a token sits in two LRU slots"
             assert bool((held < request.seq_len - 1).all()), "an LRU slot holds the newest or a future token"
             rows = self.buffers.slot_rows[buffer_id, :size].to(torch.int64)[tokens >= 0]
-            got = self.device_layers[layer_id][rows]
-            want = token_rows(request.uid, held, layer_id, self.item_bytes)
+            got = self.device_layers[layer_id][rows].cpu()
+            want = token_rows(request.uid, held.cpu(), layer_id, self.item_bytes)
             assert torch.equal(got, want), f"request {request.uid} layer {layer_id}: a buffer slot holds the wrong KV"
 
     def _report(self, batch_size: int, lookups_before: int, misses_before: int) -> StepReport:

@@ -42,13 +42,20 @@ class SwapInCase:
         )
 
     def clone(self, device: torch.device | str | None = None, pin_host: bool = False) -> "SwapInCase":
-        """Deep copy; with ``device``, every tensor but the host KV moves there."""
+        """Deep copy; with ``device``, every tensor but the host KV moves there.
+
+        The host KV is copied into pinned memory with ``pin_host``, shared (not copied) when only
+        ``device`` is given, and copied otherwise.
+        """
         fields = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, torch.Tensor):
                 if field.name == "host_kv":
-                    value = value.clone().pin_memory() if pin_host else value.clone()
+                    if pin_host:
+                        value = value.pin_memory()
+                    elif device is None:
+                        value = value.clone()
                 else:
                     value = value.to(device) if device is not None else value.clone()
                     if device is not None and value.data_ptr() == getattr(self, field.name).data_ptr():
@@ -73,6 +80,7 @@ def make_case(
     padding_fraction: float = 0.0,
     out_of_range_fraction: float = 0.0,
     empty_slot_fraction: float = 0.0,
+    newest_count: int | None = None,
     extra_slots: int = 3,
     seed: int = 0,
     host_kv: torch.Tensor | None = None,
@@ -87,6 +95,8 @@ def make_case(
         newest_fraction, duplicate_fraction, padding_fraction, out_of_range_fraction: shares of top-k
             entries that are the newest position, repeats of an earlier entry, -1, or >= seq_len.
         empty_slot_fraction: share of LRU slots that hold no token.
+        newest_count: if set, exactly this many entries per request are the newest position
+            (replacing ``newest_fraction``), as a real indexer's distinct output has one.
         extra_slots: request slots beyond the batch (requests use a random subset of slots).
         host_kv: reuse this host KV tensor (it must have the rows and row size this case needs;
             its contents must be those make_case writes) instead of filling a new one.
@@ -169,6 +179,10 @@ def make_case(
         beyond = seq_len + torch.randint(0, 9, (top_k,), generator=generator)
         entries = torch.where((roll >= edges[1]) & (roll < edges[2]), beyond, entries)
         entries = torch.where((roll >= edges[2]) & (roll < edges[3]) & (index > 0), duplicates, entries)
+        if newest_count is not None:
+            entries[entries == seq_len - 1] = -1
+            where = torch.randperm(top_k, generator=generator)[:newest_count]
+            entries[where] = seq_len - 1
         top[b] = entries.to(torch.int32)
         if buffer_of_req[slot] >= 0 and b < (num_real if num_real is not None else batch):
             expected_misses += int(torch.isin(misses, entries).sum())
