@@ -57,10 +57,29 @@ _multiprocessors: dict[int, int] = {}
 _empty_counters: dict[torch.device, torch.Tensor] = {}
 
 
-def reserve(device: torch.device | str, max_batch: int, top_k: int) -> None:
-    """Allocate the swap-in workspace for batches up to ``max_batch`` (call before graph capture)."""
+def _normalized(device: torch.device | str) -> torch.device:
+    """``cuda`` and ``cuda:N`` of the current device name the same workspace."""
     device = torch.device(device)
-    _workspaces.setdefault(device, _Workspace()).get(device, max_batch, top_k)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _workspace_for(device: torch.device) -> "_Workspace":
+    key = _normalized(device)
+    workspace = _workspaces.get(key)
+    if workspace is None:
+        workspace = _workspaces[key] = _Workspace()
+    return workspace
+
+
+def reserve(device: torch.device | str, max_batch: int, top_k: int, buffer_size: int | None = None) -> None:
+    """Allocate the swap-in workspace for batches up to ``max_batch`` and query the kernel's
+    occupancy (call before CUDA-graph capture)."""
+    device = _normalized(device)
+    _workspace_for(device).get(device, max_batch, top_k)
+    if buffer_size is not None:
+        choose_splits(1, top_k, buffer_size, DEFAULT_THREADS, device)
 
 
 def choose_splits(batch: int, top_k: int, buffer_size: int, threads: int, device: torch.device) -> int:
@@ -115,10 +134,7 @@ def swap_in(
         splits = choose_splits(batch, k, slot_tokens.shape[1], threads, device)
     if counters is None:
         counters = _empty_counters.setdefault(device, torch.empty(0, dtype=torch.int64, device=device))
-    workspace = _workspaces.get(device)
-    if workspace is None:
-        workspace = _workspaces[device] = _Workspace()
-    plan, sync = workspace.get(device, batch, k)
+    plan, sync = _workspace_for(device).get(device, batch, k)
     load_module().swap_in(
         top_k,
         seq_lens,

@@ -1,0 +1,118 @@
+"""The token-to-KV allocator SGLang builds when HiSparse is on (replaces HiSparseTokenToKVPoolAllocator).
+
+SGLang's logical token locations are host rows; while a request is resident its tokens also get
+device rows in lockstep (``KVAllocator``). The scheduler's capacity view, ``available_size()``,
+counts device rows that demotions could free, and never exceeds the device pool (SGLang computes
+device usage from it).
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
+from hisparse_sglang.errors import UnsupportedSetupError
+from hisparse_sglang.memory.allocator import KVAllocator, _count_extend_pages
+
+__all__ = ["HiSparseTokenAllocator"]
+
+
+class _Capacity:
+    """The ``available_size()`` view SGLang's PD decode admission reads from sub-allocators."""
+
+    def __init__(self, available) -> None:
+        self._available = available
+
+    def available_size(self) -> int:
+        return self._available()
+
+
+class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
+    """Constructor arguments are those of SGLang 0.5.17's HiSparseTokenToKVPoolAllocator.
+
+    Args:
+        size: device KV pool tokens (SGLang's max_total_num_tokens).
+        kvcache: the HiSparseDevicePool.
+        host_to_device_ratio: logical (and host) tokens per device token.
+    """
+
+    def __init__(self, size, page_size, dtype, device, kvcache, need_sort, host_to_device_ratio=2):
+        super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+        self.device_tokens = size
+        self.host_to_device_ratio = host_to_device_ratio
+        self.rows = KVAllocator(
+            host_pages=size * host_to_device_ratio // page_size + 1,
+            device_pages=size // page_size + 1,
+            page_size=page_size,
+            device=device,
+            sort_frees=need_sort,
+        )
+        kvcache.attach(self.rows)
+        self.coordinator = None  # the core Coordinator, set once it exists (demotions on demand)
+        self.coordinator_adapter = None  # the SGLang-facing coordinator (hooks reach it through here)
+        self.logical_attn_allocator = _Capacity(lambda: self.rows.logical.free_rows)
+        self.hisparse_attn_allocator = _Capacity(self._device_rows_obtainable)
+        self.compress_ratio = 1
+
+    # ---------------------------------------------------------------- capacity
+    @property
+    def size(self) -> int:
+        return self.rows.logical.capacity_rows
+
+    @size.setter
+    def size(self, value) -> None:  # BaseTokenToKVPoolAllocator.__init__ assigns it
+        pass
+
+    @property
+    def size_full(self) -> int:
+        return self.size
+
+    def _device_rows_obtainable(self) -> int:
+        reclaimable = self.coordinator.reclaimable_pages() if self.coordinator is not None else 0
+        return (self.rows.device_rows.free_pages + reclaimable) * self.page_size
+
+    def available_size(self) -> int:
+        """Tokens a new prefill can get: logical rows, bounded by device rows obtainable by demotion."""
+        return min(self.rows.logical.free_rows, self._device_rows_obtainable())
+
+    def debug_print(self) -> str:
+        stats = self.rows.stats()
+        return (
+            f"hisparse host rows {stats.host_rows_used}/{stats.host_rows_total}, "
+            f"device rows {stats.device_rows_used}/{stats.device_rows_total}"
+        )
+
+    # ---------------------------------------------------------------- allocation
+    def alloc(self, need_size: int):
+        raise UnsupportedSetupError(
+            f"HiSparse allocates in pages of {self.page_size} tokens (alloc_extend / alloc_decode); "
+            f"token-granular alloc({need_size}) is not supported."
+        )
+
+    def alloc_extend(
+        self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, num_new_pages=None
+    ):
+        _, _, _, device_pages = _count_extend_pages(prefix_lens_cpu, seq_lens_cpu, self.page_size)
+        if device_pages > self.rows.device_rows.free_pages and self.coordinator is not None:
+            self.coordinator.reclaim(device_pages)
+        return self.rows.alloc_extend(prefix_lens_cpu, seq_lens_cpu, last_loc)
+
+    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
+        return self.rows.alloc_decode(seq_lens_cpu, last_loc)
+
+    def alloc_logical_only(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens):
+        """PD direct-to-host admission: logical locations (= host rows) only."""
+        return self.rows.alloc_extend(prefix_lens_cpu, seq_lens_cpu, last_loc, with_device_rows=False)
+
+    def free(self, free_index: torch.Tensor):
+        if free_index.numel() == 0:
+            return
+        if self.is_not_in_free_group:
+            self.rows.free(free_index)
+        else:
+            self.free_group.append(free_index)
+
+    def clear(self):
+        self.rows.clear()
+        self.is_not_in_free_group = True
+        self.free_group = []

@@ -1,0 +1,268 @@
+"""The object SGLang keeps in ``model_runner.hisparse_coordinator``.
+
+It honours every call SGLang 0.5.17 makes on its HiSparse coordinator (the duck-typed contract:
+staging after prefill, direct admission, per-step binding of new tokens, per-layer swap-in,
+eager backup, retract, finish, token stats, CUDA-graph padding) by translating SGLang requests
+into request slots for the framework-free :class:`hisparse_sglang.coordinator.Coordinator`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import NamedTuple
+
+import torch
+
+from hisparse_sglang.config import HiSparseConfig
+from hisparse_sglang.coordinator import Coordinator
+from hisparse_sglang.errors import HiSparseMemoryError
+from hisparse_sglang.integration.sglang import compat
+from hisparse_sglang.memory.device_buffers import DeviceBufferPool
+from hisparse_sglang.memory.host_pool import HostKVPool
+from hisparse_sglang.streams import StreamSet
+
+__all__ = ["SGLangHiSparseCoordinator", "HiSparseTokenStats"]
+
+logger = logging.getLogger(__name__)
+
+
+class HiSparseTokenStats(NamedTuple):
+    """What SGLang's pool-stats observer reads (``get_token_stats``)."""
+
+    device_tokens: int
+    device_token_usage: float
+    host_tokens: int
+    host_token_usage: float
+
+
+@dataclasses.dataclass
+class _StagingEntry:
+    """Element of ``ack_staging_queue`` (SGLang reads ``.req``)."""
+
+    req: object
+
+
+class PDHostPool:
+    """``coordinator.mem_pool_host`` as SGLang's PD decode side uses it.
+
+    Host rows are the logical locations: the rows a request's KV is written to are the locations
+    SGLang preallocated for it, captured when ``alloc_for_decode_prealloc_hisparse`` returns them.
+    """
+
+    def __init__(self, host_pool: HostKVPool, page_size: int) -> None:
+        self.host_pool = host_pool
+        self.page_size = page_size
+        self.layer_num = host_pool.layer_num
+        self.preallocated: dict[int, torch.Tensor] = {}
+
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        pointers, lengths = self.host_pool.region_infos()
+        return pointers, lengths, [self.host_pool.item_bytes * self.page_size] * self.layer_num
+
+    def alloc_paged_token_slots(self, req_to_host_pool, req_to_host_pool_allocated_len, req_pool_idx, start_pos, num_tokens):
+        locations = self.preallocated.get(int(req_pool_idx))
+        if locations is None or start_pos + num_tokens > locations.numel():
+            raise HiSparseMemoryError(
+                f"request slot {req_pool_idx}: no preallocated logical locations for positions "
+                f"[{start_pos}, {start_pos + num_tokens}); hisparse-sglang's PD hook did not run."
+            )
+        return locations[start_pos : start_pos + num_tokens].to(torch.int64)
+
+
+class SGLangHiSparseCoordinator:
+    """HiSparse coordinator of one scheduler process (one TP rank).
+
+    Args:
+        config: validated HiSparse settings.
+        req_to_token_pool: SGLang's ReqToTokenPool.
+        allocator: the HiSparseTokenAllocator SGLang built.
+        pool: the HiSparseDevicePool SGLang built.
+        device: the model runner's device.
+        tp_group: CPU process group whose ranks must take identical decisions (None: one rank).
+    """
+
+    def __init__(self, config: HiSparseConfig, req_to_token_pool, allocator, pool, device, tp_group=None) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.start_layer = getattr(pool, "start_layer", 0) or 0
+        self.top_k = config.top_k
+        self.device_buffer_size = config.device_buffer_size
+        self.padded_buffer_size = config.padded_buffer_size
+        self.tp_group = tp_group
+        rows = allocator.rows
+        layers = pool.kv_rows()
+        item_bytes = layers[0].shape[1]
+        _check_host_memory(len(layers) * rows.num_locs * item_bytes, config)
+        self.host_pool = HostKVPool(len(layers), rows.num_locs, item_bytes, pin=self.device.type == "cuda")
+        num_req_slots = req_to_token_pool.req_to_token.shape[0]
+        num_buffers = max(1, rows.device_rows.capacity_rows // config.padded_buffer_size)
+        self.buffers = DeviceBufferPool(
+            len(layers), num_req_slots, num_buffers, config.device_buffer_size, config.page_size, self.device
+        )
+        if self.device.type == "cuda":
+            from hisparse_sglang.ops import swap_in as ops
+            from hisparse_sglang.ops.jit import load_module
+
+            started = time.monotonic()
+            load_module()  # compile before any CUDA-graph capture
+            ops.reserve(self.device, num_req_slots, config.top_k, config.device_buffer_size)
+            logger.info("HiSparse: CUDA kernels ready in %.1f s", time.monotonic() - started)
+        else:
+            from hisparse_sglang.ops import reference as ops
+        self.streams = StreamSet(self.device)
+        self.core = Coordinator(
+            config, rows, self.buffers, self.host_pool, layers, req_to_token_pool.req_to_token,
+            ops=ops, streams=self.streams, agree=self._agree,
+        )
+        allocator.coordinator = self.core
+        allocator.coordinator_adapter = self
+        self.allocator = allocator
+        self.num_real_reqs = self.core.num_real_reqs
+        self.mem_pool_host = PDHostPool(self.host_pool, config.page_size)
+        # SGLang's PD prealloc passes these back into mem_pool_host.alloc_paged_token_slots.
+        self.req_to_host_pool = None
+        self.req_to_host_pool_allocated_len = None
+        self._staging: dict[int, object] = {}
+        self._report_state = (time.monotonic(), 0, 0, 0, 0)
+        logger.info(
+            "HiSparse (hisparse-sglang): %s; host pool %.2f GiB; device pool %d rows, %d buffers of %d",
+            config.to_json(), self.host_pool.nbytes / 2**30, rows.device_rows.capacity_rows, num_buffers,
+            config.padded_buffer_size,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    def set_decode_producer_stream(self, stream) -> None:
+        self.streams.producer = stream
+
+    def destroy(self) -> None:
+        if self.streams.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ admission
+    def admit_request_into_staging(self, req) -> None:
+        slot = compat.req_slot(req)
+        self.core.admit_prefilled(slot, compat.req_prefill_len(req))
+        req.hisparse_staging = True
+        self._staging[slot] = req
+
+    def collect_ready_reqs(self) -> list:
+        ready = []
+        for slot in self.core.collect_ready():
+            req = self._staging.pop(slot)
+            req.hisparse_staging = False
+            ready.append(req)
+        return ready
+
+    def has_ongoing_staging(self) -> bool:
+        return self.core.has_pending()
+
+    @property
+    def ack_staging_queue(self) -> list[_StagingEntry]:
+        return [_StagingEntry(req) for req in self._staging.values()]
+
+    def admit_request_direct(self, req) -> None:
+        slot = compat.req_slot(req)
+        self.mem_pool_host.preallocated.pop(slot, None)
+        self.core.admit_direct(slot, compat.req_kv_allocated_len(req))
+        req.hisparse_staging = False
+
+    def host_token_len(self, kv_allocated_len: int) -> int:
+        return kv_allocated_len
+
+    def staging_reqs(self) -> list:
+        return list(self._staging.values())
+
+    # ------------------------------------------------------------------ decode step
+    def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu):
+        self.core.prepare_decode(req_pool_indices_cpu.tolist(), seq_lens_cpu.tolist(), out_cache_loc)
+
+    def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id):
+        return self.core.swap_in(req_pool_indices, seq_lens, top_k_result, layer_id - self.start_layer)
+
+    def wait_for_pending_backup(self) -> None:
+        self.core.wait_for_pending_backup()
+
+    def can_decode(self, slots) -> bool:
+        return self.core.can_decode(slots)
+
+    # ------------------------------------------------------------------ request end
+    def request_finished(self, req) -> None:
+        """SGLang calls this (and retract_req, abort_staging_request) before releasing a request's KV."""
+        self.release_slot(getattr(req, "req_pool_idx", None))
+
+    retract_req = request_finished
+    abort_staging_request = request_finished
+
+    def release_slot(self, slot) -> None:
+        """Drop everything held for a request slot; a no-op for slots HiSparse does not know."""
+        if slot is None:
+            return
+        slot = int(slot)
+        self._staging.pop(slot, None)
+        self.mem_pool_host.preallocated.pop(slot, None)
+        self.core.finish(slot)
+
+    # ------------------------------------------------------------------ stats
+    def get_token_stats(self) -> HiSparseTokenStats:
+        pools = self.core.allocator.stats()
+        return HiSparseTokenStats(
+            device_tokens=pools.device_rows_used,
+            device_token_usage=pools.device_rows_used / max(pools.device_rows_total, 1),
+            host_tokens=pools.host_rows_used,
+            host_token_usage=pools.host_rows_used / max(pools.host_rows_total, 1),
+        )
+
+    def report(self) -> dict:
+        """Counters since the previous report: hit rate, bytes moved, modes, switches per minute."""
+        stats = self.core.stats()
+        now = time.monotonic()
+        last_time, last_lookups, last_misses, last_demotions, last_promotions = self._report_state
+        lookups = stats.swap_in_lookups - last_lookups
+        misses = stats.swap_in_misses - last_misses
+        minutes = max(now - last_time, 1e-6) / 60
+        self._report_state = (now, stats.swap_in_lookups, stats.swap_in_misses, stats.demotions, stats.promotions)
+        pools = stats.pools
+        return {
+            "hit_rate": 1.0 - misses / lookups if lookups else None,
+            "lookups": lookups,
+            "misses": misses,
+            "bytes_moved": misses * self.host_pool.item_bytes,
+            "resident": stats.resident_requests,
+            "offloaded": stats.offloaded_requests,
+            "promoting": stats.promoting_requests,
+            "demotions_per_min": (stats.demotions - last_demotions) / minutes,
+            "promotions_per_min": (stats.promotions - last_promotions) / minutes,
+            "demotions_total": stats.demotions,
+            "promotions_total": stats.promotions,
+            "lookups_total": stats.swap_in_lookups,
+            "misses_total": stats.swap_in_misses,
+            "device_rows_used": pools.device_rows_used,
+            "device_rows_total": pools.device_rows_total,
+            "host_rows_used": pools.host_rows_used,
+            "host_rows_total": pools.host_rows_total,
+        }
+
+    # ------------------------------------------------------------------ helpers
+    def _agree(self, flags: list[bool]) -> list[bool]:
+        """All-reduce MIN over the TP group so every rank takes the same decisions."""
+        if self.tp_group is None or not flags or torch.distributed.get_world_size(group=self.tp_group) == 1:
+            return flags
+        values = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+        return [bool(v) for v in values.tolist()]
+
+
+def _check_host_memory(needed: int, config: HiSparseConfig) -> None:
+    try:
+        import psutil
+    except ImportError:
+        return
+    available = psutil.virtual_memory().available
+    if needed > 0.9 * available:
+        raise HiSparseMemoryError(
+            f"the HiSparse host pool needs {needed / 2**30:.1f} GiB of pinned memory but only "
+            f"{available / 2**30:.1f} GiB is available; lower host_to_device_ratio ({config.host_to_device_ratio}) "
+            f"in --hisparse-config or --mem-fraction-static."
+        )

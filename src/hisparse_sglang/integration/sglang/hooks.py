@@ -1,0 +1,249 @@
+"""The hooks hisparse-sglang installs into SGLang, each a declared spec.
+
+Every spec names its target (a dotted path that must exist in the installed SGLang), the SGLang
+version it was written against, why it is needed and what upstream change would make it
+unnecessary. ``tests/sglang/test_hooks.py`` checks that every target resolves and that SGLang's
+``load_plugins()`` applies every hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+from hisparse_sglang.errors import UnsupportedSetupError
+
+logger = logging.getLogger(__name__)
+
+VERIFIED_ON = "0.5.17"
+
+
+@dataclasses.dataclass(frozen=True)
+class HookSpec:
+    target: str
+    hook_type: str  # "BEFORE", "AFTER", "AROUND", "REPLACE"
+    factory: Callable[[], object]  # returns the hook (a function, or a class for class REPLACE)
+    why: str
+    upstream: str
+    scheduler_only: bool = True
+    sglang_version: str = VERIFIED_ON
+
+
+# ---------------------------------------------------------------------------------------------------
+# hook implementations (imports of sglang and of the adapters happen lazily, in the process that runs them)
+
+
+def _validate_hisparse(server_args) -> None:
+    """REPLACE validate_hisparse: our validation (main process, before any model load)."""
+    if not server_args.enable_hisparse:
+        return
+    from sglang.srt.configs.model_config import is_deepseek_dsa, is_deepseek_v4
+
+    from hisparse_sglang.integration.sglang.validation import validate_server_args
+
+    hf_config = server_args.get_model_config().hf_config
+    validate_server_args(
+        server_args,
+        hf_config,
+        kv_cache_dtype=str(server_args.kv_cache_dtype),
+        is_dsa=bool(is_deepseek_dsa(hf_config)),
+        is_dsv4=bool(is_deepseek_v4(hf_config)),
+    )
+
+
+def _parse_hisparse_config(server_args):
+    """REPLACE parse_hisparse_config: SGLang's SparseConfig, filled from our validated config."""
+    from sglang.srt.mem_cache.sparsity.core.sparse_coordinator import SparseConfig
+
+    from hisparse_sglang.integration.sglang.validation import config_from_server_args
+
+    config = config_from_server_args(server_args)
+    return SparseConfig(
+        top_k=config.top_k,
+        device_buffer_size=config.device_buffer_size,
+        host_to_device_ratio=config.host_to_device_ratio,
+        swap_in_block_size=config.swap_in_block_size or 1024,
+        page_size=config.page_size,
+    )
+
+
+def _pool_class():
+    from hisparse_sglang.integration.sglang.pool import HiSparseDevicePool
+
+    return HiSparseDevicePool
+
+
+def _allocator_class():
+    from hisparse_sglang.integration.sglang.allocator import HiSparseTokenAllocator
+
+    return HiSparseTokenAllocator
+
+
+def _maybe_init_hisparse_coordinator(self) -> None:
+    """REPLACE ModelRunner.maybe_init_hisparse_coordinator: build our coordinator."""
+    if not self.enable_hisparse:
+        return
+    if getattr(self, "is_draft_worker", False):
+        raise UnsupportedSetupError("HiSparse does not support speculative decoding (a draft worker was created).")
+    from hisparse_sglang.integration.sglang.allocator import HiSparseTokenAllocator
+    from hisparse_sglang.integration.sglang.coordinator import SGLangHiSparseCoordinator
+    from hisparse_sglang.integration.sglang.validation import config_from_server_args
+
+    allocator = self.token_to_kv_pool_allocator
+    if not isinstance(allocator, HiSparseTokenAllocator):
+        raise UnsupportedSetupError(
+            f"HiSparse expected its own KV allocator but SGLang built {type(allocator).__name__}; the "
+            f"hisparse-sglang hooks did not apply (see the HookRegistry log lines)."
+        )
+    index_topk = getattr(self.model_config.hf_text_config, "index_topk", None)
+    config = config_from_server_args(self.server_args, model_index_topk=index_topk)
+    enable_dp_attention = bool(getattr(self.server_args, "enable_dp_attention", False))
+    group = self.attention_tp_group if enable_dp_attention else self.tp_group
+    self.hisparse_coordinator = SGLangHiSparseCoordinator(
+        config,
+        self.req_to_token_pool,
+        allocator,
+        self.token_to_kv_pool,
+        self.device,
+        tp_group=getattr(group, "cpu_group", None),
+    )
+
+
+def _check_decode_mem(original, self, selected_indices=None):
+    """AROUND ScheduleBatch.check_decode_mem: logical rows for every request, device rows only
+    for resident requests (offloaded ones decode into their buffer)."""
+    coordinator = self.hisparse_coordinator
+    if coordinator is None:
+        return original(self, selected_indices)
+    from sglang.srt.managers import schedule_batch
+
+    num_tokens = self.new_tokens_required_next_decode(selected_indices)
+    schedule_batch.evict_from_tree_cache(self.tree_cache, num_tokens)
+    requests = self.reqs if selected_indices is None else [self.reqs[i] for i in selected_indices]
+    allocator = self.token_to_kv_pool_allocator
+    if allocator.rows.logical.free_rows < num_tokens:
+        return False
+    return coordinator.can_decode([req.req_pool_idx for req in requests])
+
+
+def _release_kv_cache_before(req, tree_cache, is_insert=True):
+    """BEFORE release_kv_cache: every release of a request's KV also releases its HiSparse state."""
+    coordinator = _current_coordinator(tree_cache)
+    if coordinator is not None:
+        coordinator.release_slot(getattr(req, "req_pool_idx", None))
+
+
+def _abort_request_after(result, self, recv_req):
+    """AFTER Scheduler.abort_request: abort requests still staging (SGLang 0.5.17 leaves them running)."""
+    coordinator = getattr(self, "hisparse_coordinator", None)
+    if coordinator is None:
+        return result
+    from hisparse_sglang.integration.sglang import compat
+
+    for req in coordinator.staging_reqs():
+        if not req.finished() and (recv_req.abort_all or req.rid.startswith(recv_req.rid)):
+            req.to_finish = compat.abort_reason("Aborted by AbortReq.")
+    return result
+
+
+def _alloc_for_decode_prealloc_after(result, allocator, *, req, fill_len, uses_swa_tail, swa_tail_len):
+    """AFTER alloc_for_decode_prealloc_hisparse: remember the logical locations (= host rows) the
+    prefill instance must write, before SGLang asks the host pool for them."""
+    coordinator = getattr(allocator, "coordinator_adapter", None)
+    if coordinator is not None and result is not None:
+        coordinator.mem_pool_host.preallocated[int(req.req_pool_idx)] = result
+    return result
+
+
+def _report_decode_stats_after(result, self, can_run_cuda_graph=False, running_batch=None, num_correct_drafts=0):
+    """AFTER SchedulerMetricsReporter.report_decode_stats: the HiSparse log line and metrics."""
+    coordinator = getattr(self.scheduler, "hisparse_coordinator", None)
+    if coordinator is None or self.forward_ct_decode % self.decode_log_interval != 0:
+        return result
+    if not (self.is_stats_logging_rank or self.current_scheduler_metrics_enabled):
+        return result
+    from hisparse_sglang.integration.sglang import metrics
+
+    labels = getattr(self.metrics_collector, "labels", None) if self.current_scheduler_metrics_enabled else None
+    metrics.report(coordinator, log=self.is_stats_logging_rank, prometheus_labels=labels)
+    return result
+
+
+def _current_coordinator(tree_cache):
+    """The coordinator of this scheduler process, found through the allocator the tree cache uses."""
+    allocator = getattr(tree_cache, "token_to_kv_pool_allocator", None)
+    return getattr(allocator, "coordinator_adapter", None)
+
+
+# ---------------------------------------------------------------------------------------------------
+HOOKS: tuple[HookSpec, ...] = (
+    HookSpec(
+        "sglang.srt.arg_groups.hisparse_hook.validate_hisparse", "REPLACE", lambda: _validate_hisparse,
+        why="reject unsupported setups and bad --hisparse-config before model load, with typed errors naming the fix",
+        upstream="a validation extension point for sparse-attention plugins",
+        scheduler_only=False,
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.sparsity.factory.parse_hisparse_config", "REPLACE", lambda: _parse_hisparse_config,
+        why="one strict parser for --hisparse-config (SGLang's accepts unknown keys and unchecked ratios)",
+        upstream="config parsing delegated to the sparse backend",
+        scheduler_only=False,
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.hisparse_memory_pool.HiSparseDSATokenToKVPool", "REPLACE", _pool_class,
+        why="KV reads and writes must go through HiSparse's location -> device-row table",
+        upstream="a pool factory hook in KVCacheConfigurator._build_dsa_kv_pool",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.allocator.hisparse.HiSparseTokenToKVPoolAllocator", "REPLACE", _allocator_class,
+        why="logical locations are host rows; device rows follow resident requests and are reclaimed by demotion",
+        upstream="an allocator factory hook in KVCacheConfigurator._build_token_to_kv_pool_allocator",
+    ),
+    HookSpec(
+        "sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_hisparse_coordinator", "REPLACE",
+        lambda: _maybe_init_hisparse_coordinator,
+        why="install hisparse-sglang's coordinator where SGLang creates its own",
+        upstream="a coordinator factory keyed by the sparse backend",
+    ),
+    HookSpec(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem", "AROUND", lambda: _check_decode_mem,
+        why="offloaded requests need no device rows for new tokens; counting them retracts requests needlessly",
+        upstream="an allocator method for decode-step capacity",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.common.release_kv_cache", "BEFORE", lambda: _release_kv_cache_before,
+        why="SGLang 0.5.17 releases some requests without request_finished (PD waiting-queue abort), leaking buffers",
+        upstream="call request_finished on every release path (fixed in 0.5.23 for PD abort)",
+    ),
+    HookSpec(
+        "sglang.srt.managers.scheduler.Scheduler.abort_request", "AFTER", lambda: _abort_request_after,
+        why="SGLang 0.5.17 does not abort requests that are staging (scheduler.py TODO)",
+        upstream="abort_request walking the coordinator's staging queue",
+    ),
+    HookSpec(
+        "sglang.srt.disaggregation.decode.alloc_for_decode_prealloc_hisparse", "AFTER",
+        lambda: _alloc_for_decode_prealloc_after,
+        why="PD decode asks the host pool for rows before writing req_to_token; host rows are the logical locations",
+        upstream="pass the preallocated locations to alloc_paged_token_slots",
+    ),
+    HookSpec(
+        "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats",
+        "AFTER", lambda: _report_decode_stats_after,
+        why="log hit rate, bytes moved and modes with every decode log line; Prometheus metrics with --enable-metrics",
+        upstream="a metrics extension point for the sparse coordinator",
+    ),
+)
+
+
+def register_all(scheduler_process: bool) -> list[str]:
+    """Register the hooks with SGLang's HookRegistry; returns the registered targets."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    registered = []
+    for spec in HOOKS:
+        if spec.scheduler_only and not scheduler_process:
+            continue
+        HookRegistry.register(spec.target, spec.factory(), getattr(HookType, spec.hook_type))
+        registered.append(spec.target)
+    return registered

@@ -1,0 +1,101 @@
+"""The DSA token-to-KV pool SGLang builds when HiSparse is on (replaces HiSparseDSATokenToKVPool).
+
+It is SGLang's own DSATokenToKVPool (PD index-K registration and the DSA backend rely on that
+class) whose KV reads and writes go through HiSparse's location -> device-row table: the model
+writes a token's KV at its logical location, which lands in the device row the allocator or the
+coordinator bound to it. The indexer's key cache stays indexed by logical location and covers the
+whole logical space (``size * host_to_device_ratio``), like SGLang's in-tree pool.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+from hisparse_sglang.errors import UnsupportedSetupError
+from hisparse_sglang.memory.allocator import KVAllocator
+
+__all__ = ["HiSparseDevicePool"]
+
+
+class HiSparseDevicePool(DSATokenToKVPool):
+    """Constructor arguments are those of SGLang 0.5.17's HiSparseDSATokenToKVPool."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        kv_lora_rank: int,
+        dtype: torch.dtype,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str,
+        index_head_dim: int,
+        enable_memory_saver: bool,
+        kv_cache_dim: int,
+        start_layer: Optional[int] = None,
+        end_layer: Optional[int] = None,
+        host_to_device_ratio: int = 2,
+    ):
+        super().__init__(
+            size=size,
+            page_size=page_size,
+            kv_lora_rank=kv_lora_rank,
+            dtype=dtype,
+            qk_rope_head_dim=qk_rope_head_dim,
+            layer_num=layer_num,
+            device=device,
+            index_head_dim=index_head_dim,
+            enable_memory_saver=enable_memory_saver,
+            kv_cache_dim=kv_cache_dim,
+            start_layer=start_layer,
+            end_layer=end_layer,
+            index_buf_size=size * host_to_device_ratio,
+        )
+        self.host_to_device_ratio = host_to_device_ratio
+        self.bytes_per_token = self.kv_cache_dim * self.store_dtype.itemsize
+        self._device_row_of_loc: torch.Tensor | None = None
+
+    def attach(self, rows: KVAllocator) -> None:
+        """Use the allocator's location -> device-row table for every KV access."""
+        self._device_row_of_loc = rows.device_row_of_loc
+
+    def kv_rows(self) -> list[torch.Tensor]:
+        """Per-layer views of the KV buffers as byte rows: uint8 ``[rows, bytes_per_token]``."""
+        return [buffer.view(buffer.shape[0], -1).view(torch.uint8) for buffer in self.kv_buffer]
+
+    # ---------------------------------------------------------------- translation (SGLang's names)
+    def translate_loc_to_hisparse_device(self, loc: torch.Tensor) -> torch.Tensor:
+        """Device rows of logical locations, same shape; -1 stays -1 (extend page tables)."""
+        return self._device_row_of_loc[loc.to(torch.int64)]
+
+    _translate_loc_to_hisparse_device = translate_loc_to_hisparse_device
+    translate_loc_from_full_to_hisparse_device = translate_loc_to_hisparse_device
+
+    def translate_loc_from_full_to_compressed(self, loc: torch.Tensor) -> torch.Tensor:
+        return loc
+
+    def _rows_of(self, loc: torch.Tensor) -> torch.Tensor:
+        return self._device_row_of_loc[loc.to(torch.int64)].to(torch.int64)
+
+    # ---------------------------------------------------------------- KV access through the table
+    def set_kv_buffer(self, layer, loc, cache_k, cache_v):
+        super().set_kv_buffer(layer, self._rows_of(loc), cache_k, cache_v)
+
+    def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope):
+        super().set_mla_kv_buffer(layer, self._rows_of(loc), cache_k_nope, cache_k_rope)
+
+    def get_mla_kv_buffer(self, layer, loc, dst_dtype=None):
+        return super().get_mla_kv_buffer(layer, self._rows_of(loc), dst_dtype)
+
+    def get_cpu_copy(self, indices, mamba_indices=None):
+        raise UnsupportedSetupError(
+            "HiSparse does not support retracting decode requests to CPU memory (PD decode retraction); "
+            "give the decode instance more host memory (host_to_device_ratio) or fewer running requests "
+            "(--max-running-requests)."
+        )
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
+        self.get_cpu_copy(indices)

@@ -1,0 +1,90 @@
+"""Startup validation of a HiSparse server, in the main process before any model is loaded.
+
+Every rejected setup raises a typed error naming the offending value and the fix.
+"""
+
+from __future__ import annotations
+
+from hisparse_sglang.config import HiSparseConfig
+from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
+
+__all__ = ["validate_server_args", "config_from_server_args", "ALLOWED_BACKENDS"]
+
+# KV cache dtype -> DSA backends whose decode path calls the swap-in (SGLang 0.5.17, CUDA).
+ALLOWED_BACKENDS = {"bfloat16": ("flashmla_sparse",), "fp8_e4m3": ("flashmla_kv",)}
+DSA_PAGE_SIZE = 64
+
+
+def config_from_server_args(server_args, model_index_topk: int | None = None) -> HiSparseConfig:
+    """HiSparseConfig from ``--hisparse-config`` (raises HiSparseConfigError)."""
+    return HiSparseConfig.from_json(getattr(server_args, "hisparse_config", None), model_index_topk=model_index_topk)
+
+
+def validate_server_args(args, hf_config, kv_cache_dtype: str, is_dsa: bool, is_dsv4: bool) -> HiSparseConfig:
+    """Check a HiSparse server's settings; returns the parsed config.
+
+    Args:
+        args: SGLang's ServerArgs (or its resolved view).
+        hf_config: the model's Hugging Face config.
+        kv_cache_dtype: the resolved KV cache dtype ("bfloat16", "fp8_e4m3", ...).
+        is_dsa, is_dsv4: SGLang's model classification.
+
+    Raises:
+        UnsupportedSetupError: the model, a flag or a backend cannot run HiSparse.
+        HiSparseConfigError: --hisparse-config is invalid.
+    """
+    architecture = ", ".join(getattr(hf_config, "architectures", None) or ["unknown"])
+    if is_dsv4:
+        raise UnsupportedSetupError(
+            f"hisparse-sglang supports DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5), not DeepSeek-V4 "
+            f"({architecture}); run without the plugin (SGLANG_PLUGINS set to the others) to use SGLang's in-tree HiSparse."
+        )
+    if not is_dsa:
+        raise UnsupportedSetupError(
+            f"--enable-hisparse needs a DeepSeek Sparse Attention model (DeepSeek-V3.2, GLM-5: an index_topk "
+            f"in its config); {architecture} is not one. Remove --enable-hisparse."
+        )
+    if not getattr(args, "disable_radix_cache", False):
+        raise UnsupportedSetupError("--enable-hisparse requires --disable-radix-cache; add it to the command line.")
+    if getattr(args, "disaggregation_mode", "null") == "prefill":
+        raise UnsupportedSetupError(
+            "--enable-hisparse is a decode-instance feature: remove it from the prefill instance "
+            "(--disaggregation-mode prefill); the prefill instance writes KV into the decode instance's host pool."
+        )
+    if getattr(args, "speculative_algorithm", None):
+        raise UnsupportedSetupError(
+            f"HiSparse does not support speculative decoding (--speculative-algorithm "
+            f"{args.speculative_algorithm}); remove one of the two."
+        )
+    if getattr(args, "pp_size", 1) > 1:
+        raise UnsupportedSetupError(
+            f"HiSparse does not support pipeline parallelism (--pp-size {args.pp_size}); use --pp-size 1."
+        )
+    if getattr(args, "enable_mixed_chunk", False):
+        raise UnsupportedSetupError(
+            "HiSparse does not support --enable-mixed-chunk (decode requests would skip the per-step binding); remove it."
+        )
+    dtype = "bfloat16" if kv_cache_dtype in ("auto", "bf16") else kv_cache_dtype
+    if dtype not in ALLOWED_BACKENDS:
+        raise UnsupportedSetupError(
+            f"HiSparse supports --kv-cache-dtype bfloat16 or fp8_e4m3, got {kv_cache_dtype!r}."
+        )
+    allowed = ALLOWED_BACKENDS[dtype]
+    for attribute, flag in (("dsa_decode_backend", "--dsa-decode-backend"), ("dsa_prefill_backend", "--dsa-prefill-backend")):
+        backend = getattr(args, attribute, None)
+        if backend is not None and backend not in allowed:
+            raise UnsupportedSetupError(
+                f"HiSparse with a {dtype} KV cache needs {flag} {' or '.join(allowed)}, got {backend!r}."
+            )
+    page_size = getattr(args, "page_size", None)
+    config = config_from_server_args(args, model_index_topk=getattr(hf_config, "index_topk", None))
+    if page_size not in (None, config.page_size):
+        raise HiSparseConfigError(
+            f"page_size in --hisparse-config ({config.page_size}) differs from SGLang's page size ({page_size}); "
+            f"remove page_size from --hisparse-config."
+        )
+    if config.page_size != DSA_PAGE_SIZE:
+        raise HiSparseConfigError(
+            f"page_size ({config.page_size}) must be {DSA_PAGE_SIZE}: SGLang's DSA KV cache uses pages of {DSA_PAGE_SIZE}."
+        )
+    return config

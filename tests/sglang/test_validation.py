@@ -1,0 +1,89 @@
+"""Startup validation through the hook that replaces SGLang's validate_hisparse (main process)."""
+
+import types
+
+import pytest
+
+from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
+
+pytestmark = pytest.mark.sglang
+
+
+def server_args(architecture="DeepseekV32ForCausalLM", index_topk=2048, **overrides):
+    hf_config = types.SimpleNamespace(architectures=[architecture], index_topk=index_topk)
+    values = dict(
+        enable_hisparse=True,
+        hisparse_config='{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 10}',
+        disable_radix_cache=True,
+        disaggregation_mode="null",
+        speculative_algorithm=None,
+        pp_size=1,
+        enable_mixed_chunk=False,
+        kv_cache_dtype="bfloat16",
+        dsa_decode_backend="flashmla_sparse",
+        dsa_prefill_backend="flashmla_sparse",
+        page_size=64,
+    )
+    values.update(overrides)
+    args = types.SimpleNamespace(**values)
+    args.get_model_config = lambda: types.SimpleNamespace(hf_config=hf_config)
+    return args
+
+
+def validate(args):
+    from hisparse_sglang.integration.sglang.hooks import _validate_hisparse
+
+    _validate_hisparse(args)
+
+
+def test_supported_setups_pass():
+    validate(server_args())
+    validate(server_args(kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv", dsa_prefill_backend="flashmla_kv"))
+    validate(server_args(kv_cache_dtype="auto", dsa_decode_backend=None, dsa_prefill_backend=None))
+    validate(server_args(disaggregation_mode="decode"))
+    validate(server_args(hisparse_config=None))
+
+
+def test_disabled_hisparse_is_not_checked():
+    validate(server_args(enable_hisparse=False, architecture="LlamaForCausalLM", disable_radix_cache=False))
+
+
+CASES = [
+    (dict(architecture="LlamaForCausalLM"), UnsupportedSetupError, "LlamaForCausalLM is not one"),
+    (dict(architecture="DeepseekV4ForCausalLM"), UnsupportedSetupError, "not DeepSeek-V4"),
+    (dict(disable_radix_cache=False), UnsupportedSetupError, "--disable-radix-cache"),
+    (dict(disaggregation_mode="prefill"), UnsupportedSetupError, "remove it from the prefill instance"),
+    (dict(speculative_algorithm="EAGLE"), UnsupportedSetupError, "speculative decoding"),
+    (dict(pp_size=2), UnsupportedSetupError, "--pp-size 2"),
+    (dict(enable_mixed_chunk=True), UnsupportedSetupError, "--enable-mixed-chunk"),
+    (dict(kv_cache_dtype="fp8_e5m2"), UnsupportedSetupError, "'fp8_e5m2'"),
+    (dict(dsa_decode_backend="flashmla_kv"), UnsupportedSetupError, "--dsa-decode-backend flashmla_sparse"),
+    (dict(kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_sparse", dsa_prefill_backend="flashmla_kv"),
+     UnsupportedSetupError, "--dsa-decode-backend flashmla_kv"),
+    (dict(dsa_prefill_backend="tilelang"), UnsupportedSetupError, "--dsa-prefill-backend"),
+    (dict(hisparse_config="{top_k: 1}"), HiSparseConfigError, "not valid JSON"),
+    (dict(hisparse_config='{"top_k": 1024}'), HiSparseConfigError, "index_topk (2048)"),
+    (dict(hisparse_config='{"device_buffer_size": 4100}'), HiSparseConfigError, "multiple of page_size"),
+    (dict(hisparse_config='{"device_buffer_size": 1000}'), HiSparseConfigError, "must be >= top_k (2048)"),
+    (dict(hisparse_config='{"page_size": 32, "device_buffer_size": 4096}'), HiSparseConfigError, "page size (64)"),
+    (dict(hisparse_config='{"host_to_device_ration": 10}'), HiSparseConfigError, "host_to_device_ratio"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,fragment", CASES, ids=[str(c[0])[:50] for c in CASES])
+def test_unsupported_setups_fail_with_a_fix(overrides, error, fragment):
+    with pytest.raises(error) as info:
+        validate(server_args(**overrides))
+    assert fragment in str(info.value), str(info.value)
+
+
+def test_parse_hisparse_config_replacement_returns_sglang_sparse_config():
+    from sglang.srt.mem_cache.sparsity.core.sparse_coordinator import SparseConfig
+
+    from hisparse_sglang.integration.sglang.hooks import _parse_hisparse_config
+
+    config = _parse_hisparse_config(server_args())
+    assert isinstance(config, SparseConfig)
+    assert (config.top_k, config.device_buffer_size, config.host_to_device_ratio) == (2048, 4096, 10)
+    with pytest.raises(HiSparseConfigError):
+        _parse_hisparse_config(server_args(hisparse_config='{"resident_first": "yes"}'))
