@@ -41,6 +41,7 @@ from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
 from hisparse_sglang.memory.allocator import KVAllocator, PoolStats
 from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 from hisparse_sglang.memory.host_pool import HostKVPool
+from hisparse_sglang.memory.paged import upload
 from hisparse_sglang.ops import reference
 from hisparse_sglang.streams import CopyEvent, StreamSet
 
@@ -156,7 +157,13 @@ class Coordinator:
             (buffers.num_req_slots, config.top_k), -1, dtype=torch.int32, device=self.device
         )
         self.swap_counters = torch.zeros(2, dtype=torch.int64, device=self.device)
-        self._pending_backup: CopyEvent | None = None
+        # The last copy enqueued on the backup stream (frees of device rows are ordered after it)
+        # and the one the next forward must wait for (only when it overwrites a row being copied).
+        self._last_backup: CopyEvent | None = None
+        self._forward_must_wait: CopyEvent | None = None
+        self._counter_mirror = torch.zeros(2, dtype=torch.int64, pin_memory=self.streams.is_cuda)
+        self._counter_event: CopyEvent | None = None
+        self._counter_values = [0, 0]
         self.demotions = 0
         self.promotions = 0
         self.promotion_cancels = 0
@@ -246,11 +253,21 @@ class Coordinator:
                     f"{record.seq_len} tokens (one step at a time)."
                 )
         self._backup_previous_tokens(records)
+        switches_before = self.demotions + self.promotions + self.promotion_cancels
         self._switch_modes(records)
+        switched = self.demotions + self.promotions + self.promotion_cancels != switches_before
         self._assign_new_rows(records, new_locs)
         for record in records:
             record.seq_len += 1
-        self._record_backup_event()
+        self._last_backup = self.streams.record(self.streams.backup)
+        if switched:
+            # Rows freed this step may still be read by this step's copies: order everything later
+            # (every forward waits for the schedule stream) after them.
+            self._fence_copies()
+        # An offloaded request writes its new token over the row whose old token is being backed
+        # up; a resident request writes a fresh row, so its forward need not wait for the copy.
+        if switched or any(record.mode == OFFLOADED for record in records):
+            self._forward_must_wait = self._last_backup
 
     def swap_in(
         self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, layer_id: int
@@ -276,10 +293,32 @@ class Coordinator:
         )
 
     def wait_for_pending_backup(self) -> None:
-        """Order the current stream after the last step's backups (before the forward writes)."""
-        if self._pending_backup is not None:
-            self._pending_backup.wait_on_current_stream()
-            self._pending_backup = None
+        """Order the current stream (the forward) after this step's copies when it overwrites their rows."""
+        if self._forward_must_wait is not None:
+            self._forward_must_wait.wait_on_current_stream()
+            self._forward_must_wait = None
+
+    def _fence_copies(self) -> None:
+        """Order later work of the current stream (and every forward) after the copies in flight,
+        before device rows they read are freed and handed out again."""
+        if self._last_backup is not None:
+            self._last_backup.wait_on_current_stream()
+
+    def swap_counter_values(self) -> list[int]:
+        """(distinct lookups, misses) so far, without waiting for the GPU (one report behind on CUDA)."""
+        if not self.streams.is_cuda:
+            return self.swap_counters.tolist()
+        if self._counter_event is None or self._counter_event.query():
+            if self._counter_event is not None:
+                self._counter_values = self._counter_mirror.tolist()
+            self._counter_mirror.copy_(self.swap_counters, non_blocking=True)
+            self._counter_event = self._record_current()
+        return list(self._counter_values)
+
+    def _record_current(self) -> CopyEvent:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return CopyEvent(self.streams, event)
 
     # ================================================================== request end
     def finish(self, slot: int) -> None:
@@ -296,7 +335,7 @@ class Coordinator:
         if record is None:
             return
         self.streams.wait_for_producer()
-        self.wait_for_pending_backup()
+        self._fence_copies()
         if record.staging is not None:
             record.staging.wait_on_current_stream()
         if record.promotion is not None:
@@ -335,7 +374,7 @@ class Coordinator:
         if self.allocator.device_rows.free_pages >= pages_needed:
             return True
         self.streams.wait_for_producer()
-        self.wait_for_pending_backup()
+        self._fence_copies()
         for record in sorted(self.requests.values(), key=lambda r: -r.seq_len):
             if self.allocator.device_rows.free_pages >= pages_needed:
                 break
@@ -350,7 +389,7 @@ class Coordinator:
         return self.allocator.device_rows.free_pages >= pages_needed
 
     def stats(self) -> CoordinatorStats:
-        counters = self.swap_counters.tolist()
+        counters = self.swap_counter_values()
         modes = [record.mode for record in self.requests.values()]
         return CoordinatorStats(
             pools=self.allocator.stats(self.buffers.num_buffers, self.buffers.used_buffers),
@@ -385,8 +424,10 @@ class Coordinator:
             record.host_len = record.seq_len
         if not resident_slots and not offloaded_slots:
             return
-        slots = torch.tensor(resident_slots + offloaded_slots, dtype=torch.int64).to(self.device)
-        positions = torch.tensor(resident_positions + offloaded_positions, dtype=torch.int64).to(self.device)
+        slots, positions = upload(
+            torch.tensor([resident_slots + offloaded_slots, resident_positions + offloaded_positions], dtype=torch.int64),
+            self.device,
+        )
         host_rows = self.req_to_token[slots, positions].to(torch.int64)
         parts = []
         if resident_slots:
@@ -399,9 +440,6 @@ class Coordinator:
             self.ops.copy_rows(self.device_layers, self.host_pool.layers, device_rows, host_rows)
             self.streams.keep_alive(device_rows, self.streams.backup)
             self.streams.keep_alive(host_rows, self.streams.backup)
-
-    def _record_backup_event(self) -> None:
-        self._pending_backup = self.streams.record(self.streams.backup)
 
     def _switch_modes(self, records: list[RequestRecord]) -> None:
         """Finish promotions, force or relieve demotions, start promotions (bounded per step)."""
@@ -443,7 +481,7 @@ class Coordinator:
                 return needed
             if not synced:
                 self.streams.wait_for_producer()
-                self.wait_for_pending_backup()
+                self._fence_copies()
                 synced = True
             promoting = [r for r in self.requests.values() if r.promotion is not None]
             if promoting:
@@ -472,17 +510,20 @@ class Coordinator:
         resident_index = [i for i, r in enumerate(records) if r.mode == RESIDENT]
         offloaded_index = [i for i, r in enumerate(records) if r.mode == OFFLOADED]
         if resident_index:
-            index = torch.tensor(resident_index, dtype=torch.int64).to(self.device)
-            slots = torch.tensor([records[i].slot for i in resident_index], dtype=torch.int64).to(self.device)
             lengths = torch.tensor([records[i].seq_len + 1 for i in resident_index], dtype=torch.int64)
-            last_locs = self.req_to_token[slots, (lengths - 2).to(self.device)].to(torch.int64)
+            index, slots, last_positions = upload(
+                torch.stack([torch.tensor(resident_index), torch.tensor([records[i].slot for i in resident_index]), lengths - 2]),
+                self.device,
+            )
+            last_locs = self.req_to_token[slots, last_positions].to(torch.int64)
             rows = self.allocator.device_rows.alloc_decode(lengths, self.allocator.translate(last_locs).to(torch.int64))
             if rows is None:
                 raise PoolExhaustedError("device KV pool exhausted while binding new tokens of resident requests.")
             self.allocator.map_(new_locs[index], rows)
         if offloaded_index:
-            index = torch.tensor(offloaded_index, dtype=torch.int64).to(self.device)
-            slots = torch.tensor([records[i].slot for i in offloaded_index], dtype=torch.int64).to(self.device)
+            index, slots = upload(
+                torch.tensor([offloaded_index, [records[i].slot for i in offloaded_index]], dtype=torch.int64), self.device
+            )
             buffer_ids = self.buffers.buffer_of_req[slots].to(torch.int64)
             self.allocator.map_(new_locs[index], self.buffers.slot_rows[buffer_ids, self.buffer_size])
 

@@ -15,7 +15,18 @@ import torch
 
 from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
 
-__all__ = ["PagedAllocator", "extend_layout"]
+__all__ = ["PagedAllocator", "extend_layout", "upload"]
+
+
+def upload(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small CPU tensor to ``device`` without stalling the host.
+
+    A copy from pageable memory makes CUDA synchronize the stream first, which would make the
+    scheduler wait for the forward pass in flight; staging through pinned memory keeps it async.
+    """
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
 
 
 def extend_layout(
@@ -233,7 +244,7 @@ class PagedAllocator:
         pages = self.alloc_pages(num_new_pages)
         if request.numel() == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        plan = torch.stack([request, continue_offset, new_page_slot]).to(self.device, non_blocking=True)
+        plan = upload(torch.stack([request, continue_offset, new_page_slot]), self.device)
         request_d, continue_d, slot_d = plan[0], plan[1], plan[2]
         continued = last_loc.to(torch.int64)[request_d] + continue_d
         if num_new_pages == 0:
@@ -261,6 +272,6 @@ class PagedAllocator:
         if num_new_pages == 0:
             return last_loc.to(torch.int64) + 1
         ordinal = (torch.cumsum(needs_page.to(torch.int64), 0) - 1).clamp(min=0)
-        plan = torch.stack([needs_page.to(torch.int64), ordinal]).to(self.device, non_blocking=True)
+        plan = upload(torch.stack([needs_page.to(torch.int64), ordinal]), self.device)
         fresh = pages[plan[1]] * self.page_size
         return torch.where(plan[0] > 0, fresh, last_loc.to(torch.int64) + 1)
