@@ -304,9 +304,10 @@ class Coordinator:
         if self._last_backup is not None:
             self._last_backup.wait_on_current_stream()
 
-    def swap_counter_values(self) -> list[int]:
-        """(distinct lookups, misses) so far, without waiting for the GPU (one report behind on CUDA)."""
-        if not self.streams.is_cuda:
+    def swap_counter_values(self, exact: bool = True) -> list[int]:
+        """(distinct lookups, misses) so far; ``exact=False`` does not wait for the GPU and returns
+        the values of the previous call on CUDA (for periodic metrics on the scheduler's hot path)."""
+        if exact or not self.streams.is_cuda:
             return self.swap_counters.tolist()
         if self._counter_event is None or self._counter_event.query():
             if self._counter_event is not None:
@@ -388,8 +389,8 @@ class Coordinator:
             self._demote(record, record.seq_len)
         return self.allocator.device_rows.free_pages >= pages_needed
 
-    def stats(self) -> CoordinatorStats:
-        counters = self.swap_counter_values()
+    def stats(self, exact: bool = True) -> CoordinatorStats:
+        counters = self.swap_counter_values(exact)
         modes = [record.mode for record in self.requests.values()]
         return CoordinatorStats(
             pools=self.allocator.stats(self.buffers.num_buffers, self.buffers.used_buffers),

@@ -216,7 +216,7 @@ class SGLangHiSparseCoordinator:
 
     def report(self) -> dict:
         """Counters since the previous report: hit rate, bytes moved, modes, switches per minute."""
-        stats = self.core.stats()
+        stats = self.core.stats(exact=False)
         now = time.monotonic()
         last_time, last_lookups, last_misses, last_demotions, last_promotions = self._report_state
         lookups = stats.swap_in_lookups - last_lookups

@@ -1,0 +1,120 @@
+"""Test fixture for the end-to-end benchmark: a tiny SGLang general plugin (entry point group
+``sglang.srt.plugins``) that run_e2e.py makes discoverable in EVERY arm (a, b and c alike).
+
+It wraps ``sglang.srt.model_loader.weight_utils.initialize_dummy_weights`` (used by
+``--load-format dummy``) and
+
+* with ``HISPARSE_E2E_WEIGHT_INIT=scaled`` (run_e2e.py's default) replaces SGLang's init by a
+  deterministic, *meaningful* random init: every floating-point parameter gets its own generator
+  seeded from (HISPARSE_E2E_WEIGHT_SEED, crc32(parameter name)); matrices ~ N(0, 1/fan_in)
+  (embedding N(0, 0.1^2), lm_head N(0, (2/sqrt(fan_in))^2)), norm weights 1, biases 0.
+  SGLang's own dummy init draws U(-1e-3, 1e-3) for every tensor with the SAME seed (1234) per
+  tensor, so tensors of equal size are identical and, worse, every RMSNorm weight is ~1e-3: the
+  attention contribution to the residual stream is ~1e-5 of the token embedding, the model is in
+  effect a bigram table, greedy outputs collapse into short cycles and do not depend on the
+  context at all - useless for checking that sparse attention over 8K-32K tokens is unchanged.
+* with ``HISPARSE_E2E_WEIGHT_INIT=sglang`` keeps SGLang's init.
+
+In both modes it prints one line ``[hisparse-e2e-fixture] weights ... fingerprint=...`` to stderr
+(the server log) after the init, so run_e2e.py can verify that all arms served identical weights.
+At plugin-load time it also prints which ``sglang.srt.plugins`` entry points are visible.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import zlib
+
+PREFIX = "[hisparse-e2e-fixture]"
+TARGET = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
+
+
+def _say(msg: str) -> None:
+    print(f"{PREFIX} pid={os.getpid()} {msg}", file=sys.stderr, flush=True)
+
+
+def _param_seed(base: int, name: str) -> int:
+    return (base * 1_000_003 + zlib.crc32(name.encode("utf-8"))) % (1 << 62)
+
+
+def _std_for(name: str, shape) -> float:
+    fan_in = int(shape[-1])
+    if "embed_tokens" in name:
+        return 0.1
+    if "lm_head" in name:
+        return 2.0 / math.sqrt(fan_in)
+    return 1.0 / math.sqrt(fan_in)
+
+
+def scaled_init(model, seed: int) -> int:
+    import torch
+
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not torch.is_floating_point(p):
+                continue
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() <= 1:
+                p.fill_(1.0)  # RMSNorm / LayerNorm weights
+            else:
+                gen = torch.Generator(device=p.device)
+                gen.manual_seed(_param_seed(seed, name))
+                tmp = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                tmp.normal_(0.0, _std_for(name, p.shape), generator=gen)
+                p.copy_(tmp.to(p.dtype))
+                del tmp
+            n += 1
+    return n
+
+
+def fingerprint(model) -> tuple[int, int, float, float]:
+    """(number of float params, elements, sum, sum of squares) in float64."""
+    import torch
+
+    count, elems, s, s2 = 0, 0, 0.0, 0.0
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if not torch.is_floating_point(p):
+                continue
+            x = p.detach().to(torch.float64)
+            count += 1
+            elems += x.numel()
+            s += float(x.sum())
+            s2 += float((x * x).sum())
+    return count, elems, s, s2
+
+
+def _around_init(original, model, *args, **kwargs):
+    mode = os.environ.get("HISPARSE_E2E_WEIGHT_INIT", "scaled").strip().lower()
+    seed = int(os.environ.get("HISPARSE_E2E_WEIGHT_SEED", "1234"))
+    if mode == "scaled":
+        n = scaled_init(model, seed)
+        desc = f"mode=scaled seed={seed} params_initialised={n}"
+    else:
+        original(model, *args, **kwargs)
+        desc = "mode=sglang (U(-1e-3,1e-3), seed 1234 per tensor)"
+    try:
+        count, elems, s, s2 = fingerprint(model)
+        _say(f"weights {desc} params={count} elements={elems} fingerprint={s:.9e}/{s2:.9e}")
+    except Exception as e:  # a fingerprint failure must never break serving
+        _say(f"weights {desc} fingerprint=unavailable ({type(e).__name__}: {e})")
+
+
+def register() -> None:
+    """Entry point (group ``sglang.srt.plugins``), called by sglang.srt.plugins.load_plugins()."""
+    try:
+        from importlib.metadata import entry_points
+
+        eps = sorted(f"{ep.name}={ep.value}" for ep in entry_points(group="sglang.srt.plugins"))
+        _say(f"visible sglang.srt.plugins entry points: {eps}")
+    except Exception as e:
+        _say(f"could not list entry points: {e}")
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, _around_init, HookType.AROUND)
+    _say(f"registered AROUND hook on {TARGET} "
+         f"(HISPARSE_E2E_WEIGHT_INIT={os.environ.get('HISPARSE_E2E_WEIGHT_INIT', 'scaled')})")

@@ -1,0 +1,525 @@
+#!/usr/bin/env python3
+"""CPU-only checks of the e2e harness (no GPU, no network).
+
+    python3 benchmarks/e2e/selftest.py                      # unit checks + mock-server end-to-end run
+    python3 benchmarks/e2e/selftest.py --torch-python /work/sgl-venv/bin/python
+        # the mock server runs under a python that has torch, so the weight-init fixture really runs
+    python3 benchmarks/e2e/selftest.py --server-args-python /work/sgl-venv/bin/python
+        # also parse every arm's server argv with the real sglang.srt.server_args (fake CUDA)
+
+The mock server (written to a temp dir as a fake `sglang` package that shadows the real one via
+--site) speaks the subset of SGLang 0.5.17's HTTP API that run_e2e.py uses (/health, /generate incl.
+streaming and logprobs, /v1/loads, /abort_request, /server_info), prints SGLang-style log lines,
+discovers and runs `sglang.srt.plugins` entry points like sglang.srt.plugins.load_plugins, and
+spawns a child process like the scheduler, so server start/stop by process group is exercised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+import run_e2e as E  # noqa: E402
+
+FAILS: list[str] = []
+PASSES = 0
+
+
+def check(cond, what: str) -> None:
+    global PASSES
+    if cond:
+        PASSES += 1
+    else:
+        FAILS.append(what)
+        print(f"FAIL: {what}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+def unit_checks() -> None:
+    dec = ("[2026-11-22 10:00:01] Decode batch, #running-req: 7, #token: 114688, token usage: 0.88, "
+           "cuda graph: True, gen throughput (token/s): 5612.31, #queue-req: 57,\n"
+           "[2026-11-22 10:00:02 TP0] Decode batch [1234], #running-req: 40, #gpu token: 2048, gpu token usage: 0.31, "
+           "#cpu token: 655360, cpu token usage: 0.62, cuda graph: False, gen throughput (token/s): 11800.00, #queue-req: 0")
+    pre = ("[2026-11-22 10:00:00] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 0, token usage: 0.06, "
+           "#running-req: 6, #queue-req: 58, #pending-token: 0, cuda graph: False, input throughput (token/s): 90000.00")
+    d = E.parse_decode_lines(dec)
+    check(len(d) == 2, "two decode lines parsed")
+    check(d[0] == {"running": 7, "gen_tput": 5612.31, "queue": 57, "token_usage": 0.88, "cuda_graph": True}, f"decode line 1: {d[0]}")
+    check(d[1]["running"] == 40 and d[1]["gpu_token_usage"] == 0.31 and d[1]["cpu_token_usage"] == 0.62
+          and d[1]["cuda_graph"] is False and "token_usage" not in d[1], f"hisparse decode line: {d[1]}")
+    p = E.parse_prefill_lines(pre)
+    check(p == [{"new_seq": 1, "new_token": 8192, "running": 6, "queue": 58}], f"prefill line: {p}")
+    extra = ("\n[hisparse-e2e-fixture] pid=12 weights mode=scaled seed=1234 params_initialised=40 params=40 "
+             "elements=480000000 fingerprint=1.234000000e+02/4.560000000e+05\n"
+             "[hisparse-e2e-fixture] pid=12 visible sglang.srt.plugins entry points: ['hisparse=hisparse_sglang.x:register']\n"
+             "[2026-11-22] max_total_num_tokens=131072, chunked_prefill_size=8192\n"
+             "KV cache pool is full. Retract requests. #retracted_reqs: 3, #new_tokens_gained: 10\n"
+             "Failed to load plugin hisparse from group sglang.srt.plugins\n"
+             "Dense attention kv len threshold is manually set to 0 for DSA.\n")
+    s = E.summarize_log(pre + "\n" + dec + extra)
+    check(s["max_running"] == 40 and s["max_decode_running"] == 40, f"max running {s['max_running']}")
+    check(s["gen_tput_median"] == (5612.31 + 11800.0) / 2, "median gen throughput")
+    check(s["cuda_graph_fraction"] == 0.5, "cuda graph fraction")
+    check(s["weight_fingerprints"] == ["1.234000000e+02/4.560000000e+05"], f"fingerprint {s['weight_fingerprints']}")
+    check(s["max_total_num_tokens"] == 131072 and s["retracted_reqs"] == 3, "max_total_num_tokens / retractions")
+    check(s["plugin_failures"] == ["load plugin: hisparse"], f"plugin failures {s['plugin_failures']}")
+    check(s["dense_attn_threshold"] == 0, "dense threshold")
+    check(s["visible_plugins"] == ["['hisparse=hisparse_sglang.x:register']"], f"visible {s['visible_plugins']}")
+    check(E.summarize_log("")["max_running"] is None, "empty log")
+
+    check(E.detect_cycle([5, 1, 2, 3, 1, 2, 3, 1, 2, 3]) == 3, "cycle 3")
+    check(E.detect_cycle([7] * 10) == 1, "cycle 1")
+    check(E.detect_cycle(list(range(20))) is None, "no cycle")
+
+    meta = {"output_token_logprobs": [[-0.5, 11, None], [-1.25, 12, None]],
+            "output_top_logprobs": [[[-0.5, 11, None], [-2.0, 3, None]], None]}
+    lps, top = E.extract_logprobs(meta)
+    check(lps == [-0.5, -1.25] and top == [[[11, -0.5], [3, -2.0]], None], f"extract_logprobs {lps} {top}")
+
+    ref = {"prompts": [{"id": "p1", "output_ids": [1, 2, 3, 4], "logprobs": [-1.0, -1.0, -1.0, -1.0],
+                        "top": [[[1, -1.0], [9, -2.0]]] * 4},
+                       {"id": "p2", "output_ids": [5, 6], "logprobs": [-0.1, -0.2], "top": []}]}
+    oth = {"prompts": [{"id": "p1", "output_ids": [1, 2, 7, 4], "logprobs": [-1.0, -1.001, -3.0, -1.0],
+                        "top": [[[1, -1.0], [9, -2.5]]] * 4},
+                       {"id": "p2", "output_ids": [5, 6], "logprobs": [-0.1, -0.2], "top": []}]}
+    c = E.compare_outputs(ref, oth)
+    check(c["prompts_compared"] == 2 and c["prompts_identical"] == 1 and c["mismatched_tokens"] == 1, f"compare counts {c}")
+    r1 = c["per_prompt"][0]
+    check(r1["first_mismatch"] == 2 and abs(r1["max_abs_dlogprob"] - 0.001) < 1e-9 and abs(r1["max_abs_dtop5"] - 0.5) < 1e-9,
+          f"compare row {r1}")
+    c2 = E.compare_outputs(ref, {"prompts": [{"id": "p1", "output_ids": [1, 2], "logprobs": [-1, -1], "top": []}]})
+    check(c2["per_prompt"][0]["first_mismatch"] == 2 and c2["per_prompt"][1]["status"] == "missing", "length mismatch / missing")
+
+    check(E.parse_levels("1,8, 32,max") == [1, 8, 32, "max"], "levels")
+    for bad in ("0", "x", ""):
+        try:
+            E.parse_levels(bad)
+            check(False, f"parse_levels({bad!r}) should fail")
+        except ValueError:
+            check(True, "")
+    check(E.parse_csv("c,a,a", E.ALL_ARMS, "arms") == ["a", "c"], "parse_csv order/dedup")
+    check(E.parse_env_assignments(["A=1", "B=x=y"]) == {"A": "1", "B": "x=y"}, "env assignments")
+    check(E.read_plugin_entry_point(REPO / "pyproject.toml")[0] == "hisparse", "entry point from pyproject")
+    check(E.make_prompt(1, 5, 100) == E.make_prompt(1, 5, 100) and all(2 <= x < 100 for x in E.make_prompt(2, 1000, 100)),
+          "prompts deterministic and in range")
+
+    # argument handling
+    a = E.parse_args(["--arms", "b,a", "--phases", "correctness,report", "--tp-levels", "1,max",
+                      "--plugin-env", "FOO=1", "--plugin-args", "--foo 'a b'", "--state-dir", "/tmp/x"])
+    check(a.arms == ["a", "b"] and a.phases == ["correctness", "report"] and a.tp_levels == [1, "max"], "parse_args lists")
+    for bad in (["--arms", "d"], ["--phases", "warmup"], ["--tp-levels", "0"], ["--plugin-env", "NOEQ"],
+                ["--hisparse-config", "{bad json"], ["--plugin-ep", "nocolon"],
+                ["--corr-lens", "65536"]):
+        try:
+            with open(os.devnull, "w") as dn:
+                old = sys.stderr
+                sys.stderr = dn
+                try:
+                    E.parse_args(bad)
+                finally:
+                    sys.stderr = old
+            check(False, f"parse_args({bad}) should fail")
+        except SystemExit:
+            check(True, "")
+
+    # arm specs: JSON without spaces, plugin arm adds src + dist-info dir + env + args
+    with tempfile.TemporaryDirectory() as td:
+        td = Path(td)
+        a = E.parse_args(["--state-dir", str(td), "--plugin-env", "HISPARSE_X=1", "--plugin-args", "--foo bar",
+                          "--hisparse-config", '{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}'])
+        common, plug, ep = E.prepare_pyext(td, a)
+        specs = {arm: E.arm_spec(arm, a, {"X": "1"}, common, plug, 30000) for arm in E.ALL_ARMS}
+        ca, cb, cc = (specs[x][0] for x in E.ALL_ARMS)
+        check("--enable-hisparse" not in ca and "--enable-hisparse" in cb and "--enable-hisparse" in cc, "hisparse flags")
+        check(cb[cb.index("--hisparse-config") + 1] == '{"top_k":2048,"device_buffer_size":4096,"host_to_device_ratio":8}',
+              "hisparse JSON without spaces")
+        check(cc[-2:] == ["--foo", "bar"] and specs["c"][1]["HISPARSE_X"] == "1" and "HISPARSE_X" not in specs["b"][1],
+              "plugin args/env only in arm c")
+        pp = specs["c"][1]["PYTHONPATH"].split(os.pathsep)
+        check(pp[0] == str(plug) and pp[1] == str(REPO / "src") and str(common) in specs["a"][1]["PYTHONPATH"]
+              and str(plug) not in specs["b"][1]["PYTHONPATH"], f"PYTHONPATH of arm c: {pp}")
+        for flag in ("--attention-backend", "--dsa-prefill-backend", "--dsa-decode-backend", "--kv-cache-dtype",
+                     "--load-format", "--skip-tokenizer-init", "--disable-radix-cache", "--max-total-tokens",
+                     "--mem-fraction-static", "--context-length"):
+            check(all(flag in specs[x][0] for x in E.ALL_ARMS), f"{flag} in every arm")
+        check("--disable-cuda-graph" not in ca, "CUDA graph on by default")
+        # entry points are discoverable from the generated dist-infos (fresh interpreter)
+        code = ("import importlib.metadata as m, json; "
+                "print(json.dumps(sorted((e.name, e.value, e.dist.name) for e in m.entry_points(group='sglang.srt.plugins'))))")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(plug), str(common)]))
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
+        eps = json.loads(out)
+        check(["hisparse", "hisparse_sglang.integration.sglang.plugin:register", "hisparse-sglang"] in [list(x) for x in eps]
+              and any(x[0] == "hisparse_e2e_weight_init" for x in eps), f"entry points discoverable: {eps}")
+        # markdown renders with partial data
+        md = E.render_markdown({"meta": {}, "arms": {"a": {"status": "failed", "error": "boom"}}, "compare": {}})
+        check("boom" in md and "| status | failed |" in md, "markdown with a failed arm")
+    print(f"unit checks: {PASSES} passed, {len(FAILS)} failed", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+MOCK_HOOKS = '''
+import enum
+class HookType(enum.Enum):
+    BEFORE = "before"; AFTER = "after"; AROUND = "around"; REPLACE = "replace"
+class HookRegistry:
+    hooks = []
+    @classmethod
+    def register(cls, target, hook, hook_type=HookType.AFTER, *, source=None):
+        cls.hooks.append((target, hook, hook_type))
+'''
+
+MOCK_WEIGHT_UTILS = '''
+def initialize_dummy_weights(model, low=-1e-3, high=1e-3, seed=1234):
+    import torch
+    for p in model.state_dict().values():
+        if torch.is_floating_point(p):
+            g = torch.Generator(device=p.device); g.manual_seed(seed); p.uniform_(low, high, generator=g)
+'''
+
+MOCK_SERVER = r'''
+"""Mock of `python -m sglang.launch_server` for selftest.py (stdlib + optional torch)."""
+import argparse, functools, importlib, importlib.metadata as md, json, os, random, subprocess, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--port", type=int); ap.add_argument("--max-total-tokens", type=int, default=4096)
+ap.add_argument("--enable-hisparse", action="store_true"); ap.add_argument("--hisparse-config", default="{}")
+ap.add_argument("--model-path")
+args, rest = ap.parse_known_args()
+def log(msg): print(f"[2026-01-01 00:00:00] {msg}", flush=True)
+log(f"mock server argv: {sys.argv[1:]}")
+# like sglang.srt.plugins.load_plugins()
+for ep in md.entry_points(group="sglang.srt.plugins"):
+    try:
+        fn = ep.load()
+    except Exception as e:
+        log(f"Failed to load plugin {ep.name} from group sglang.srt.plugins ({type(e).__name__}: {e})"); continue
+    try:
+        fn()
+    except Exception as e:
+        log(f"Failed to execute general plugin: {ep.name} ({e})")
+# like the dummy loader: initialise a toy model through the (possibly hooked) init
+from sglang.srt.plugins.hook_registry import HookRegistry
+import sglang.srt.model_loader.weight_utils as wu
+init = wu.initialize_dummy_weights
+for target, hook, _ in HookRegistry.hooks:
+    if target.endswith("initialize_dummy_weights"):
+        init = functools.partial(hook, init)
+try:
+    import torch
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(64, 16); self.input_layernorm = torch.nn.LayerNorm(16)
+            self.o_proj = torch.nn.Linear(16, 16, bias=False); self.lm_head = torch.nn.Linear(16, 64, bias=False)
+    init(Toy())
+except ImportError:
+    print("[hisparse-e2e-fixture] pid=0 weights mode=mock-no-torch params=0 elements=0 fingerprint=0/0", file=sys.stderr, flush=True)
+if os.environ.get("SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD"):
+    log(f"Dense attention kv len threshold is manually set to {os.environ['SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD']} for DSA.")
+ratio = json.loads(args.hisparse_config or "{}").get("host_to_device_ratio", 2) if args.enable_hisparse else 1
+capacity_tokens = args.max_total_tokens * ratio
+log(f"max_total_num_tokens={args.max_total_tokens}, chunked_prefill_size=8192, hisparse={args.enable_hisparse}")
+# a child in the same process group, like the scheduler / detokenizer
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", "mock-scheduler-child"])
+FLIP = int(os.environ.get("MOCK_FLIP_AT", "-1"))
+lock = threading.Condition()
+state = {"used": 0, "running": 0, "waiting": 0, "abort": 0, "tokens": 0}
+ready_at = time.time() + 1.0
+
+def out_ids(ids, n):
+    rng = random.Random(sum(ids[-64:]) * 7 + len(ids) + sum(ids) % 1000)
+    o = [rng.randrange(2, 32768) for _ in range(n)]
+    if 0 <= FLIP < n: o[FLIP] = (o[FLIP] + 1) % 32768
+    return o
+
+def reporter():
+    while True:
+        time.sleep(0.2)
+        with lock:
+            r, w, t = state["running"], state["waiting"], state["tokens"]; state["tokens"] = 0
+        if r:
+            use = (f"#gpu token: 100, gpu token usage: 0.10, #cpu token: 200, cpu token usage: 0.20" if args.enable_hisparse
+                   else f"#token: {r * 100}, token usage: {min(1.0, r * 0.1):.2f}")
+            log(f"Decode batch, #running-req: {r}, {use}, cuda graph: True, gen throughput (token/s): {t / 0.2:.2f}, #queue-req: {w}, ")
+threading.Thread(target=reporter, daemon=True).start()
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+    def log_message(self, *a): pass
+    def _json(self, code, obj):
+        b = json.dumps(obj).encode(); self.send_response(code)
+        self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(b)))
+        self.end_headers(); self.wfile.write(b)
+    def do_GET(self):
+        if self.path == "/health":
+            return self._json(200 if time.time() > ready_at else 503, {})
+        if self.path.startswith("/v1/loads"):
+            with lock:
+                return self._json(200, {"loads": [{"num_running_reqs": state["running"], "num_waiting_reqs": state["waiting"],
+                                                   "max_total_num_tokens": args.max_total_tokens}]})
+        if self.path == "/server_info":
+            return self._json(200, {"max_total_num_tokens": args.max_total_tokens, "version": "mock"})
+        self._json(404, {})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path == "/abort_request":
+            with lock:
+                state["abort"] += 1; lock.notify_all()
+            return self._json(200, {})
+        if self.path != "/generate":
+            return self._json(404, {})
+        ids, sp = body["input_ids"], body["sampling_params"]
+        n = sp["max_new_tokens"]; need = len(ids) + n
+        gen = state["abort"]
+        with lock:
+            state["waiting"] += 1
+            while state["used"] + need > capacity_tokens and gen == state["abort"]:
+                lock.wait(0.05)
+            state["waiting"] -= 1
+            aborted = gen != state["abort"]
+            if not aborted:
+                state["used"] += need
+        admitted = not aborted
+        if admitted:
+            with lock:
+                log(f"Prefill batch, #new-seq: 1, #new-token: {len(ids)}, #cached-token: 0, token usage: 0.10, "
+                    f"#running-req: {state['running']}, #queue-req: {state['waiting']}, #pending-token: 0, ")
+                state["running"] += 1
+        o = out_ids(ids, n)
+        done = 0
+        stream = body.get("stream")
+        if stream:
+            self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+        try:
+            while admitted and done < n:
+                time.sleep(0.002)
+                with lock:
+                    if gen != state["abort"]:
+                        aborted = True; break
+                    state["tokens"] += 1
+                done += 1
+                if stream:
+                    self.wfile.write(b"data: " + json.dumps({"output_ids": o[:done], "meta_info": {"completion_tokens": done,
+                                     "finish_reason": {"type": "length"} if done == n else None}}).encode() + b"\n\n")
+        finally:
+            if admitted:
+                with lock:
+                    state["running"] -= 1; state["used"] -= need; lock.notify_all()
+        fin = {"type": "abort"} if aborted else {"type": "length", "length": n}
+        meta = {"id": body.get("rid"), "finish_reason": fin, "prompt_tokens": len(ids), "completion_tokens": done}
+        if body.get("return_logprob"):
+            lps = [-1.0 - 0.001 * (t % 97) for t in o[:done]]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, o)]
+            meta["output_top_logprobs"] = [[[lp, t, None], [lp - 0.5, (t + 1) % 32768, None]] for lp, t in zip(lps, o)]
+        if stream:
+            self.wfile.write(b"data: " + json.dumps({"output_ids": o[:done], "meta_info": meta}).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
+        else:
+            self._json(200, {"output_ids": o[:done], "meta_info": meta})
+
+ThreadingHTTPServer.daemon_threads = True
+ThreadingHTTPServer(("127.0.0.1", args.port), H).serve_forever()
+'''
+
+MOCK_PLUGIN = '''
+import sys
+def register():
+    print("[mockplug] registered", file=sys.stderr, flush=True)
+'''
+
+
+def make_mock_site(root: Path) -> Path:
+    site = root / "mock_site"
+    (site / "sglang" / "srt" / "plugins").mkdir(parents=True)
+    (site / "sglang" / "srt" / "model_loader").mkdir(parents=True)
+    for d in ("sglang", "sglang/srt", "sglang/srt/plugins", "sglang/srt/model_loader"):
+        (site / d / "__init__.py").write_text("")
+    (site / "sglang" / "srt" / "plugins" / "hook_registry.py").write_text(MOCK_HOOKS)
+    (site / "sglang" / "srt" / "model_loader" / "weight_utils.py").write_text(MOCK_WEIGHT_UTILS)
+    (site / "sglang" / "launch_server.py").write_text(MOCK_SERVER)
+    (site / "mockplug.py").write_text(MOCK_PLUGIN)
+    return site
+
+
+def leftover_children() -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if b"mock-scheduler-child" in (p / "cmdline").read_bytes():
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids
+
+
+def mock_e2e(python: str) -> None:
+    global PASSES
+    with tempfile.TemporaryDirectory() as td:
+        td = Path(td)
+        site = make_mock_site(td)
+        out = td / "out"
+        common = ["--site", str(site), "--python", python, "--state-dir", str(td / "state"),
+                  "--out", str(out), "--max-total-tokens", "4096", "--corr-lens", "64,128", "--corr-seeds", "2",
+                  "--corr-out", "16", "--corr-pair-len", "128", "--cap-input-len", "256", "--cap-output-len", "500",
+                  "--cap-requests", "12", "--cap-plateau-s", "1.5", "--cap-poll-s", "0.1", "--tp-input-len", "128",
+                  "--tp-output-len", "200", "--tp-levels", "1,4,max", "--port-base", "39100", "--preflight-timeout", "60",
+                  "--health-timeout", "30", "--arm-min-s", "5", "--reserve-s", "5"]
+        # run 1: arms a,b; run 2: arm c with a mismatch injected and a loadable plugin entry point;
+        # run 3: arm c with an entry point that cannot be imported -> must fail loudly
+        r1 = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "a,b", *common],
+                            capture_output=True, text=True, timeout=300)
+        print(r1.stdout[-3000:], r1.stderr[-2000:], sep="\n", flush=True)
+        check(r1.returncode == 0, f"mock run 1 rc={r1.returncode}")
+        r2 = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "c", "--phases", "correctness,report",
+                             "--plugin-ep", "hisparse=mockplug:register", "--plugin-env", "MOCK_FLIP_AT=5", *common],
+                            capture_output=True, text=True, timeout=300)
+        print(r2.stdout[-2500:], r2.stderr[-2000:], sep="\n", flush=True)
+        check(r2.returncode == 0, f"mock run 2 rc={r2.returncode}")
+        res = json.loads((out / "results.json").read_text())
+        arms = res["arms"]
+        check(set(arms) == {"a", "b", "c"} and all(arms[x]["status"] == "ok" for x in arms),
+              f"all arms ok: { {x: arms[x].get('status') for x in arms} }")
+        ca, cb = arms["a"]["capacity"], arms["b"]["capacity"]
+        check(ca["max_running"] == 5 and "plateau" in ca["stop_reason"], f"baseline capacity {ca['max_running']} {ca['stop_reason']}")
+        check(cb["max_running"] == 12 and cb["stop_reason"] == "all requests running", f"hisparse capacity {cb['max_running']} {cb['stop_reason']}")
+        lv = {row["level"]: row for row in arms["b"]["throughput"]["levels"]}
+        check(set(lv) == {1, 4, "max"} and lv["max"]["concurrency"] == 12 and lv[4]["ok"] == 4
+              and lv[1]["tpot_ms_median"] and lv[1]["log_gen_tput_median"], f"throughput levels {list(lv)}")
+        check("capacity" in arms["a"] and arms["a"]["correctness"]["prompts_ok"] == 6, "arm a data kept across runs")
+        cmp_ba, cmp_ca = res["compare"]["b_vs_a"], res["compare"]["c_vs_a"]
+        check(cmp_ba["prompts_identical"] == 6 and cmp_ba["mismatched_tokens"] == 0, f"b vs a identical: {cmp_ba['prompts_identical']}")
+        check(cmp_ca["prompts_identical"] == 0 and all(r["first_mismatch"] == 5 for r in cmp_ca["per_prompt"]),
+              "c vs a: injected mismatch at token 5 detected")
+        check(arms["a"]["correctness"]["context_sensitive"] is True, "context-sensitivity pair differs in the mock")
+        check(arms["c"]["plugin_check"]["visible"] and not arms["c"]["plugin_check"]["failures"], "plugin visible in arm c")
+        check(cmp_ba["same_weights"] is True and arms["a"]["weight_fingerprints"], f"same weights b/a: {arms['a'].get('weight_fingerprints')}")
+        check(arms["a"]["log"]["dense_attn_threshold"] == 0, "dense threshold env reached the server")
+        files = sorted(p.name for p in out.iterdir())
+        check(len(files) <= 8 and {"results.json", "results.md", "server-a.log", "harness.log"} <= set(files), f"$OUT files {files}")
+        md = (out / "results.md").read_text()
+        check("| c=max: output tok/s (client) |" in md and "b_vs_a" in md, "markdown table rows")
+        r3 = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "c", "--phases", "correctness,report",
+                             "--plugin-ep", "hisparse=no_such_module_xyz:register", *common],
+                            capture_output=True, text=True, timeout=300)
+        res3 = json.loads((out / "results.json").read_text())
+        check(r3.returncode == 2 and res3["arms"]["c"]["status"] == "failed" and "plugin" in res3["arms"]["c"]["error"],
+              f"unloadable plugin makes arm c fail loudly (rc={r3.returncode}, {res3['arms']['c'].get('error', '')[:120]})")
+        # deadline handling: nothing fits -> arms skipped, rc 3, still a report
+        r4 = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "b", "--deadline-s", "3", "--fresh",
+                             *[x for x in common if x not in ()]], capture_output=True, text=True, timeout=120)
+        res4 = json.loads((out / "results.json").read_text())
+        check(r4.returncode == 3 and res4["arms"]["b"]["status"] == "skipped", f"deadline skip rc={r4.returncode}")
+        check(not leftover_children(), f"no mock scheduler children left: {leftover_children()}")
+        if FAILS:
+            shutil.copytree(td, "/tmp/e2e_selftest_failed", dirs_exist_ok=True)
+            print("kept the mock run in /tmp/e2e_selftest_failed")
+
+
+def server_args_check(python: str) -> None:
+    """Parse every arm's argv with the real sglang.srt.server_args under a fake CUDA device."""
+    with tempfile.TemporaryDirectory() as td:
+        td = Path(td)
+        stub = td / "stub"
+        stub.mkdir()
+        syms = ["cuGetErrorString", "cuGetProcAddress", "cuLaunchKernel", "cuFuncSetAttribute", "cuModuleGetFunction",
+                "cuModuleLoadData", "cuDriverGetVersion", "cuInit", "cuCtxGetCurrent", "cuLibraryLoadData",
+                "cuLibraryGetKernel", "cuKernelGetFunction", "cuLaunchKernelEx", "cuTensorMapEncodeTiled",
+                "cuGetErrorName", "cuDeviceGetAttribute", "cuOccupancyMaxActiveClusters", "cuLibraryUnload"]
+        # every cu* driver symbol the sgl_kernel extensions import (nm), so that they dlopen
+        skdir = subprocess.run([python, "-c", "import importlib.util as u; print(list(u.find_spec('sgl_kernel').submodule_search_locations)[0])"],
+                               capture_output=True, text=True).stdout.strip()
+        for so in Path(skdir).rglob("*.so") if skdir else []:
+            nm = subprocess.run(["nm", "-D", "--undefined-only", str(so)], capture_output=True, text=True).stdout
+            syms += [w.split("@")[0] for w in nm.split() if w.startswith("cu") and w[2:3].isupper()]
+        (td / "stub.c").write_text("".join(f"int {s}(void){{return 0;}}\n" for s in sorted(set(syms))))
+        if subprocess.run(["cc", "-shared", "-fPIC", "-o", str(stub / "libcuda.so.1"), str(td / "stub.c"),
+                           "-Wl,-soname,libcuda.so.1"]).returncode != 0:
+            print("server-args check skipped: no C compiler")
+            return
+        fake = textwrap.dedent('''
+            import sys, json, torch
+            for m in ("cutlass",): sys.modules[m] = None
+            class P: total_memory = 80 * 2**30; name = "NVIDIA H100 80GB HBM3"; major = 9; minor = 0; multi_processor_count = 132
+            torch.cuda.is_available = lambda: True; torch.cuda.device_count = lambda: 1
+            torch.cuda.get_device_capability = lambda d=None: (9, 0); torch.cuda.get_device_name = lambda d=None: P.name
+            torch.cuda.get_device_properties = lambda d=None: P(); torch.cuda.mem_get_info = lambda d=None: (78 * 2**30, 80 * 2**30)
+            torch.cuda.current_device = lambda: 0; torch.cuda._lazy_init = lambda: None
+            from sglang.srt.server_args import prepare_server_args
+            a = prepare_server_args(sys.argv[1:])
+            print("ARGS_JSON=" + json.dumps({k: getattr(a, k, None) for k in ("attention_backend", "dsa_prefill_backend",
+                  "dsa_decode_backend", "kv_cache_dtype", "page_size", "enable_hisparse", "hisparse_config",
+                  "max_total_tokens", "context_length", "disable_radix_cache", "skip_tokenizer_init", "load_format")}, default=str))
+        ''')
+        (td / "fake.py").write_text(fake)
+        # the fixture plugin through the real sglang plugin loader + HookRegistry
+        fixture_code = fake.split("from sglang.srt.server_args")[0] + textwrap.dedent('''
+            import sglang.srt.model_loader.loader as loader
+            from sglang.srt.plugins import load_plugins
+            load_plugins()
+            class Toy(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.embed_tokens = torch.nn.Embedding(64, 16); self.norm = torch.nn.LayerNorm(16)
+                    self.lm_head = torch.nn.Linear(16, 64, bias=False)
+            m = Toy(); loader.initialize_dummy_weights(m)
+            print("FIXTURE_JSON=" + json.dumps({"norm": float(m.norm.weight.mean()), "bias": float(m.norm.bias.abs().sum()),
+                  "emb_std": float(m.embed_tokens.weight.std()), "lm_std": float(m.lm_head.weight.std())}))
+        ''')
+        (td / "fixture_check.py").write_text(fixture_code)
+        a = E.parse_args(["--state-dir", str(td / "state")])
+        common, plug, _ = E.prepare_pyext(td / "state", a)
+        env = dict(os.environ, LD_LIBRARY_PATH=str(stub), PYTHONPATH=str(common), HISPARSE_E2E_WEIGHT_INIT="scaled")
+        p = subprocess.run([python, str(td / "fixture_check.py")], env=env, capture_output=True, text=True, timeout=600)
+        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("FIXTURE_JSON=")), None)
+        fx = json.loads(line.split("=", 1)[1]) if line else {}
+        print("fixture via sglang load_plugins:", fx, [ln for ln in p.stderr.splitlines() if "hisparse-e2e-fixture" in ln][-1:])
+        check(fx.get("norm") == 1.0 and fx.get("bias") == 0.0 and 0.07 < fx.get("emb_std", 0) < 0.13
+              and 0.35 < fx.get("lm_std", 0) < 0.65 and "fingerprint=" in p.stderr,
+              f"fixture hooked initialize_dummy_weights through sglang's HookRegistry: {fx} {p.stderr[-800:]}")
+        for arm in E.ALL_ARMS:
+            cmd, _ = E.arm_spec(arm, a, {}, common, plug, 30000)
+            argv = cmd[3:]  # drop "python -m sglang.launch_server"
+            env = dict(os.environ, LD_LIBRARY_PATH=str(stub), SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD="0")
+            p = subprocess.run([python, str(td / "fake.py"), *argv], env=env, capture_output=True, text=True, timeout=600)
+            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("ARGS_JSON=")), None)
+            check(line is not None, f"arm {arm}: prepare_server_args failed: {p.stderr[-1500:]}")
+            if line:
+                got = json.loads(line.split("=", 1)[1])
+                print(f"arm {arm}: {got}")
+                check(got["attention_backend"] == "dsa" and got["dsa_prefill_backend"] == "flashmla_sparse"
+                      and got["dsa_decode_backend"] == "flashmla_sparse" and got["kv_cache_dtype"] == "bfloat16"
+                      and str(got["enable_hisparse"]) == str(arm != "a"), f"arm {arm} resolved args {got}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--torch-python", default=sys.executable, help="python that runs the mock server")
+    ap.add_argument("--server-args-python", default=None, help="python with sglang==0.5.17 installed")
+    ap.add_argument("--skip-mock", action="store_true")
+    a = ap.parse_args()
+    unit_checks()
+    if not a.skip_mock:
+        mock_e2e(a.torch_python)
+    if a.server_args_python:
+        server_args_check(a.server_args_python)
+    print(f"{PASSES} passed, {len(FAILS)} failed")
+    for f in FAILS:
+        print("  FAILED:", f)
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
