@@ -79,6 +79,7 @@ MALFORMED = [
     ('{"page_size": 48}', None, ["page_size (48) must be a power of two"]),
     ('{"swap_in_block_size": 960}', None, ["swap_in_block_size (960) must be one of"]),
     ('{"swap_in_block_size": 0}', None, ["swap_in_block_size (0) must be one of"]),
+    ('{"swap_in_block_size": 128}', None, ["swap_in_block_size (128) must be one of", "(256, 512, 1024)"]),
     ('{"resident_first": "yes"}', None, ["resident_first must be true or false"]),
     ('{"resident_first": 1}', None, ["resident_first must be true or false"]),
     ('{"promote_free_fraction": 1.5}', None, ["promote_free_fraction (1.5) must be in [0, 1)"]),

@@ -19,12 +19,13 @@ __all__ = ["HiSparseConfig", "HiSparseConfigError", "DEFAULT_TOP_K"]
 DEFAULT_TOP_K = 2048
 # LRU order entries are int16, so a slot index must fit in 15 bits.
 MAX_DEVICE_BUFFER_SIZE = 32767
-SWAP_IN_BLOCK_SIZES = (128, 256, 512, 1024)
+# Thread counts the swap-in kernel is instantiated for (csrc/swap_in_binding.cu).
+SWAP_IN_BLOCK_SIZES = (256, 512, 1024)
 
 
 @dataclasses.dataclass(frozen=True)
 class HiSparseConfig:
-    """Validated HiSparse settings (see docs/config.md for the user-facing reference).
+    """Validated HiSparse settings (README.md, section Configuration, is the user-facing reference).
 
     Attributes:
         top_k: tokens the sparse indexer selects per layer and decode step; must equal the
@@ -34,8 +35,8 @@ class HiSparseConfig:
         host_to_device_ratio: the host pool (and SGLang's logical token space) holds this many
             times the device KV pool's tokens.
         page_size: tokens per KV page; SGLang's DSA backend requires 64.
-        swap_in_block_size: CUDA threads per block of the swap-in kernel, or None to let the
-            op choose.
+        swap_in_block_size: CUDA threads per block of the swap-in kernel (256, 512 or 1024), or
+            None for the op's default (1024).
         resident_first: keep a request's whole KV on the GPU while the device pool can hold
             it and demote it to the small buffer only under memory pressure. False reproduces
             SGLang's in-tree behaviour (every long request offloaded from its first step).
@@ -43,8 +44,9 @@ class HiSparseConfig:
             least this fraction of the device pool stays free afterwards (hysteresis).
         switch_cooldown_steps: decode steps a request stays in a mode before it may switch
             back (hysteresis).
-        max_switches_per_step: most demotions plus promotions the coordinator starts in one
-            scheduler step (bounds the work added to any step).
+        max_switches_per_step: most promotions the coordinator starts in one scheduler step
+            (bounds the copies added to any step; demotions copy nothing and happen only as
+            far as memory pressure requires).
     """
 
     top_k: int = DEFAULT_TOP_K

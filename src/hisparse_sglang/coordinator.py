@@ -290,6 +290,7 @@ class Coordinator:
             self.device_layers[layer_id],
             out=out,
             counters=self.swap_counters,
+            threads=self.config.swap_in_block_size,
         )
 
     def wait_for_pending_backup(self) -> None:
@@ -344,6 +345,19 @@ class Coordinator:
         if record.mode == OFFLOADED:
             self.allocator.free_device_pages_of_rows(self.buffers.release(slot))
             self.allocator.unmap_(self.req_to_token[slot, : record.seq_len])
+
+    def retract(self, slot: int) -> None:
+        """End a request whose KV the scheduler keeps to resume it later (PD decode retraction).
+
+        The token decoded last is backed up only at the next step otherwise; this copies it to
+        the host and waits, so that the host rows hold positions ``[0, seq_len)`` when the
+        scheduler reads them, then releases the request like :meth:`finish`.
+        """
+        record = self.requests.get(slot)
+        if record is not None and slot not in self.pending and record.host_len < record.seq_len:
+            self._backup_previous_tokens([record])
+            self.streams.record(self.streams.backup).synchronize()
+        self.finish(slot)
 
     # ================================================================== capacity
     def reclaimable_pages(self) -> int:

@@ -126,6 +126,36 @@ class Stack:
                 assert torch.equal(got[:, :, :512], nope), f"{r.rid} layer {layer.layer_id}: wrong KV rows"
                 assert torch.equal(got[:, :, 512:], rope)
 
+    def pd_prealloc(self, req, fill_len: int) -> torch.Tensor:
+        """DecodePreallocQueue._pre_alloc under HiSparse (with our hook): logical locations only,
+        written to req_to_token after the host pool was asked for them. Returns the host rows."""
+        from sglang.srt.disaggregation.decode import alloc_for_decode_prealloc_hisparse
+
+        from hisparse_sglang.integration.sglang.hooks import _alloc_for_decode_prealloc_after
+
+        self.req_to_token_pool.alloc([req])
+        req.kv_committed_len = fill_len
+        prealloc = dict(req=req, fill_len=fill_len, uses_swa_tail=False, swa_tail_len=0)
+        locs = alloc_for_decode_prealloc_hisparse(self.allocator, **prealloc)
+        _alloc_for_decode_prealloc_after(locs, self.allocator, **prealloc)
+        host_rows = self.coordinator.mem_pool_host.alloc_paged_token_slots(
+            self.coordinator.req_to_host_pool, self.coordinator.req_to_host_pool_allocated_len, req.req_pool_idx, 0,
+            fill_len,
+        )
+        self.req_to_token_pool.write((req.req_pool_idx, slice(0, fill_len)), locs.to(torch.int32))
+        self.lens[req.rid] = fill_len
+        return host_rows
+
+    def pd_admit(self, req, prompt_len: int) -> None:
+        """PD decode: preallocation, the prefill instance's write into the host rows it was given,
+        then direct admission."""
+        host_rows = self.pd_prealloc(req, prompt_len)
+        for layer in self.layers:
+            nope, rope = token_values(self.uids[req.rid], torch.arange(prompt_len), layer.layer_id)
+            row_bytes = torch.cat([nope, rope], dim=-1).reshape(prompt_len, -1).view(torch.uint8)
+            self.coordinator.host_pool.layers[layer.layer_id][host_rows] = row_bytes
+        self.coordinator.admit_request_direct(req)
+
     def release(self, req) -> None:
         """What release_kv_cache does for a ChunkCache: free the request's locations and its slot."""
         self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv.kv_allocated_len])
@@ -223,3 +253,93 @@ def test_pd_host_pool_exposes_layer_regions_and_preallocated_rows():
     rows = host.alloc_paged_token_slots(None, None, 3, 0, 130)
     assert torch.equal(rows, locs) and bool((rows[::PAGE] % PAGE == 0).all())
     assert bool((stack.allocator.rows.translate(locs) == 0).all()), "logical-only locations must not map to device rows"
+
+
+@pytest.fixture
+def pd_decode_server_args():
+    """SGLang's release path reads the process config SGLang publishes at launch: publish
+    ServerArgs' declared defaults (without __post_init__, which resolves a model) for a PD decode
+    instance, and withdraw them afterwards."""
+    import dataclasses
+
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    args = object.__new__(ServerArgs)
+    for field in dataclasses.fields(ServerArgs):
+        if field.default is not dataclasses.MISSING:
+            setattr(args, field.name, field.default)
+        elif field.default_factory is not dataclasses.MISSING:
+            setattr(args, field.name, field.default_factory())
+        else:
+            setattr(args, field.name, None)
+    args.disaggregation_mode = "decode"
+    runtime_context.publish(args, role="test")
+    yield args
+    runtime_context.reset_context()
+
+
+@pytest.mark.parametrize("prompt_len, resident_first", [(200, True), (700, True), (700, False)])
+def test_pd_decode_retraction_round_trip_restores_kv_and_indexer_keys(
+    prompt_len, resident_first, pd_decode_server_args
+):
+    """SGLang's PD-decode retraction (release_req with offload_kv) and resume (load_kv_cache):
+    the resumed request decodes on from exactly the KV it had (short ones resident, long ones
+    offloaded), though its old locations were reused in between. The in-tree HiSparse raises."""
+    from sglang.srt.managers.schedule_batch import release_req
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.chunk_cache import ChunkCache
+
+    from hisparse_sglang.integration.sglang.hooks import _load_kv_cache_after
+
+    stack = Stack(resident_first=resident_first)
+    cache = ChunkCache(CacheInitParams(disable=True, req_to_token_pool=stack.req_to_token_pool,
+                                       token_to_kv_pool_allocator=stack.allocator, page_size=PAGE))
+    req = stack.new_req("p", prompt_len)
+    stack.pd_admit(req, prompt_len)
+    offloaded = stack.coordinator.core.requests[req.req_pool_idx].mode == "offloaded"
+    assert offloaded == (prompt_len > stack.config.device_buffer_size), "long requests start offloaded"
+    req.output_ids = [7]  # the prefill instance's first token
+    index_k = stack.pool.index_k_with_scale_buffer
+    pages = stack.pool.index_k_pages(stack.req_to_token_pool.req_to_token[req.req_pool_idx, :prompt_len])
+    for layer, buffer in enumerate(index_k):
+        pattern = torch.arange(buffer.shape[1], dtype=torch.int64) + 31 * layer
+        buffer[pages] = ((pattern[None, :] + 7 * pages[:, None]) % 251).to(torch.uint8)
+    for _ in range(5):
+        stack.decode([req])
+        req.output_ids.append(7)
+        req.kv_committed_len += 1
+    assert req.seqlen - 1 == stack.lens["p"]
+    if not resident_first:
+        assert stack.coordinator.core.requests[req.req_pool_idx].mode == "offloaded"
+
+    kept_pages = stack.pool.index_k_pages(stack.req_to_token_pool.req_to_token[req.req_pool_idx, : req.seqlen - 1])
+    expected_index_k = [buffer[kept_pages].clone() for buffer in index_k]
+    release_req(
+        req=req, remaing_req_count=1, server_args=pd_decode_server_args, req_to_token_pool=stack.req_to_token_pool,
+        token_to_kv_pool_allocator=stack.allocator, tree_cache=cache, hisparse_coordinator=stack.coordinator,
+    )
+    assert req.kv is None and req.kv_cache_cpu is not None
+    stack.assert_all_free()
+
+    # another request takes the freed locations and overwrites their host rows and indexer keys
+    other = stack.new_req("q", prompt_len + 64)
+    stack.pd_admit(other, prompt_len + 64)
+    for buffer in index_k:
+        buffer.fill_(0xEE)
+
+    # resume, as DecodePreallocQueue.resume_retracted_reqs does: preallocate, load, admit (our hook)
+    stack.pd_prealloc(req, req.seqlen - 1)
+    req.load_kv_cache(stack.req_to_token_pool, stack.allocator)
+    _load_kv_cache_after(None, req, stack.req_to_token_pool, stack.allocator)
+    assert req.req_pool_idx in stack.coordinator.core.requests
+
+    new_pages = stack.pool.index_k_pages(stack.req_to_token_pool.req_to_token[req.req_pool_idx, : req.seqlen - 1])
+    for buffer, expected in zip(index_k, expected_index_k):
+        assert torch.equal(buffer[new_pages], expected), "indexer keys were not restored"
+    for _ in range(5):
+        stack.decode([req, other])  # checks every top-k row's KV against the original values
+    for r in (req, other):
+        stack.coordinator.request_finished(r)
+        stack.release(r)
+    stack.assert_all_free()

@@ -31,6 +31,9 @@ def swap_in(
     device_kv: torch.Tensor,
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    *,
+    splits: int | None = None,
+    threads: int | None = None,
 ) -> torch.Tensor:
     """Make one layer's top-k tokens resident on the GPU and return their device rows.
 
@@ -59,6 +62,8 @@ def swap_in(
         out: optional int32 ``[B, K]`` to write into.
         counters: optional int64 ``[2]``, incremented in place for offloaded rows by the number of
             distinct non-newest tokens looked up (``[0]``) and of misses copied (``[1]``).
+        splits, threads: launch parameters of the CUDA twin (CTAs per request, threads per
+            block); they do not change the result and are ignored here.
 
     Returns:
         int32 ``[B, K]``: the device row of every top-k entry, -1 for padding.

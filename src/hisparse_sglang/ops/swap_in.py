@@ -73,13 +73,15 @@ def _workspace_for(device: torch.device) -> "_Workspace":
     return workspace
 
 
-def reserve(device: torch.device | str, max_batch: int, top_k: int, buffer_size: int | None = None) -> None:
+def reserve(
+    device: torch.device | str, max_batch: int, top_k: int, buffer_size: int | None = None, threads: int | None = None
+) -> None:
     """Allocate the swap-in workspace for batches up to ``max_batch`` and query the kernel's
-    occupancy (call before CUDA-graph capture)."""
+    occupancy for ``threads`` per block (call before CUDA-graph capture)."""
     device = _normalized(device)
     _workspace_for(device).get(device, max_batch, top_k)
     if buffer_size is not None:
-        choose_splits(1, top_k, buffer_size, DEFAULT_THREADS, device)
+        choose_splits(1, top_k, buffer_size, threads or DEFAULT_THREADS, device)
 
 
 def choose_splits(batch: int, top_k: int, buffer_size: int, threads: int, device: torch.device) -> int:

@@ -112,6 +112,51 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
         else:
             self.free_group.append(free_index)
 
+    # ---------------------------------------------------------------- PD decode retraction
+    def get_cpu_copy(self, indices, mamba_indices=None):
+        """Copy of a retracted request's KV for SGLang to keep until it resumes (PD decode).
+
+        The coordinator's ``retract_req`` has completed the request's host rows; they and the
+        request's indexer-key pages are copied to plain CPU memory (its locations are freed and
+        reused right after).
+
+        Args:
+            indices: the request's logical locations, positions ``[0, seqlen - 1)``.
+        Returns:
+            ``{"kv": [layer uint8 [n, row bytes]], "index_k": [layer uint8 [pages, page bytes]]}``.
+        """
+        host_pool = self._host_pool()
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)  # the retraction backup and any staging copy
+        locs = indices.to(device="cpu", dtype=torch.int64)
+        return {
+            "kv": [layer[locs] for layer in host_pool.layers],
+            "index_k": self._kvcache.index_k_to_cpu(indices),
+        }
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
+        """Restore :meth:`get_cpu_copy`'s copy at the resumed request's new locations; SGLang then
+        admits the request like a PD transfer (``admit_request_direct``, hooked on load_kv_cache)."""
+        host_pool = self._host_pool()
+        locs = indices.to(device="cpu", dtype=torch.int64)
+        kv = kv_cache_cpu["kv"]
+        if len(kv) != host_pool.layer_num or any(part.shape[0] != locs.numel() for part in kv):
+            raise UnsupportedSetupError(
+                f"retracted KV copy has {len(kv)} layers of {[part.shape[0] for part in kv][:1]} rows; the "
+                f"resumed request has {host_pool.layer_num} layers and {locs.numel()} locations."
+            )
+        for layer, part in zip(host_pool.layers, kv):
+            layer[locs] = part
+        self._kvcache.load_index_k(kv_cache_cpu["index_k"], indices)
+
+    def _host_pool(self):
+        if self.coordinator_adapter is None:
+            raise UnsupportedSetupError(
+                "the HiSparse coordinator does not exist yet; retracted KV cannot be copied before the model "
+                "runner built it."
+            )
+        return self.coordinator_adapter.host_pool
+
     def clear(self):
         self.rows.clear()
         self.is_not_in_free_group = True

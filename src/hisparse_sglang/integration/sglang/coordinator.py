@@ -107,7 +107,9 @@ class SGLangHiSparseCoordinator:
 
             started = time.monotonic()
             load_module()  # compile before any CUDA-graph capture
-            ops.reserve(self.device, num_req_slots, config.top_k, config.device_buffer_size)
+            ops.reserve(
+                self.device, num_req_slots, config.top_k, config.device_buffer_size, config.swap_in_block_size
+            )
             logger.info("HiSparse: CUDA kernels ready in %.1f s", time.monotonic() - started)
         else:
             from hisparse_sglang.ops import reference as ops
@@ -189,20 +191,27 @@ class SGLangHiSparseCoordinator:
 
     # ------------------------------------------------------------------ request end
     def request_finished(self, req) -> None:
-        """SGLang calls this (and retract_req, abort_staging_request) before releasing a request's KV."""
+        """SGLang calls this (and abort_staging_request) before releasing a request's KV."""
         self.release_slot(getattr(req, "req_pool_idx", None))
 
-    retract_req = request_finished
     abort_staging_request = request_finished
 
-    def release_slot(self, slot) -> None:
+    def retract_req(self, req) -> None:
+        """Before a retracted request's KV is released; in PD decode SGLang then copies the KV out
+        (``get_cpu_copy``) to restore it on resume, so the host rows are completed first."""
+        self.release_slot(getattr(req, "req_pool_idx", None), retract=True)
+
+    def release_slot(self, slot, retract: bool = False) -> None:
         """Drop everything held for a request slot; a no-op for slots HiSparse does not know."""
         if slot is None:
             return
         slot = int(slot)
         self._staging.pop(slot, None)
         self.mem_pool_host.preallocated.pop(slot, None)
-        self.core.finish(slot)
+        if retract:
+            self.core.retract(slot)
+        else:
+            self.core.finish(slot)
 
     # ------------------------------------------------------------------ stats
     def get_token_stats(self) -> HiSparseTokenStats:

@@ -156,6 +156,15 @@ def _alloc_for_decode_prealloc_after(result, allocator, *, req, fill_len, uses_s
     return result
 
 
+def _load_kv_cache_after(result, self, req_to_token_pool, token_to_kv_pool_allocator):
+    """AFTER Req.load_kv_cache: a retracted PD-decode request resumed with its KV back in the host
+    pool is admitted like a transferred one (SGLang 0.5.17 puts it in the waiting queue directly)."""
+    coordinator = getattr(token_to_kv_pool_allocator, "coordinator_adapter", None)
+    if coordinator is not None:
+        coordinator.admit_request_direct(self)
+    return result
+
+
 def _report_decode_stats_after(result, self, can_run_cuda_graph=False, running_batch=None, num_correct_drafts=0):
     """AFTER SchedulerMetricsReporter.report_decode_stats: the HiSparse log line and metrics."""
     coordinator = getattr(self.scheduler, "hisparse_coordinator", None)
@@ -226,6 +235,11 @@ HOOKS: tuple[HookSpec, ...] = (
         lambda: _alloc_for_decode_prealloc_after,
         why="PD decode asks the host pool for rows before writing req_to_token; host rows are the logical locations",
         upstream="pass the preallocated locations to alloc_paged_token_slots",
+    ),
+    HookSpec(
+        "sglang.srt.managers.schedule_batch.Req.load_kv_cache", "AFTER", lambda: _load_kv_cache_after,
+        why="PD decode resumes retracted requests without admit_request_direct; HiSparse must admit them",
+        upstream="resume_retracted_reqs calling the coordinator's admit_request_direct",
     ),
     HookSpec(
         "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats",

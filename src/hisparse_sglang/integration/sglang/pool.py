@@ -90,11 +90,47 @@ class HiSparseDevicePool(DSATokenToKVPool):
     def get_mla_kv_buffer(self, layer, loc, dst_dtype=None):
         return super().get_mla_kv_buffer(layer, self._rows_of(loc), dst_dtype)
 
+    # ---------------------------------------------------------------- indexer keys (PD decode retraction)
+    def index_k_pages(self, locs: torch.Tensor) -> torch.Tensor:
+        """Index-K page ids (int64, on the pool's device) of a request's locations.
+
+        Args:
+            locs: a request's logical locations in position order, from a page start (its
+                ``req_to_token`` row), on any device.
+        """
+        locs = locs.to(device=self.index_k_with_scale_buffer[0].device, dtype=torch.int64)
+        if locs.numel() and int(locs[0]) % self.page_size:
+            raise UnsupportedSetupError(
+                f"the request's first location ({int(locs[0])}) is not at a page start (page size "
+                f"{self.page_size}); its indexer keys cannot be copied page-wise."
+            )
+        return locs[:: self.page_size] // self.page_size
+
+    def index_k_to_cpu(self, locs: torch.Tensor) -> list[torch.Tensor]:
+        """Per layer: uint8 ``[pages, bytes per page]`` CPU copy of the locations' indexer keys."""
+        pages = self.index_k_pages(locs)
+        return [buffer[pages].cpu() for buffer in self.index_k_with_scale_buffer]
+
+    def load_index_k(self, pages_cpu: list[torch.Tensor], locs: torch.Tensor) -> None:
+        """Write :meth:`index_k_to_cpu`'s copies back, at the pages of (new) locations ``locs``."""
+        pages = self.index_k_pages(locs)
+        if len(pages_cpu) != len(self.index_k_with_scale_buffer):
+            raise UnsupportedSetupError(
+                f"indexer-key copy has {len(pages_cpu)} layers, the pool {len(self.index_k_with_scale_buffer)}."
+            )
+        for buffer, data in zip(self.index_k_with_scale_buffer, pages_cpu):
+            if data.shape[0] != pages.numel():
+                raise UnsupportedSetupError(
+                    f"indexer-key copy holds {data.shape[0]} pages but the request now has {pages.numel()}."
+                )
+            buffer[pages] = data.to(buffer.device, non_blocking=False)
+
     def get_cpu_copy(self, indices, mamba_indices=None):
+        """Guard: the KV of logical locations lives in the host pool, not at ``kv_buffer[indices]``;
+        SGLang copies it through the allocator (``HiSparseTokenAllocator.get_cpu_copy``)."""
         raise UnsupportedSetupError(
-            "HiSparse does not support retracting decode requests to CPU memory (PD decode retraction); "
-            "give the decode instance more host memory (host_to_device_ratio) or fewer running requests "
-            "(--max-running-requests)."
+            "HiSparseDevicePool.get_cpu_copy was called directly; the KV of logical locations is in the "
+            "HiSparse host pool. Call the token allocator's get_cpu_copy instead."
         )
 
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
