@@ -65,8 +65,8 @@ inline size_t swap_in_smem_bytes(int top_k, int buffer_size, int hash_bits) {
   bytes += hash * 4;            // keys
   bytes += hash * 4;            // first occurrence index
   bytes += hash * 2;            // slot holding the token (int16), -1 none
-  bytes += hash * 4;            // host row of the token
   bytes += size_t(buffer_size) * 4;  // copy of the slot -> token table
+  bytes += size_t(buffer_size + 1) * 4;  // copy of the slot -> device row table (slot D included)
   bytes += size_t(top_k) * 2;   // hash index per entry (-1: padding or newest)
   bytes += size_t(top_k) * 2;   // hash index per miss rank
   bytes += size_t(top_k) * 2;   // evictable slot per miss rank
@@ -94,35 +94,35 @@ __device__ __forceinline__ int find_key(const int32_t* keys, int32_t key, int bi
   }
 }
 
-__device__ __forceinline__ int warp_inclusive_scan(int value) {
+__device__ __forceinline__ uint64_t warp_inclusive_scan(uint64_t value) {
   const int lane = threadIdx.x % kWarpSize;
 #pragma unroll
   for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-    const int other = __shfl_up_sync(0xffffffffu, value, offset);
+    const uint64_t other = __shfl_up_sync(0xffffffffu, value, offset);
     if (lane >= offset) value += other;
   }
   return value;
 }
 
-// Exclusive prefix sum over the block in thread order; `total` receives the block sum.
+// Exclusive prefix sum over the block in thread order; `total` receives the block sum. The 64-bit
+// value carries four 16-bit counters at once (no field overflows: every total is < 2^16).
 template <int THREADS>
-__device__ __forceinline__ int block_exclusive_scan(int value, int* warp_sums, int& total) {
+__device__ __forceinline__ uint64_t block_exclusive_scan(uint64_t value, uint64_t* warp_sums, uint64_t& total) {
   constexpr int kWarps = THREADS / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
-  const int inclusive = warp_inclusive_scan(value);
+  const uint64_t inclusive = warp_inclusive_scan(value);
   if (lane == kWarpSize - 1) warp_sums[warp] = inclusive;
   __syncthreads();
   if (warp == 0) {
-    const int x = lane < kWarps ? warp_sums[lane] : 0;
-    const int x_inclusive = warp_inclusive_scan(x);
+    const uint64_t x = lane < kWarps ? warp_sums[lane] : 0;
+    const uint64_t x_inclusive = warp_inclusive_scan(x);
     if (lane < kWarps) warp_sums[lane] = x_inclusive - x;
     if (lane == kWarps - 1) warp_sums[kWarps] = x_inclusive;
   }
   __syncthreads();
-  const int exclusive = warp_sums[warp] + inclusive - value;
+  const uint64_t exclusive = warp_sums[warp] + inclusive - value;
   total = warp_sums[kWarps];
-  __syncthreads();
   return exclusive;
 }
 
@@ -173,7 +173,7 @@ __device__ __forceinline__ void store_release(int32_t* ptr, int value) {
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) {
   static_assert(THREADS % kWarpSize == 0 && THREADS <= 1024, "block size");
-  __shared__ int warp_sums[THREADS / kWarpSize + 1];
+  __shared__ uint64_t warp_sums[THREADS / kWarpSize + 1];
   __shared__ int shared_count;
 
   const int b = blockIdx.x % p.batch;
@@ -240,9 +240,9 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   const int H = 1 << p.hash_bits;
   int32_t* keys = reinterpret_cast<int32_t*>(smem);
   int32_t* first = keys + H;
-  int32_t* token_host_row = first + H;
-  int32_t* held_tokens = token_host_row + H;
-  int16_t* token_slot = reinterpret_cast<int16_t*>(held_tokens + D);
+  int32_t* held_tokens = first + H;
+  int32_t* row_of_slot = held_tokens + D;
+  int16_t* token_slot = reinterpret_cast<int16_t*>(row_of_slot + D + 1);
   int16_t* entry_hash = token_slot + H;
   int16_t* miss_hash = entry_hash + K;
   int16_t* miss_slot = miss_hash + K;
@@ -263,21 +263,17 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
 
   // S1, two halves of the block at once so that their global loads overlap:
   //  - first half: classify the top-k entries, insert the distinct non-newest tokens with their
-  //    first index and their host row;
-  //  - second half: stage the slot -> token table and the LRU order in shared memory.
+  //    first index (host rows are looked up later, for the misses only);
+  //  - second half: stage the slot -> token, slot -> device row tables and the LRU order in shared
+  //    memory.
   constexpr int kHalf = THREADS / 2;
   const uint32_t mask = static_cast<uint32_t>(H - 1);
   if (tid < kHalf) {
     const int32_t newest_row = slot_rows[D];
     for (int base = tid; base < K; base += kHalf * kBatch) {
       int32_t t[kBatch];
-      int32_t host_row[kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) t[u] = base + u * kHalf < K ? top_k[base + u * kHalf] : -1;
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        host_row[u] = (t[u] >= 0 && t[u] < newest) ? positions_to_loc[t[u]] : 0;
-      }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int i = base + u * kHalf;
@@ -295,7 +291,6 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
             h = (h + 1u) & mask;
           }
           atomicMin(first + h, i);
-          token_host_row[h] = host_row[u];  // duplicates write the same value
           h_out = static_cast<int16_t>(h);
         }
         entry_hash[i] = h_out;
@@ -303,13 +298,16 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
     }
   } else {
     constexpr int kSlotBatch = 2 * kBatch;
+    if (tid == kHalf) row_of_slot[D] = slot_rows[D];
     for (int base = tid - kHalf; base < D; base += kHalf * kSlotBatch) {
       int32_t t[kSlotBatch];
+      int32_t row[kSlotBatch];
       int16_t order[kSlotBatch];
 #pragma unroll
       for (int u = 0; u < kSlotBatch; ++u) {
         const int j = base + u * kHalf;
         t[u] = j < D ? slot_tokens[j] : -1;
+        row[u] = j < D ? slot_rows[j] : 0;
         order[u] = j < D ? lru[j] : 0;
       }
 #pragma unroll
@@ -317,6 +315,7 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
         const int j = base + u * kHalf;
         if (j < D) {
           held_tokens[j] = t[u];
+          row_of_slot[j] = row[u];
           lru_copy[j] = order[u];
         }
       }
@@ -337,39 +336,39 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   }
   __syncthreads();
 
-  // S3: misses = first occurrences whose token no slot holds, ranked in entry order.
+  // S3: one block scan ranks two things at once, in four 16-bit fields:
+  //  - over the entries (in entry order): distinct tokens (bits 0-15) and misses = first
+  //    occurrences whose token no slot holds (bits 16-31);
+  //  - over the LRU order: evictable slots (bits 32-47) and hit slots (bits 48-63).
   const int entries_per_thread = (K + THREADS - 1) / THREADS;
   const int entry_begin = min(K, tid * entries_per_thread);
   const int entry_end = min(K, entry_begin + entries_per_thread);
-  int local = 0;  // (misses << 16) | distinct
+  const int slots_per_thread = (D + THREADS - 1) / THREADS;
+  const int slot_begin = min(D, tid * slots_per_thread);
+  const int slot_end = min(D, slot_begin + slots_per_thread);
+  uint64_t local = 0;
   for (int i = entry_begin; i < entry_end; ++i) {
     const int h = entry_hash[i];
-    if (h >= 0 && first[h] == i) local += 1 + (token_slot[h] < 0 ? (1 << 16) : 0);
+    if (h >= 0 && first[h] == i) local += token_slot[h] < 0 ? 0x10001ull : 0x1ull;
   }
-  int totals;
-  int rank = block_exclusive_scan<THREADS>(local, warp_sums, totals);
-  const int num_distinct = totals & 0xffff;
-  const int num_miss = totals >> 16;
-  int miss_rank = rank >> 16;
+  for (int position = slot_begin; position < slot_end; ++position) {
+    local += slot_hit[lru_copy[position]] ? (1ull << 48) : (1ull << 32);
+  }
+  uint64_t totals;
+  const uint64_t rank = block_exclusive_scan<THREADS>(local, warp_sums, totals);
+  const int num_distinct = static_cast<int>(totals & 0xffff);
+  const int num_miss = static_cast<int>((totals >> 16) & 0xffff);
+  const int num_evictable = static_cast<int>((totals >> 32) & 0xffff);
+
+  // S4: misses in entry order take the first num_miss evictable slots of the LRU walk; hits and
+  // evictable slots keep their relative order. New order: [unused evictable | miss slots | hits].
+  int miss_rank = static_cast<int>((rank >> 16) & 0xffff);
   for (int i = entry_begin; i < entry_end; ++i) {
     const int h = entry_hash[i];
     if (h >= 0 && first[h] == i && token_slot[h] < 0) miss_hash[miss_rank++] = static_cast<int16_t>(h);
   }
-
-  // S4: walk the LRU order: hits and evictable slots keep their relative order; the first
-  // num_miss evictable slots take the misses. New order: [unused evictable | miss slots | hits].
-  const int slots_per_thread = (D + THREADS - 1) / THREADS;
-  const int slot_begin = min(D, tid * slots_per_thread);
-  const int slot_end = min(D, slot_begin + slots_per_thread);
-  local = 0;  // (hits << 16) | evictable
-  for (int position = slot_begin; position < slot_end; ++position) {
-    local += slot_hit[lru_copy[position]] ? (1 << 16) : 1;
-  }
-  rank = block_exclusive_scan<THREADS>(local, warp_sums, totals);
-  const int num_hit = totals >> 16;
-  const int num_evictable = totals & 0xffff;
-  int hit_rank = rank >> 16;
-  int evict_rank = rank & 0xffff;
+  int evict_rank = static_cast<int>((rank >> 32) & 0xffff);
+  int hit_rank = static_cast<int>(rank >> 48);
   for (int position = slot_begin; position < slot_end; ++position) {
     const int16_t slot = lru_copy[position];
     int destination;
@@ -390,11 +389,11 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
 
   // S5: assign misses to slots, publish the copy plan.
   for (int base = tid; base < num_miss; base += THREADS * kBatch) {
-    int32_t device_row[kBatch];
+    int32_t host_row[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int k = base + u * THREADS;
-      device_row[u] = k < num_miss ? slot_rows[miss_slot[k]] : 0;
+      host_row[u] = k < num_miss ? positions_to_loc[keys[miss_hash[k]]] : 0;
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
@@ -404,13 +403,13 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
         const int16_t slot = miss_slot[k];
         token_slot[h] = slot;
         slot_tokens[slot] = keys[h];
-        plan[2 * k] = token_host_row[h];
-        plan[2 * k + 1] = device_row[u];
+        plan[2 * k] = host_row[u];
+        plan[2 * k + 1] = row_of_slot[slot];
       }
     }
   }
   // Every writer of the plan fences before the flag is released (read by helper CTAs).
-  if (p.splits > 1) __threadfence();
+  if (p.splits > 1 && num_miss > 0) __threadfence();
   __syncthreads();
   if (tid == 0 && p.splits > 1) {
     p.plan_count[b] = num_miss;
@@ -425,7 +424,7 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
     for (int u = 0; u < kBatch; ++u) {
       const int i = base + u * THREADS;
       const int h = i < K ? entry_hash[i] : -1;
-      row[u] = h >= 0 ? slot_rows[token_slot[h]] : -1;
+      row[u] = h >= 0 ? row_of_slot[token_slot[h]] : -1;
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {

@@ -50,17 +50,17 @@ def _has_mooncake() -> str | None:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "gpu" in item.keywords and not _has_gpu():
+        if item.get_closest_marker("gpu") and not _has_gpu():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine (docs/kernels.md)"))
-        if "sglang" in item.keywords and _sglang_version() != "0.5.17":
+        if item.get_closest_marker("sglang") and _sglang_version() != "0.5.17":
             item.add_marker(
                 pytest.mark.skip(reason=f"needs sglang==0.5.17 (found {_sglang_version()}); .ci/run installs it")
             )
-        if "mooncake" in item.keywords:
+        if item.get_closest_marker("mooncake"):
             reason = _has_mooncake()
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
-        if "slow" in item.keywords and os.environ.get("HISPARSE_RUN_SLOW") != "1":
+        if item.get_closest_marker("slow") and os.environ.get("HISPARSE_RUN_SLOW") != "1":
             item.add_marker(pytest.mark.skip(reason="slow test; set HISPARSE_RUN_SLOW=1 to run it"))
-        if "e2e" in item.keywords and (not _has_gpu() or os.environ.get("HISPARSE_E2E") != "1"):
+        if item.get_closest_marker("e2e") and (not _has_gpu() or os.environ.get("HISPARSE_E2E") != "1"):
             item.add_marker(pytest.mark.skip(reason="end-to-end test; needs a GPU and HISPARSE_E2E=1 (docs/gpu-e2e.md)"))

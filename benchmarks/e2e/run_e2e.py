@@ -10,6 +10,8 @@ Runs on the offline GPU machine after benchmarks/e2e/install_part.sh has put the
                       hisparse_sglang-0.0.0.dist-info whose entry_points.txt registers the
                       `sglang.srt.plugins` entry point of pyproject.toml (the package is not
                       pip-installed on the GPU machine); --plugin-env/--plugin-args add more
+  d  plugin-offload   as c, with "resident_first": false added to the --hisparse-config JSON: every
+                      request is offloaded, like the in-tree HiSparse (opt-in: --arms ...,d)
 
 Per arm: start the server, wait for /health, warm up, then the selected phases:
   correctness  greedy decode (temperature 0, ignore_eos) of 8K-32K-token random prompts with
@@ -18,6 +20,10 @@ Per arm: start the server, wait for /health, warm up, then the selected phases:
                + `#running-req` of the server log), then abort_all
   throughput   concurrency levels (1,8,32,max) with fixed input/output lengths, streaming client:
                TTFT, time per output token, output tok/s, server-log decode tok/s
+  storm        (opt-in) one streaming request decodes; after --storm-after-tokens tokens a burst of
+               --storm-requests long requests arrives at once; how long the decoding request stalls
+               (token gaps in the burst window against its TPOT before), prefill batches and the
+               plugin's `HiSparse:` log line (switch work, demotions) in that window
 Then `report`: cross-arm comparison (token mismatches, max |dlogprob|) -> results.json + results.md.
 
 Everything is written incrementally: per-arm JSON in --state-dir (default /tmp/hisparse_e2e, which
@@ -54,13 +60,13 @@ import socket
 import statistics
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -68,9 +74,16 @@ DEFAULT_MODEL = REPO / "benchmarks" / "models" / "tiny-dsv32"
 DEFAULT_HISPARSE_CONFIG = '{"top_k":2048,"device_buffer_size":4096,"host_to_device_ratio":8}'
 DEFAULT_PLUGIN_EP = ("hisparse", "hisparse_sglang.integration.sglang.plugin:register")
 FIXTURE_EP = ("hisparse_e2e_weight_init", "hisparse_e2e_fixture:register")
-ALL_ARMS = ("a", "b", "c")
-ARM_LABELS = {"a": "baseline (no HiSparse)", "b": "SGLang in-tree HiSparse", "c": "hisparse-sglang plugin"}
-ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "report")
+ALL_ARMS = ("a", "b", "c", "d")
+ARM_LABELS = {"a": "baseline (no HiSparse)", "b": "SGLang in-tree HiSparse", "c": "hisparse-sglang plugin",
+              "d": "hisparse-sglang plugin, always offload"}
+PLUGIN_ARMS = ("c", "d")  # arms that load our plugin (its dist-info + src on PYTHONPATH)
+ARM_HISPARSE_OVERRIDES = {"d": {"resident_first": False}}  # merged into --hisparse-config
+ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "storm", "report")
+ARM_PHASES = ("correctness", "capacity", "throughput", "storm")  # phases that need the arm's server
+DEFAULT_PHASES = "preflight,correctness,capacity,throughput,report"
+COMPARE_PAIRS = (("b", "a"), ("c", "a"), ("c", "b"), ("d", "a"), ("c", "d"))
+STORM_TPOT_FROM = 20  # the storm's TPOT before the burst: gaps of tokens STORM_TPOT_FROM+1 .. --storm-after-tokens
 HOST = "127.0.0.1"
 
 # ------------------------------------------------------------------------------------------------
@@ -93,6 +106,22 @@ MAX_TOTAL_RE = re.compile(r"max_total_num_tokens=(\d+)")
 RETRACT_RE = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
 PLUGIN_FAIL_RE = re.compile(r"Failed to (load plugin|execute general plugin:?) (\S+)")
 DENSE_THRESHOLD_RE = re.compile(r"Dense attention kv len threshold is manually set to (\d+)")
+# our plugin's periodic line (hisparse_sglang/integration/sglang/metrics.py), e.g.
+#   HiSparse: hit rate 24.8%, moved 35.2 MiB, resident 3, offloaded 33 (promoting 0), demotions 12.0/min,
+#   promotions 0.0/min, device rows 130944/131136, host rows 820352/1048640, switch work max 0.41 ms/step
+# Each field is matched on its own, so that a field added or missing (older plugins have no
+# "switch work max") does not hide the others.  The in-tree HiSparse logs other "HiSparse: ..." lines.
+HISPARSE_LINE_RE = re.compile(r"HiSparse: hit rate [^\n]*")
+HISPARSE_FIELDS = (
+    ("hit_rate_pct", re.compile(r"hit rate ([0-9.]+)%"), float),
+    ("moved_mib", re.compile(r"moved ([0-9.]+) MiB"), float),
+    ("resident", re.compile(r"resident (\d+)"), int),
+    ("offloaded", re.compile(r"offloaded (\d+)"), int),
+    ("promoting", re.compile(r"\(promoting (\d+)\)"), int),
+    ("demotions_per_min", re.compile(r"demotions ([0-9.]+)/min"), float),
+    ("promotions_per_min", re.compile(r"promotions ([0-9.]+)/min"), float),
+    ("switch_work_max_ms", re.compile(r"switch work max ([0-9.]+) ms/step"), float),
+)
 
 
 def parse_decode_lines(text: str) -> list[dict]:
@@ -117,6 +146,35 @@ def parse_prefill_lines(text: str) -> list[dict]:
     return [{"new_seq": int(m.group("new_seq")), "new_token": int(m.group("new_token")),
              "running": int(m.group("running")), "queue": int(m.group("queue"))}
             for m in PREFILL_RE.finditer(text)]
+
+
+def parse_hisparse_lines(text: str) -> list[dict]:
+    """The plugin's `HiSparse: hit rate ...` lines; a field absent from a line is absent from its dict."""
+    out = []
+    for m in HISPARSE_LINE_RE.finditer(text):
+        line, d = m.group(0), {}
+        for key, rx, conv in HISPARSE_FIELDS:
+            mm = rx.search(line)
+            if mm:
+                d[key] = conv(mm.group(1))
+        out.append(d)
+    return out
+
+
+def summarize_hisparse(text: str) -> dict | None:
+    """Maxima over the plugin's `HiSparse:` lines of a log segment; None if there are none."""
+    rows = parse_hisparse_lines(text)
+    if not rows:
+        return None
+
+    def top(key: str, fn=max):
+        vals = [r[key] for r in rows if key in r]
+        return fn(vals) if vals else None
+
+    return {"lines": len(rows), "switch_work_max_ms": top("switch_work_max_ms"),
+            "demotions_per_min_max": top("demotions_per_min"), "promotions_per_min_max": top("promotions_per_min"),
+            "offloaded_max": top("offloaded"), "resident_max": top("resident"),
+            "hit_rate_pct_min": top("hit_rate_pct", min)}
 
 
 def summarize_log(text: str) -> dict:
@@ -147,6 +205,7 @@ def summarize_log(text: str) -> dict:
         "plugin_failures": sorted({f"{a}: {b}" for a, b in PLUGIN_FAIL_RE.findall(text)}),
         "visible_plugins": sorted(set(eps)),
         "dense_attn_threshold": int(dense[-1]) if dense else None,
+        "hisparse": summarize_hisparse(text),
     }
 
 
@@ -282,6 +341,66 @@ def pct(values: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def stream_chunks(arrivals: list) -> list[tuple[float, float, int, int]]:
+    """Chunks of a streamed request as (t_prev, t, first_token, tokens), from its arrivals
+    [(time, cumulative tokens), ...].  The first arrival has no gap (its tokens come after the
+    TTFT) and starts nothing; an arrival that adds no token is skipped.  Tokens are numbered from 1."""
+    out, prev_t, prev_n = [], None, 0
+    for t, n in arrivals:
+        n = int(n)
+        if n <= prev_n:
+            continue
+        if prev_t is not None:
+            out.append((float(prev_t), float(t), prev_n + 1, n - prev_n))
+        prev_t, prev_n = t, n
+    return out
+
+
+def storm_gap_stats(arrivals: list, window: tuple[float, float] | None, tpot_from: int, tpot_to: int,
+                    min_gaps: int = 3) -> dict:
+    """Stall statistics of a decoding request from its token arrival times.
+
+    A chunk of k tokens that arrives G seconds after the previous one gives each of its tokens the
+    gap G/k (the stream does not say when within G each was made).  tpot_before_ms: median gap of
+    tokens tpot_from+1 .. tpot_to.  A chunk is in `window` (start, end) if its interval
+    (t_prev, t] overlaps it; over those chunks: max_gap_ms (longest time without a token, G),
+    p99_gap_ms (per-token gaps), gaps_over_2x (tokens whose gap exceeds 2x tpot_before), stall_ms
+    (sum of max(0, G - k * tpot_before), the time lost against the pace before).  tpot_after_ms:
+    median gap of the chunks that start at or after the window's end.  A figure that would rest on
+    fewer than `min_gaps` gaps (or on a missing tpot_before or window) is None."""
+    chunks = stream_chunks(arrivals)
+
+    def per_token(sel) -> list[float]:
+        return [g for (t0, t1, _, k) in sel for g in [(t1 - t0) / k] * k]
+
+    def median_ms(gaps: list[float]) -> float | None:
+        return round(1000 * statistics.median(gaps), 3) if len(gaps) >= min_gaps else None
+
+    before = [(t1 - t0) / k for (t0, t1, first, k) in chunks for j in range(first, first + k)
+              if tpot_from < j <= tpot_to]
+    tpot = median_ms(before)
+    out = {"tokens": max((int(n) for _, n in arrivals), default=0), "chunks": len(chunks),
+           "multi_token_chunks": sum(1 for c in chunks if c[3] > 1), "tpot_before_ms": tpot,
+           "tpot_before_gaps": len(before), "window_s": None, "window_tokens": 0, "max_gap_ms": None,
+           "p99_gap_ms": None, "gaps_over_2x": None, "stall_ms": None, "tpot_after_ms": None}
+    if window is None:
+        return out
+    w0, w1 = window
+    out["window_s"] = round(w1 - w0, 4)
+    inside = [c for c in chunks if c[1] > w0 and c[0] < w1]
+    gaps = per_token(inside)
+    out["window_tokens"] = len(gaps)
+    if inside:
+        out["max_gap_ms"] = round(1000 * max(t1 - t0 for (t0, t1, _, _) in inside), 3)
+    if len(gaps) >= min_gaps:
+        out["p99_gap_ms"] = round(1000 * pct(gaps, 0.99), 3)
+    if tpot is not None and inside:
+        out["gaps_over_2x"] = sum(1 for g in gaps if 1000 * g > 2 * tpot)
+        out["stall_ms"] = round(sum(max(0.0, 1000 * (t1 - t0) - k * tpot) for (t0, t1, _, k) in inside), 3)
+    out["tpot_after_ms"] = median_ms(per_token([c for c in chunks if c[0] >= w1]))
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # harness plumbing
 # ------------------------------------------------------------------------------------------------
@@ -340,11 +459,13 @@ def log_tail(path: Path, n: int = 60) -> str:
         return "(no log)"
 
 
-def read_from(path: Path, offset: int) -> str:
+def read_from(path: Path, offset: int, end: int | None = None) -> str:
+    """The log from byte `offset` to byte `end` (default: its current end)."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
-            return f.read().decode("utf-8", "replace")
+            raw = f.read() if end is None else f.read(max(0, end - offset))
+            return raw.decode("utf-8", "replace")
     except OSError:
         return ""
 
@@ -507,7 +628,7 @@ def base_env(args, state: Path) -> tuple[dict, dict]:
 
 def prepare_pyext(state: Path, args) -> tuple[Path, Path, tuple[str, str]]:
     """<state>/pyext-common: fixture module + its dist-info (all arms);
-    <state>/pyext-plugin: hisparse_sglang dist-info with the plugin entry point (arm c only)."""
+    <state>/pyext-plugin: hisparse_sglang dist-info with the plugin entry point (arms c and d)."""
     common = state / "pyext-common"
     shutil.rmtree(common, ignore_errors=True)
     common.mkdir(parents=True)
@@ -520,6 +641,15 @@ def prepare_pyext(state: Path, args) -> tuple[Path, Path, tuple[str, str]]:
         if args.plugin_ep else read_plugin_entry_point(REPO / "pyproject.toml")
     write_dist_info(plugin, "hisparse_sglang", [ep])
     return common, plugin, ep
+
+
+def hisparse_config_json(config: str, arm: str) -> str:
+    """--hisparse-config of an arm: the common JSON plus the arm's overrides, compact (one argv element)."""
+    merged = json.loads(config)
+    if not isinstance(merged, dict):
+        raise ValueError(f"--hisparse-config must be a JSON object, got {config!r}")
+    merged.update(ARM_HISPARSE_OVERRIDES.get(arm, {}))
+    return json.dumps(merged, separators=(",", ":"))
 
 
 def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: int) -> tuple[list, dict]:
@@ -537,12 +667,12 @@ def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: i
            "--random-seed", str(args.random_seed)]
     if args.disable_cuda_graph:
         cmd.append("--disable-cuda-graph")
-    hisparse = ["--enable-hisparse", "--hisparse-config", json.dumps(json.loads(args.hisparse_config), separators=(",", ":"))]
+    hisparse = ["--enable-hisparse", "--hisparse-config", hisparse_config_json(args.hisparse_config, arm)]
     env = dict(env0)
     pp = [str(common), str(args.site)]
     if arm == "b":
         cmd += hisparse
-    elif arm == "c":
+    elif arm in PLUGIN_ARMS:
         if not args.plugin_no_enable_hisparse:
             cmd += hisparse
         cmd += shlex.split(args.plugin_args)
@@ -672,8 +802,14 @@ def generate(port: int, ids: list[int], max_new: int, *, logprobs: bool = False,
     return http_json("POST", port, "/generate", body, timeout=timeout)
 
 
-def generate_stream(port: int, ids: list[int], max_new: int, timeout: float) -> dict:
-    """Streaming /generate: returns per-request timings (TTFT, TPOT) and the token count."""
+def generate_stream(port: int, ids: list[int], max_new: int, timeout: float, *, trace: bool = False,
+                    on_tokens: Callable[[int], None] | None = None) -> dict:
+    """Streaming /generate: returns per-request timings (TTFT, TPOT) and the token count.
+
+    The token count of a chunk is the cumulative `completion_tokens` of its meta_info (else the
+    length of its cumulative `output_ids`, which --skip-tokenizer-init streams).  trace=True adds
+    "t0" and "arrivals": [(time.perf_counter(), cumulative tokens)] for every chunk that brought
+    tokens; on_tokens(cumulative tokens) is called for each such chunk, on the calling thread."""
     body = json.dumps({"input_ids": ids, "stream": True,
                        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new,
                                            "ignore_eos": True}}).encode()
@@ -682,6 +818,7 @@ def generate_stream(port: int, ids: list[int], max_new: int, timeout: float) -> 
     t_first = t_last = None
     n_first = n_last = 0
     finish = None
+    arrivals: list[tuple[float, int]] = []
     try:
         conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -704,14 +841,20 @@ def generate_stream(port: int, ids: list[int], max_new: int, timeout: float) -> 
                 t_first, n_first = now, n
             if n > n_last:
                 t_last, n_last = now, n
+                if trace:
+                    arrivals.append((now, n))
+                if on_tokens is not None:
+                    on_tokens(n)
             if meta.get("finish_reason"):
                 finish = meta["finish_reason"]
     except Exception as e:
-        return {"error": f"{type(e).__name__}: {e}"}
+        return {"error": f"{type(e).__name__}: {e}"} | ({"t0": t0, "arrivals": arrivals} if trace else {})
     finally:
         conn.close()
     out = {"tokens": n_last, "e2e_s": time.perf_counter() - t0,
            "ttft_s": (t_first - t0) if t_first else None, "finish": finish}
+    if trace:
+        out.update(t0=t0, arrivals=arrivals)
     if t_first is not None and t_last is not None and n_last > n_first:
         out["tpot_s"] = (t_last - t_first) / (n_last - n_first)
     return out
@@ -980,6 +1123,137 @@ def phase_throughput(srv: Server, args, vocab: int, dl: Deadline, cap: int | Non
     return res
 
 
+def storm_burst(srv: Server, prompts: list[list[int]], out_len: int, timeout: float) -> tuple[ThreadPoolExecutor, list, list]:
+    """Start the burst: one thread per prompt, released together by a barrier.  Every row gets
+    start/end (perf_counter), finish or error, and log_end (server log size right after it ended)."""
+    n = len(prompts)
+    barrier = threading.Barrier(n)
+    rows: list[dict] = [{} for _ in range(n)]
+
+    def worker(i: int) -> None:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait(timeout=30)
+        row = rows[i]
+        row["start"] = time.perf_counter()
+        try:
+            out = generate(srv.port, prompts[i], out_len, rid=f"storm-{srv.arm}-{i}", timeout=timeout)
+            fin = out.get("meta_info", {}).get("finish_reason")
+            row.update(finish=fin.get("type") if isinstance(fin, dict) else fin, tokens=len(out.get("output_ids") or []))
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:200]
+        row["end"] = time.perf_counter()
+        row["log_end"] = file_size(srv.log_path)
+
+    pool = ThreadPoolExecutor(max_workers=n)
+    futs = [pool.submit(worker, i) for i in range(n)]
+    return pool, futs, rows
+
+
+def phase_storm(srv: Server, args, vocab: int, dl: Deadline) -> dict:
+    """R0 streams; once it has --storm-after-tokens tokens, --storm-requests long requests arrive at once.
+    The window is [first burst request sent, last burst request done]; R0's token gaps in it are
+    compared with its pace before (storm_gap_stats), the server log of the window is parsed."""
+    L, O, K = args.storm_input_len, args.storm_output_len, args.storm_after_tokens
+    B, OB = args.storm_requests, args.storm_burst_output_len
+    res: dict = {"input_len": L, "output_len": O, "after_tokens": K, "requests": B, "burst_output_len": OB,
+                 "tpot_from_token": STORM_TPOT_FROM, "timed_out": False}
+    budget = min(args.storm_timeout, dl.left() - args.reserve_s - 15)
+    if budget < 20:
+        res["skipped"] = "deadline"
+        return res
+    with contextlib.suppress(Exception):  # kernels specialised on sequence length compile here, not in R0
+        t = time.perf_counter()
+        generate(srv.port, make_prompt(98, L, vocab), 8, timeout=max(30.0, min(300.0, dl.left() - args.reserve_s)))
+        res["warmup_s"] = round(time.perf_counter() - t, 2)
+    t_end = time.monotonic() + budget
+    r0_ids = make_prompt(400_000, L, vocab)
+    burst_prompts = [make_prompt(400_001 + i, L, vocab) for i in range(B)]
+    fired, r0_done = threading.Event(), threading.Event()
+    r0: dict = {}
+
+    def on_tokens(n: int) -> None:
+        if n >= K:
+            fired.set()
+
+    def run_r0() -> None:
+        try:
+            r0.update(generate_stream(srv.port, r0_ids, O, timeout=budget + 30, trace=True, on_tokens=on_tokens))
+        finally:
+            r0_done.set()
+
+    r0_thread = threading.Thread(target=run_r0, name="storm-r0", daemon=True)
+    r0_thread.start()
+    while not fired.is_set() and not r0_done.is_set() and time.monotonic() < t_end:
+        fired.wait(0.05)
+        srv.check()
+    pool, futs, rows = None, [], []
+    log_start = file_size(srv.log_path)
+    try:
+        if fired.is_set():
+            pool, futs, rows = storm_burst(srv, burst_prompts, OB, timeout=max(10.0, t_end - time.monotonic() + 30))
+            while not (r0_done.is_set() and all(f.done() for f in futs)) and time.monotonic() < t_end:
+                time.sleep(0.05)
+                srv.check()
+        else:
+            r0_done.wait(max(0.0, t_end - time.monotonic()))
+            res["error"] = (f"R0 ended after {r0.get('tokens')} tokens, before {K} ({r0.get('error')})"
+                            if r0_done.is_set() else f"R0 did not reach {K} tokens in {budget:.0f}s")
+        if not (r0_done.is_set() and all(f.done() for f in futs)):
+            res["timed_out"] = True
+            LOG(f"  storm: not done after {budget:.0f}s: aborting all requests")
+            with contextlib.suppress(Exception):
+                http_json("POST", srv.port, "/abort_request", {"abort_all": True}, timeout=30)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=False)
+        r0_thread.join(timeout=60)
+    res.update(storm_summary(r0, rows, K, srv.log_path, log_start))
+    LOG(f"  storm: TPOT before {res.get('tpot_before_ms')} ms, in the {res.get('window_s')}s window max gap "
+        f"{res.get('max_gap_ms')} ms, p99 {res.get('p99_gap_ms')} ms, stall {res.get('stall_ms')} ms, "
+        f"{res.get('gaps_over_2x')} gaps > 2x, TPOT after {res.get('tpot_after_ms')} ms; burst latency median "
+        f"{res.get('burst_latency_s_median')} s max {res.get('burst_latency_s_max')} s, {res.get('burst_ok')}/{B} ok; "
+        f"{res.get('prefill_batches_window')} prefill batches; HiSparse {res.get('hisparse_window')}"
+        + (" (TIMED OUT)" if res["timed_out"] else ""))
+    return res
+
+
+def storm_summary(r0: dict, rows: list[dict], after_tokens: int, log_path: Path, log_start: int) -> dict:
+    """Figures of a storm run: R0's gaps (storm_gap_stats), the burst's latencies, the server log
+    of the window (from the burst's start to the end of its last request) and after the burst start."""
+    arrivals, t0 = r0.get("arrivals") or [], r0.get("t0")
+    started = [r for r in rows if "start" in r and "end" in r]
+    window = (min(r["start"] for r in started), max(r["end"] for r in started)) if started else None
+    out = storm_gap_stats(arrivals, window, STORM_TPOT_FROM, after_tokens)
+    lat = [r["end"] - r["start"] for r in started if "error" not in r]
+    out.update({
+        "r0": {"tokens": r0.get("tokens"), "finish": r0.get("finish"), "error": r0.get("error"),
+               "ttft_s": round(r0["ttft_s"], 3) if r0.get("ttft_s") is not None else None,
+               "tokens_at_burst": max((n for t, n in arrivals if t < window[0]), default=0) if window else None,
+               # [ms since R0 was sent, cumulative tokens] per chunk, for a later look at the timeline
+               "arrivals_ms": [[round(1000 * (t - t0), 3), n] for t, n in arrivals] if t0 is not None else []},
+        "window_start_ms": round(1000 * (window[0] - t0), 3) if window and t0 is not None else None,
+        "burst_ok": len(lat),
+        "burst_errors": sorted({r["error"] for r in rows if "error" in r})[:3],
+        "burst_finish": {k: sum(1 for r in rows if str(r.get("finish")) == k) for k in sorted({str(r.get("finish")) for r in rows})},
+        "burst_start_spread_ms": round(1000 * (max(r["start"] for r in started) - window[0]), 3) if started else None,
+        "burst_latency_s_median": round(statistics.median(lat), 3) if lat else None,
+        "burst_latency_s_max": round(max(lat), 3) if lat else None,
+    })
+    log_end = max(started, key=lambda r: r["end"])["log_end"] if started else log_start
+    text_window = read_from(log_path, log_start, log_end)
+    pre = parse_prefill_lines(text_window)
+    out.update({
+        "prefill_batches_window": len(pre) if started else None,
+        "prefill_tokens_window": sum(x["new_token"] for x in pre) if started else None,
+        "retracted_reqs_window": summarize_log(text_window)["retracted_reqs"] if started else None,
+        # the plugin logs once per decode-log interval and decoding nearly stops during the burst,
+        # so the window may hold no HiSparse line; the lines after it (to the end of R0) cover it
+        "hisparse_window": summarize_hisparse(text_window),
+        "hisparse_after_burst_start": summarize_hisparse(read_from(log_path, log_start)) if started else None,
+    })
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # results
 # ------------------------------------------------------------------------------------------------
@@ -1008,8 +1282,7 @@ def build_report(state: Path, imported: list[Path]) -> dict:
                 data["meta"].setdefault(k, v)
     arms = data["arms"]
     comp = {}
-    pairs = [("b", "a"), ("c", "a"), ("c", "b")]
-    for x, y in pairs:
+    for x, y in COMPARE_PAIRS:
         cx, cy = arms.get(x, {}).get("correctness"), arms.get(y, {}).get("correctness")
         if cx and cy:
             c = compare_outputs(cy, cx)
@@ -1083,6 +1356,7 @@ def render_markdown(data: dict) -> str:
     if tp:
         lines.append(f"\nThroughput: {tp.get('input_len')} input + {tp.get('output_len')} output tokens per request, "
                      "streaming client, all requests sent at once per level.")
+    lines += render_storm(arms, present)
     if comp:
         lines += ["", "## Greedy outputs compared (token ids, logprobs before the first divergence)", "",
                   "| pair | prompts identical | mismatched tokens | max abs dlogprob | max abs dtop5 | same weights |",
@@ -1097,6 +1371,35 @@ def render_markdown(data: dict) -> str:
         for x, e in errs:
             lines.append(f"- arm {x}: " + str(e).splitlines()[0][:300])
     return "\n".join(lines) + "\n"
+
+
+def render_storm(arms: dict, present: list[str]) -> list[str]:
+    """The storm table (one row per arm that has a storm result); [] if none has."""
+    have = [x for x in present if (arms[x].get("storm") or {}).get("requests")]
+    if not have:
+        return []
+    st = arms[have[0]]["storm"]
+    out = ["", f"## Storm: {st['requests']} new {st['input_len']}-token requests (+{st.get('burst_output_len')} output) "
+               f"arrive while one request decodes (after its token {st.get('after_tokens')})", "",
+           "| arm | TPOT before (ms) | max gap (ms) | p99 gap (ms) | stall (ms) | gaps > 2x TPOT | TPOT after (ms) "
+           "| window (s) | burst latency median / max (s) | prefill batches in window | HiSparse switch work max (ms/step) "
+           "| HiSparse demotions/min max |",
+           "|---|" + "---|" * 11]
+    for x in have:
+        r = arms[x]["storm"]
+        # the first HiSparse line after the burst start covers the window (the plugin reports maxima per interval)
+        hs = r.get("hisparse_after_burst_start") or r.get("hisparse_window") or {}
+        note = " (timed out)" if r.get("timed_out") else (" (skipped)" if r.get("skipped") else "")
+        out.append(f"| {x}{note} | {fmt(r.get('tpot_before_ms'), 2)} | {fmt(r.get('max_gap_ms'))} | {fmt(r.get('p99_gap_ms'))} | "
+                   f"{fmt(r.get('stall_ms'))} | {fmt(r.get('gaps_over_2x'))} | {fmt(r.get('tpot_after_ms'), 2)} | "
+                   f"{fmt(r.get('window_s'), 2)} | {fmt(r.get('burst_latency_s_median'), 2)} / {fmt(r.get('burst_latency_s_max'), 2)} | "
+                   f"{fmt(r.get('prefill_batches_window'))} | {fmt(hs.get('switch_work_max_ms'), 2)} | "
+                   f"{fmt(hs.get('demotions_per_min_max'))} |")
+    out.append("\nGaps: time between streamed tokens of the decoding request; a chunk of k tokens gives each the gap/k. "
+               "Window: first burst request sent .. last burst request done. Stall: sum over the window of "
+               "max(0, gap - TPOT before). HiSparse columns: the plugin's `HiSparse:` log lines from the burst start to "
+               "the end of the decoding request (– where the arm logs none).")
+    return out
 
 
 class Outputs:
@@ -1141,9 +1444,11 @@ class Outputs:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_argument_group("what to run")
-    g.add_argument("--arms", default="a,b,c", help="comma list of a,b,c (default %(default)s)")
-    g.add_argument("--phases", default="preflight,correctness,capacity,throughput,report",
-                   help="comma list of " + ",".join(ALL_PHASES) + " (default: all)")
+    g.add_argument("--arms", default="a,b,c",
+                   help="comma list of " + ",".join(ALL_ARMS) + " (default %(default)s; d = plugin with "
+                        '"resident_first": false is opt-in)')
+    g.add_argument("--phases", default=DEFAULT_PHASES,
+                   help="comma list of " + ",".join(ALL_PHASES) + " (default %(default)s; storm is opt-in)")
     g.add_argument("--deadline-s", type=float, default=560,
                    help="wall-clock budget of this invocation; arms/phases that no longer fit are skipped (default %(default)s)")
     g.add_argument("--reserve-s", type=float, default=35, help="time kept for shutdown + writing results")
@@ -1159,9 +1464,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where install_part.sh put the bundle")
     g.add_argument("--python", default=sys.executable, help="python of the servers (default: this one)")
     g.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
-    g.add_argument("--plugin-src", type=Path, default=REPO / "src", help="put on PYTHONPATH for arm c")
+    g.add_argument("--plugin-src", type=Path, default=REPO / "src", help="put on PYTHONPATH for arms c and d")
     g = ap.add_argument_group("server")
-    g.add_argument("--port-base", type=int, default=31000, help="arm a/b/c use base+0/+10/+20")
+    g.add_argument("--port-base", type=int, default=31000, help="arms a/b/c/d use base+0/+10/+20/+30")
     g.add_argument("--max-total-tokens", type=int, default=131072)
     g.add_argument("--mem-fraction-static", type=float, default=0.5)
     g.add_argument("--context-length", type=int, default=65536)
@@ -1175,13 +1480,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--no-jit-shim", action="store_true")
     g.add_argument("--weight-init", choices=("scaled", "sglang"), default="scaled")
     g.add_argument("--weight-seed", type=int, default=1234)
-    g = ap.add_argument_group("arm c (plugin)")
-    g.add_argument("--plugin-env", action="append", default=[], metavar="KEY=VALUE")
-    g.add_argument("--plugin-args", default="", help="extra server args of arm c (shell-quoted string)")
+    g = ap.add_argument_group("arms c and d (plugin)")
+    g.add_argument("--plugin-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the servers of arms c and d")
+    g.add_argument("--plugin-args", default="", help="extra server args of arms c and d (shell-quoted string)")
     g.add_argument("--plugin-no-enable-hisparse", action="store_true",
-                   help="arm c without --enable-hisparse/--hisparse-config")
+                   help="arm c without --enable-hisparse/--hisparse-config (not with arm d, which needs them)")
     g.add_argument("--allow-plugin-failure", action="store_true",
-                   help="measure arm c even if the plugin failed to load")
+                   help="measure arms c/d even if the plugin failed to load")
     g.add_argument("--plugin-ep", default="", metavar="NAME=module:attr",
                    help="entry point to register (default: from pyproject.toml)")
     g = ap.add_argument_group("correctness")
@@ -1203,6 +1509,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tp-levels", default="1,8,32,max")
     g.add_argument("--tp-level-timeout", type=float, default=120)
     g.add_argument("--tp-max-fallback", type=int, default=64, help="'max' level if capacity was not measured")
+    g = ap.add_argument_group("storm (opt-in phase)")
+    g.add_argument("--storm-input-len", type=int, default=16384,
+                   help="input tokens of the decoding request and of every burst request (default %(default)s)")
+    g.add_argument("--storm-output-len", type=int, default=600,
+                   help="output tokens of the decoding (streaming) request (default %(default)s)")
+    g.add_argument("--storm-after-tokens", type=int, default=100,
+                   help="the burst is sent when the decoding request has this many tokens; its TPOT before the "
+                        f"burst is the median gap of tokens {STORM_TPOT_FROM + 1}..this (default %(default)s)")
+    g.add_argument("--storm-requests", type=int, default=24, help="requests of the burst, sent at once (default %(default)s)")
+    g.add_argument("--storm-burst-output-len", type=int, default=32,
+                   help="output tokens of every burst request (default %(default)s)")
+    g.add_argument("--storm-timeout", type=float, default=180,
+                   help="seconds for the whole storm; then all requests are aborted and timed_out is set "
+                        "(default %(default)s)")
     g.add_argument("--preflight-timeout", type=float, default=180)
     args = ap.parse_args(argv)
     try:
@@ -1211,15 +1531,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.tp_levels = parse_levels(args.tp_levels)
         args.corr_lens = [int(x) for x in args.corr_lens.split(",") if x.strip()]
         parse_env_assignments(args.plugin_env)
-        json.loads(args.hisparse_config)
+        for arm in ALL_ARMS:  # main() builds every arm's spec
+            hisparse_config_json(args.hisparse_config, arm)
         shlex.split(args.plugin_args)
         shlex.split(args.extra_server_args)
         if args.plugin_ep and not re.fullmatch(r"[\w.-]+=[\w.]+:[\w.]+", args.plugin_ep.replace(" ", "")):
             raise ValueError(f"--plugin-ep must look like name=module:attr, got {args.plugin_ep!r}")
     except (ValueError, json.JSONDecodeError) as e:
         ap.error(str(e))
-    if max(args.corr_lens + [args.cap_input_len, args.tp_input_len]) + max(args.corr_out, args.cap_output_len, args.tp_output_len) > args.context_length:
+    if max(args.corr_lens + [args.cap_input_len, args.tp_input_len, args.storm_input_len]) + max(
+            args.corr_out, args.cap_output_len, args.tp_output_len, args.storm_output_len, args.storm_burst_output_len) \
+            > args.context_length:
         ap.error("input + output length exceeds --context-length")
+    if "d" in args.arms and args.plugin_no_enable_hisparse:
+        ap.error("arm d passes \"resident_first\": false through --hisparse-config; drop --plugin-no-enable-hisparse")
+    if min(args.storm_input_len, args.storm_output_len, args.storm_requests, args.storm_burst_output_len) < 1:
+        ap.error("--storm-input-len, --storm-output-len, --storm-requests and --storm-burst-output-len must be >= 1")
+    if not STORM_TPOT_FROM < args.storm_after_tokens < args.storm_output_len:
+        ap.error(f"--storm-after-tokens must be in ({STORM_TPOT_FROM}, --storm-output-len): "
+                 f"the TPOT before the burst needs tokens {STORM_TPOT_FROM + 1}..after-tokens and the burst must "
+                 "come before the request ends")
     args.model_dir = args.model_dir.resolve()
     return args
 
@@ -1291,7 +1622,7 @@ def main(argv: list[str] | None = None) -> int:
     outputs.publish()
 
     rc = 0
-    arm_phases = [p for p in ("correctness", "capacity", "throughput") if p in args.phases]
+    arm_phases = [p for p in ARM_PHASES if p in args.phases]
     for arm in args.arms if arm_phases else []:
         cmd, env = specs[arm]
         port = args.port_base + 10 * ALL_ARMS.index(arm)
@@ -1299,9 +1630,9 @@ def main(argv: list[str] | None = None) -> int:
         result = {"arm": arm, "label": ARM_LABELS[arm], "status": "starting", "cmd": shlex.join(cmd),
                   "pythonpath": env["PYTHONPATH"],
                   "env": {k: env[k] for k in sorted(env) if k.startswith(("SGLANG_", "HISPARSE_", "CUDA_HOME"))}
-                  | parse_env_assignments(args.plugin_env if arm == "c" else [])}
+                  | parse_env_assignments(args.plugin_env if arm in PLUGIN_ARMS else [])}
         old = json.loads(rpath.read_text()) if rpath.exists() else {}
-        for p in ("correctness", "capacity", "throughput"):  # keep earlier phases not rerun now
+        for p in ARM_PHASES:  # keep earlier phases not rerun now
             if p not in arm_phases and p in old:
                 result[p] = old[p]
 
@@ -1350,15 +1681,15 @@ def main(argv: list[str] | None = None) -> int:
                 LOG(f"  WARNING plugin failures in the server log: {seg['plugin_failures']}")
             if not seg["weight_fingerprints"]:
                 LOG("  WARNING: no weight fingerprint in the server log (fixture plugin not loaded?)")
-            if arm == "c":
+            if arm in PLUGIN_ARMS:
                 visible = any(f"{plugin_ep[0]}=" in v for v in seg["visible_plugins"])
                 failed = [f for f in seg["plugin_failures"] if plugin_ep[0] in f]
                 result["plugin_check"] = {"entry_point": f"{plugin_ep[0]} = {plugin_ep[1]}",
                                           "visible": visible, "failures": failed}
                 if (failed or not visible) and not args.allow_plugin_failure:
-                    raise RuntimeError(f"arm c: plugin entry point {plugin_ep[0]} "
+                    raise RuntimeError(f"arm {arm}: plugin entry point {plugin_ep[0]} "
                                        f"{'failed: ' + str(failed) if failed else 'not visible to sglang'}; "
-                                       "arm c would just repeat arm b (--allow-plugin-failure runs it anyway)")
+                                       f"arm {arm} would just repeat arm b (--allow-plugin-failure runs it anyway)")
             result["status"] = "running"
             save()
             if "correctness" in arm_phases:
@@ -1373,6 +1704,10 @@ def main(argv: list[str] | None = None) -> int:
                 LOG(f"arm {arm}: throughput")
                 cap = (result.get("capacity") or {}).get("max_running") or None
                 result["throughput"] = phase_throughput(srv, args, vocab, dl, cap, save)
+                save()
+            if "storm" in arm_phases:
+                LOG(f"arm {arm}: storm")
+                result["storm"] = phase_storm(srv, args, vocab, dl)
                 save()
             result["status"] = "ok"
         except (ServerDied, TimeoutError) as e:

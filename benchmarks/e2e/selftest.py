@@ -117,9 +117,16 @@ def unit_checks() -> None:
     a = E.parse_args(["--arms", "b,a", "--phases", "correctness,report", "--tp-levels", "1,max",
                       "--plugin-env", "FOO=1", "--plugin-args", "--foo 'a b'", "--state-dir", "/tmp/x"])
     check(a.arms == ["a", "b"] and a.phases == ["correctness", "report"] and a.tp_levels == [1, "max"], "parse_args lists")
-    for bad in (["--arms", "d"], ["--phases", "warmup"], ["--tp-levels", "0"], ["--plugin-env", "NOEQ"],
-                ["--hisparse-config", "{bad json"], ["--plugin-ep", "nocolon"],
-                ["--corr-lens", "65536"]):
+    a = E.parse_args(["--state-dir", "/tmp/x"])
+    check(a.arms == ["a", "b", "c"] and "storm" not in a.phases and "throughput" in a.phases,
+          f"defaults: arms {a.arms}, phases {a.phases} (d and storm are opt-in)")
+    a = E.parse_args(["--arms", "d,a,c,b", "--phases", "report,storm,throughput", "--state-dir", "/tmp/x"])
+    check(a.arms == ["a", "b", "c", "d"] and a.phases == ["throughput", "storm", "report"], f"arm d / storm order {a.phases}")
+    for bad in (["--arms", "e"], ["--phases", "warmup"], ["--tp-levels", "0"], ["--plugin-env", "NOEQ"],
+                ["--hisparse-config", "{bad json"], ["--hisparse-config", "[1, 2]"], ["--plugin-ep", "nocolon"],
+                ["--corr-lens", "65536"], ["--arms", "c,d", "--plugin-no-enable-hisparse"],
+                ["--storm-after-tokens", "600"], ["--storm-after-tokens", "20"], ["--storm-requests", "0"],
+                ["--storm-input-len", "65000"]):
         try:
             with open(os.devnull, "w") as dn:
                 old = sys.stderr
@@ -139,15 +146,24 @@ def unit_checks() -> None:
                           "--hisparse-config", '{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}'])
         common, plug, ep = E.prepare_pyext(td, a)
         specs = {arm: E.arm_spec(arm, a, {"X": "1"}, common, plug, 30000) for arm in E.ALL_ARMS}
-        ca, cb, cc = (specs[x][0] for x in E.ALL_ARMS)
-        check("--enable-hisparse" not in ca and "--enable-hisparse" in cb and "--enable-hisparse" in cc, "hisparse flags")
-        check(cb[cb.index("--hisparse-config") + 1] == '{"top_k":2048,"device_buffer_size":4096,"host_to_device_ratio":8}',
-              "hisparse JSON without spaces")
-        check(cc[-2:] == ["--foo", "bar"] and specs["c"][1]["HISPARSE_X"] == "1" and "HISPARSE_X" not in specs["b"][1],
-              "plugin args/env only in arm c")
+        ca, cb, cc, cd = (specs[x][0] for x in E.ALL_ARMS)
+        check("--enable-hisparse" not in ca and all("--enable-hisparse" in c for c in (cb, cc, cd)), "hisparse flags")
+        check(cb[cb.index("--hisparse-config") + 1] == '{"top_k":2048,"device_buffer_size":4096,"host_to_device_ratio":8}'
+              and cc[cc.index("--hisparse-config") + 1] == cb[cb.index("--hisparse-config") + 1],
+              "hisparse JSON without spaces, same in arms b and c")
+        check(cd[cd.index("--hisparse-config") + 1]
+              == '{"top_k":2048,"device_buffer_size":4096,"host_to_device_ratio":8,"resident_first":false}',
+              f"arm d adds resident_first false: {cd[cd.index('--hisparse-config') + 1]}")
+        check(cc[-2:] == ["--foo", "bar"] and cd[-2:] == ["--foo", "bar"] and specs["c"][1]["HISPARSE_X"] == "1"
+              and specs["d"][1]["HISPARSE_X"] == "1" and "HISPARSE_X" not in specs["b"][1],
+              "plugin args/env in arms c and d only")
+        strip = lambda cmd: [x for x in cmd if not x.startswith("{")]  # noqa: E731
+        check(strip(cc) == strip(cd) and specs["c"][1] == specs["d"][1], "arm d = arm c except the hisparse config")
         pp = specs["c"][1]["PYTHONPATH"].split(os.pathsep)
         check(pp[0] == str(plug) and pp[1] == str(REPO / "src") and str(common) in specs["a"][1]["PYTHONPATH"]
               and str(plug) not in specs["b"][1]["PYTHONPATH"], f"PYTHONPATH of arm c: {pp}")
+        check(E.hisparse_config_json('{"resident_first": true, "top_k": 1}', "d") == '{"resident_first":false,"top_k":1}',
+              "arm d overrides a resident_first of the common config")
         for flag in ("--attention-backend", "--dsa-prefill-backend", "--dsa-decode-backend", "--kv-cache-dtype",
                      "--load-format", "--skip-tokenizer-init", "--disable-radix-cache", "--max-total-tokens",
                      "--mem-fraction-static", "--context-length"):
@@ -164,7 +180,90 @@ def unit_checks() -> None:
         # markdown renders with partial data
         md = E.render_markdown({"meta": {}, "arms": {"a": {"status": "failed", "error": "boom"}}, "compare": {}})
         check("boom" in md and "| status | failed |" in md, "markdown with a failed arm")
+    storm_checks()
     print(f"unit checks: {PASSES} passed, {len(FAILS)} failed", flush=True)
+
+
+def close(x, y, tol: float = 1e-6) -> bool:
+    return x is not None and y is not None and abs(x - y) <= tol
+
+
+def storm_checks() -> None:
+    """storm_gap_stats on synthetic arrivals, the plugin's HiSparse line, the storm table, the dry run."""
+    # token 1 at t=0 (TTFT), then one token per 10 ms up to token 100 (t=0.99); the burst starts at
+    # 0.995; 300 ms later a chunk of 3 tokens (101-103), 104 after 10 ms, 105 after 200 ms, then
+    # 10 ms per token up to 120; the window ends at 1.515
+    arr = [(0.01 * (n - 1), n) for n in range(1, 101)]
+    arr += [(1.29, 103), (1.30, 104), (1.50, 105)] + [(1.50 + 0.01 * (n - 105), n) for n in range(106, 121)]
+    arr.insert(50, (arr[49][0], 50))  # a chunk that adds no token is ignored
+    st = E.storm_gap_stats(arr, (0.995, 1.515), 20, 100)
+    check(close(st["tpot_before_ms"], 10.0, 1e-3) and st["tpot_before_gaps"] == 80, f"tpot before {st}")
+    check(st["tokens"] == 120 and st["chunks"] == 117 and st["multi_token_chunks"] == 1, f"chunks {st}")
+    # window chunks: (0.99,1.29] 3 tokens, (1.29,1.30], (1.30,1.50], (1.50,1.51], (1.51,1.52]
+    check(st["window_tokens"] == 7 and close(st["max_gap_ms"], 300.0, 1e-3), f"window max gap {st}")
+    check(st["gaps_over_2x"] == 4, f"gaps over 2x: {st['gaps_over_2x']}")
+    check(close(st["stall_ms"], (300 - 3 * 10) + (200 - 10), 1e-2), f"stall {st['stall_ms']}")
+    check(close(st["p99_gap_ms"], 100 + 100 * 0.94, 1e-2), f"p99 of per-token gaps {st['p99_gap_ms']}")
+    check(close(st["tpot_after_ms"], 10.0, 1e-3) and close(st["window_s"], 0.52, 1e-9), f"after {st}")
+    # every chunk carries 2 tokens, 20 ms apart: 10 ms per token; a 100 ms chunk of 2 in the window
+    arr2 = [(0.02 * i, 2 * i) for i in range(1, 51)] + [(1.10, 102)] + [(1.10 + 0.02 * i, 102 + 2 * i) for i in range(1, 20)]
+    st2 = E.storm_gap_stats(arr2, (1.005, 1.0999), 20, 100)
+    check(close(st2["tpot_before_ms"], 10.0, 1e-3) and st2["tpot_before_gaps"] == 80 and st2["multi_token_chunks"] == len(arr2) - 1,
+          f"two-token chunks: tpot {st2}")
+    check(close(st2["max_gap_ms"], 100.0, 1e-3) and st2["window_tokens"] == 2 and st2["gaps_over_2x"] == 2
+          and close(st2["stall_ms"], 80.0, 1e-3) and close(st2["tpot_after_ms"], 10.0, 1e-3), f"two-token chunks: window {st2}")
+    # too few tokens / no window / nothing at all: None, not an exception
+    few = E.storm_gap_stats([(0.0, 1), (0.01, 2), (0.02, 3)], (0.015, 0.03), 20, 100)
+    check(few["tpot_before_ms"] is None and few["stall_ms"] is None and few["gaps_over_2x"] is None
+          and few["p99_gap_ms"] is None and few["tpot_after_ms"] is None and close(few["max_gap_ms"], 10.0, 1e-6), f"few tokens {few}")
+    none = E.storm_gap_stats(arr, None, 20, 100)
+    check(none["window_s"] is None and none["max_gap_ms"] is None and close(none["tpot_before_ms"], 10.0, 1e-3), f"no window {none}")
+    empty = E.storm_gap_stats([], (0.0, 1.0), 20, 100)
+    check(empty["tokens"] == 0 and empty["max_gap_ms"] is None and empty["tpot_before_ms"] is None, f"no arrivals {empty}")
+    check(E.stream_chunks([(0.0, 3), (0.1, 3), (0.2, 5)]) == [(0.0, 0.2, 4, 2)], "stream_chunks")
+
+    hs = ("[2026-11-22 10:00:03 TP0] HiSparse: hit rate 24.8%, moved 35.2 MiB, resident 3, offloaded 33 (promoting 0), "
+          "demotions 12.0/min, promotions 0.0/min, device rows 130944/131136, host rows 820352/1048640, switch work max 0.41 ms/step\n"
+          "[2026-11-22 10:00:04 TP0] HiSparse: hit rate n/a, moved 0.0 MiB, resident 5, offloaded 0 (promoting 2), "
+          "demotions 30.5/min, promotions 6.0/min, device rows 1/2, host rows 3/4, switch work max 1.25 ms/step\n"
+          "[2026-11-22 10:00:05 TP0] HiSparse: hit rate 90.0%, moved 1.0 MiB, resident 1, offloaded 2 (promoting 0), "
+          "demotions 2.0/min, promotions 0.0/min, device rows 1/2, host rows 3/4\n"
+          "[2026-11-22 10:00:05 TP0] HiSparse: alloc_device_buffer failed for req 7\n")
+    rows = E.parse_hisparse_lines(hs)
+    check(len(rows) == 3 and rows[0] == {"hit_rate_pct": 24.8, "moved_mib": 35.2, "resident": 3, "offloaded": 33, "promoting": 0,
+                                         "demotions_per_min": 12.0, "promotions_per_min": 0.0, "switch_work_max_ms": 0.41},
+          f"HiSparse line: {rows[:1]}")
+    check("hit_rate_pct" not in rows[1] and rows[1]["promoting"] == 2 and "switch_work_max_ms" not in rows[2],
+          f"HiSparse lines without a hit rate / without switch work: {rows[1:]}")
+    sh = E.summarize_hisparse(hs)
+    check(sh == {"lines": 3, "switch_work_max_ms": 1.25, "demotions_per_min_max": 30.5, "promotions_per_min_max": 6.0,
+                 "offloaded_max": 33, "resident_max": 5, "hit_rate_pct_min": 24.8}, f"HiSparse summary {sh}")
+    check(E.summarize_hisparse(hs.split("\n")[2]) ["switch_work_max_ms"] is None, "older line without switch work")
+    check(E.summarize_hisparse("HiSparse: admitting request r1 directly") is None and E.summarize_log(hs)["hisparse"] == sh,
+          "in-tree HiSparse lines are not the plugin's; summarize_log carries the summary")
+
+    storm = {"requests": 24, "input_len": 16384, "burst_output_len": 32, "after_tokens": 100, "tpot_before_ms": 1.83,
+             "max_gap_ms": 412.5, "p99_gap_ms": 300.0, "stall_ms": 1200.25, "gaps_over_2x": 9, "tpot_after_ms": 1.9,
+             "window_s": 2.5, "burst_latency_s_median": 1.5, "burst_latency_s_max": 2.4, "prefill_batches_window": 48,
+             "hisparse_after_burst_start": {"switch_work_max_ms": 0.41, "demotions_per_min_max": 12.0}}
+    md = E.render_markdown({"meta": {}, "arms": {"c": {"status": "ok", "storm": storm},
+                                                 "d": {"status": "ok", "storm": dict(storm, timed_out=True, hisparse_after_burst_start=None)}},
+                            "compare": {}})
+    check("## Storm: 24 new 16384-token requests" in md
+          and "| c | 1.83 | 412.5 | 300.0 | 1200.2 | 9 | 1.90 | 2.50 | 1.50 / 2.40 | 48 | 0.41 | 12.0 |" in md
+          and "| d (timed out) | 1.83 |" in md and "d: hisparse-sglang plugin, always offload" in md, f"storm table:\n{md}")
+
+    with tempfile.TemporaryDirectory() as td:
+        p = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--dry-run", "--arms", "a,b,c,d", "--phases",
+                            "preflight,correctness,capacity,throughput,storm,report", "--state-dir", td,
+                            "--plugin-env", "HISPARSE_X=1"], capture_output=True, text=True, timeout=120)
+        blocks = {b.split("\n", 1)[0].split(":")[0]: b for b in p.stdout.split("# arm ")[1:]}
+        d = blocks.get("d", "")
+        check(p.returncode == 0 and set(blocks) == {"a", "b", "c", "d"}, f"dry run of arms a-d rc={p.returncode} {p.stderr[-500:]}")
+        check("'{\"top_k\":2048,\"device_buffer_size\":4096,\"host_to_device_ratio\":8,\"resident_first\":false}'" in d
+              and f"PYTHONPATH={td}/pyext-plugin:{REPO / 'src'}:" in d and "HISPARSE_X=1" in d and "--port 31030" in d,
+              f"dry run of arm d: {d}")
+        check('"resident_first"' not in blocks.get("c", "") and f"{td}/pyext-plugin" in blocks.get("c", ""), "dry run of arm c")
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,6 +333,10 @@ log(f"max_total_num_tokens={args.max_total_tokens}, chunked_prefill_size=8192, h
 # a child in the same process group, like the scheduler / detokenizer
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", "mock-scheduler-child"])
 FLIP = int(os.environ.get("MOCK_FLIP_AT", "-1"))
+# prefill holds the "GPU" for this long per input token; decoding waits for it (a storm stalls decoders)
+PREFILL_S = float(os.environ.get("MOCK_PREFILL_S_PER_TOKEN", "0"))
+prefill_lock = threading.Lock()
+HS_LOG = os.environ.get("MOCK_HISPARSE_LOG") == "1"  # the plugin's periodic HiSparse line
 lock = threading.Condition()
 state = {"used": 0, "running": 0, "waiting": 0, "abort": 0, "tokens": 0}
 ready_at = time.time() + 1.0
@@ -253,6 +356,9 @@ def reporter():
             use = (f"#gpu token: 100, gpu token usage: 0.10, #cpu token: 200, cpu token usage: 0.20" if args.enable_hisparse
                    else f"#token: {r * 100}, token usage: {min(1.0, r * 0.1):.2f}")
             log(f"Decode batch, #running-req: {r}, {use}, cuda graph: True, gen throughput (token/s): {t / 0.2:.2f}, #queue-req: {w}, ")
+            if HS_LOG:
+                log(f"HiSparse: hit rate 97.5%, moved 1.5 MiB, resident 0, offloaded {r} (promoting 0), demotions {6.0 * r:.1f}/min, "
+                    f"promotions 0.0/min, device rows 100/4096, host rows 200/32768, switch work max 0.25 ms/step")
 threading.Thread(target=reporter, daemon=True).start()
 
 class H(BaseHTTPRequestHandler):
@@ -297,6 +403,9 @@ class H(BaseHTTPRequestHandler):
                 log(f"Prefill batch, #new-seq: 1, #new-token: {len(ids)}, #cached-token: 0, token usage: 0.10, "
                     f"#running-req: {state['running']}, #queue-req: {state['waiting']}, #pending-token: 0, ")
                 state["running"] += 1
+            if PREFILL_S:
+                with prefill_lock:
+                    time.sleep(len(ids) * PREFILL_S)
         o = out_ids(ids, n)
         done = 0
         stream = body.get("stream")
@@ -305,6 +414,9 @@ class H(BaseHTTPRequestHandler):
         try:
             while admitted and done < n:
                 time.sleep(0.002)
+                if PREFILL_S:
+                    with prefill_lock:
+                        pass
                 with lock:
                     if gen != state["abort"]:
                         aborted = True; break
@@ -366,7 +478,6 @@ def leftover_children() -> list[int]:
 
 
 def mock_e2e(python: str) -> None:
-    global PASSES
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
         site = make_mock_site(td)
@@ -411,6 +522,7 @@ def mock_e2e(python: str) -> None:
         check(len(files) <= 8 and {"results.json", "results.md", "server-a.log", "harness.log"} <= set(files), f"$OUT files {files}")
         md = (out / "results.md").read_text()
         check("| c=max: output tok/s (client) |" in md and "b_vs_a" in md, "markdown table rows")
+        mock_storm(common, out)
         r3 = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "c", "--phases", "correctness,report",
                              "--plugin-ep", "hisparse=no_such_module_xyz:register", *common],
                             capture_output=True, text=True, timeout=300)
@@ -426,6 +538,45 @@ def mock_e2e(python: str) -> None:
         if FAILS:
             shutil.copytree(td, "/tmp/e2e_selftest_failed", dirs_exist_ok=True)
             print("kept the mock run in /tmp/e2e_selftest_failed")
+
+
+def mock_storm(common: list[str], out: Path) -> None:
+    """Run 2b: arms a and d, correctness + storm; prefill stalls decoding in the mock; arm d logs HiSparse lines."""
+    storm = ["--storm-input-len", "1024", "--storm-output-len", "400", "--storm-after-tokens", "50",
+             "--storm-requests", "6", "--storm-burst-output-len", "32", "--storm-timeout", "60"]
+    r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "a,d", "--phases", "correctness,storm,report",
+                        "--plugin-ep", "hisparse=mockplug:register", "--plugin-env", "MOCK_HISPARSE_LOG=1", *storm, *common],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, MOCK_PREFILL_S_PER_TOKEN="2e-5"))
+    print(r.stdout[-2500:], r.stderr[-2000:], sep="\n", flush=True)
+    check(r.returncode == 0, f"mock storm run rc={r.returncode}")
+    res = json.loads((out / "results.json").read_text())
+    arms = res["arms"]
+    check(set(arms) == {"a", "b", "c", "d"} and arms["d"]["status"] == "ok", f"arm d ok: {arms['d'].get('status')} {arms['d'].get('error')}")
+    for x in ("a", "d"):
+        st = arms[x].get("storm") or {}
+        print(f"storm {x}:", {k: v for k, v in st.items() if k != "r0"})
+        check(st.get("tpot_before_ms") and st.get("max_gap_ms") and st["max_gap_ms"] > 3 * st["tpot_before_ms"]
+              and st.get("stall_ms", 0) > 0 and st.get("gaps_over_2x", 0) >= 1 and st.get("tpot_after_ms")
+              and not st.get("timed_out") and st.get("burst_ok") == 6 and st.get("prefill_batches_window", 0) >= 1
+              and st["r0"]["tokens"] == 400 and len(st["r0"]["arrivals_ms"]) > 100 and st["r0"]["tokens_at_burst"] >= 50,
+              f"storm of arm {x}: {st}")
+    hs = arms["d"]["storm"].get("hisparse_after_burst_start") or {}
+    check(hs.get("switch_work_max_ms") == 0.25 and hs.get("demotions_per_min_max", 0) >= 6.0,
+          f"arm d: HiSparse lines parsed after the burst start: {hs}")
+    check(arms["a"]["storm"].get("hisparse_after_burst_start") is None, "arm a logs no HiSparse line")
+    check(arms["d"]["pythonpath"].split(os.pathsep)[1] == str(REPO / "src") and arms["d"]["plugin_check"]["visible"]
+          and arms["d"]["env"].get("MOCK_HISPARSE_LOG") == "1", "arm d loads the plugin like arm c")
+    check('"resident_first":false' in (out / "server-d.log").read_text()
+          and '"resident_first"' not in (out / "server-c.log").read_text(), "arm d's server got resident_first false")
+    cmp = res["compare"]
+    check(cmp.get("d_vs_a", {}).get("prompts_identical") == 6
+          and all(r["first_mismatch"] == 5 for r in cmp.get("c_vs_d", {}).get("per_prompt", [{}])),
+          f"d vs a identical, c vs d at the injected token: {sorted(cmp)}")
+    md = (out / "results.md").read_text()
+    check("## Storm: 6 new 1024-token requests" in md and "\n| a | " in md and "\n| d | " in md
+          and "| d_vs_a |" in md and "| c_vs_d |" in md, "storm table and d comparisons in results.md")
+    files = sorted(p.name for p in out.iterdir())
+    check(len(files) <= 8 and "server-d.log" in files, f"$OUT files with four arms: {files}")
 
 
 def server_args_check(python: str) -> None:

@@ -44,6 +44,9 @@ class HiSparseConfig:
             least this fraction of the device pool stays free afterwards (hysteresis).
         switch_cooldown_steps: decode steps a request stays in a mode before it may switch
             back (hysteresis).
+        pd_quarantine_s: PD decode only: seconds the host rows of a request whose KV transfer
+            did not complete (failed, timed out or aborted) are held back before reuse, so that a
+            late write from the prefill instance cannot land in another request's KV.
         max_switches_per_step: most promotions the coordinator starts in one scheduler step
             (bounds the copies added to any step; demotions copy nothing and happen only as
             far as memory pressure requires).
@@ -58,6 +61,7 @@ class HiSparseConfig:
     promote_free_fraction: float = 0.25
     switch_cooldown_steps: int = 32
     max_switches_per_step: int = 8
+    pd_quarantine_s: float = 60.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -129,6 +133,7 @@ _EXPECTED_TYPES: dict[str, str] = {
     "promote_free_fraction": "float",
     "switch_cooldown_steps": "int",
     "max_switches_per_step": "int",
+    "pd_quarantine_s": "float",
 }
 
 
@@ -239,3 +244,11 @@ def _validate(config: HiSparseConfig) -> None:
         )
     _check_int("switch_cooldown_steps", config.switch_cooldown_steps, minimum=0, maximum=1_000_000)
     _check_int("max_switches_per_step", config.max_switches_per_step, minimum=1, maximum=65536)
+    quarantine = config.pd_quarantine_s
+    if isinstance(quarantine, bool) or not isinstance(quarantine, (int, float)) or not math.isfinite(quarantine):
+        raise HiSparseConfigError(f"pd_quarantine_s must be a finite number of seconds, got {quarantine!r}.")
+    if not 0.0 <= quarantine <= 3600.0:
+        raise HiSparseConfigError(
+            f"pd_quarantine_s ({quarantine}) must be in [0, 3600] seconds; it should outlast the prefill "
+            f"instance's transfer timeout (Mooncake: MC_TRANSFER_TIMEOUT, 30 s by default)."
+        )

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -51,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 RESIDENT = "resident"
 OFFLOADED = "offloaded"
+# A scheduler step that spends longer than this switching modes is logged with its counts and the
+# time of each part (what it waited on).
+SLOW_SWITCH_SECONDS = 0.005
 
 
 @dataclasses.dataclass
@@ -167,6 +171,9 @@ class Coordinator:
         self.demotions = 0
         self.promotions = 0
         self.promotion_cancels = 0
+        self.switch_seconds_total = 0.0
+        self.switch_seconds_max = 0.0
+        self._marks: list[tuple[str, float]] = []
 
     # ================================================================== admission
     def admit_prefilled(self, slot: int, prefill_len: int) -> None:
@@ -253,9 +260,13 @@ class Coordinator:
                     f"{record.seq_len} tokens (one step at a time)."
                 )
         self._backup_previous_tokens(records)
-        switches_before = self.demotions + self.promotions + self.promotion_cancels
+        before = self._switch_counts()
+        started = time.perf_counter()
+        self._marks = [("start", started)]
         self._switch_modes(records)
-        switched = self.demotions + self.promotions + self.promotion_cancels != switches_before
+        switched = self._switch_counts() != before
+        if switched:
+            self._note_switch_time("decode step", time.perf_counter() - started, before)
         self._assign_new_rows(records, new_locs)
         for record in records:
             record.seq_len += 1
@@ -343,7 +354,7 @@ class Coordinator:
         if record.promotion is not None:
             self._cancel_promotion(record)
         if record.mode == OFFLOADED:
-            self.allocator.free_device_pages_of_rows(self.buffers.release(slot))
+            self._free_buffer(slot)
             self.allocator.unmap_(self.req_to_token[slot, : record.seq_len])
 
     def retract(self, slot: int) -> None:
@@ -388,8 +399,48 @@ class Coordinator:
         """Free device pages until ``pages_needed`` are free; returns whether that succeeded."""
         if self.allocator.device_rows.free_pages >= pages_needed:
             return True
+        before = self._switch_counts()
+        started = time.perf_counter()
+        self._marks = [("start", started)]
+        try:
+            return self._reclaim(pages_needed)
+        finally:
+            self._note_switch_time("reclaim", time.perf_counter() - started, before)
+
+    def take_switch_time_max(self) -> float:
+        """Longest time (s) one step spent switching modes since the previous call; resets it.
+
+        Host wall time of the switching code of ``prepare_decode`` or ``reclaim``: what a demotion
+        storm adds to the scheduler's step (the GPU work it enqueues is a few table updates).
+        """
+        value, self.switch_seconds_max = self.switch_seconds_max, 0.0
+        return value
+
+    def _switch_counts(self) -> tuple[int, int, int]:
+        return self.demotions, self.promotions, self.promotion_cancels
+
+    def _note_switch_time(self, where: str, seconds: float, before: tuple[int, int, int]) -> None:
+        self.switch_seconds_total += seconds
+        self.switch_seconds_max = max(self.switch_seconds_max, seconds)
+        if seconds > SLOW_SWITCH_SECONDS:
+            demoted, promoted, cancelled = (a - b for a, b in zip(self._switch_counts(), before))
+            steps = ", ".join(
+                f"{label} {1e3 * (t - t0):.1f}" for (_, t0), (label, t) in zip(self._marks, self._marks[1:])
+            )
+            logger.warning(
+                "HiSparse: %s spent %.1f ms switching modes (%d demotions, %d promotions completed, "
+                "%d promotions cancelled, %d requests; ms per part: %s).",
+                where, 1e3 * seconds, demoted, promoted, cancelled, len(self.requests), steps or "-",
+            )
+
+    def _mark(self, label: str) -> None:
+        """Time stamp for the slow-switch log line (what a slow step waited on)."""
+        self._marks.append((label, time.perf_counter()))
+
+    def _reclaim(self, pages_needed: int) -> bool:
         self.streams.wait_for_producer()
         self._fence_copies()
+        self._mark("fence")
         for record in sorted(self.requests.values(), key=lambda r: -r.seq_len):
             if self.allocator.device_rows.free_pages >= pages_needed:
                 break
@@ -398,8 +449,7 @@ class Coordinator:
         for record in self._demotion_order():
             if self.allocator.device_rows.free_pages >= pages_needed:
                 break
-            if record.staging is not None and not record.staging.query():
-                record.staging.synchronize()
+            self._order_after_staging(record)
             self._demote(record, record.seq_len)
         return self.allocator.device_rows.free_pages >= pages_needed
 
@@ -511,8 +561,7 @@ class Coordinator:
                     f"the scheduler should have retracted a request (can_decode() was False)."
                 )
             victim = order[0]
-            if victim.staging is not None and not victim.staging.query():
-                victim.staging.synchronize()
+            self._order_after_staging(victim)
             self._demote(victim, victim.seq_len)
 
     def _starts_page(self, record: RequestRecord) -> bool:
@@ -566,6 +615,24 @@ class Coordinator:
 
         return sorted((r for r in self.requests.values() if self._demotable(r)), key=key)
 
+    def _free_buffer(self, slot: int) -> None:
+        """Free the device pages of a request's buffer without waiting for the GPU.
+
+        A buffer is whole pages: every group of ``page_size`` slots (the LRU slots, then the reserved
+        page whose slot ``D`` holds the newest token) lies in one page, so the first slot of each
+        group names it and no ``unique()`` (a host sync) is needed.
+        """
+        rows = self.buffers.release(slot)
+        self.allocator.free_device_pages(rows[:: self.page_size] // self.page_size)
+
+    def _order_after_staging(self, record: RequestRecord) -> None:
+        """Before demoting a request whose prefill KV may still be streaming to the host: order
+        later work of the current stream (every forward that could reuse the freed pages or read
+        the host rows) after that copy. A GPU-side wait: a storm of demotions of fresh prefills
+        must not block the scheduler on their copies."""
+        if record.staging is not None and not record.staging.query():
+            record.staging.wait_on_current_stream()
+
     def _demote(self, record: RequestRecord, num_tokens: int) -> None:
         """Turn a resident request with ``num_tokens`` resident tokens into an offloaded one.
 
@@ -581,19 +648,27 @@ class Coordinator:
             raise HiSparseMemoryError(
                 f"request slot {record.slot}: {num_tokens} tokens do not fill a buffer of {self.buffer_size}."
             )
+        self._mark("plan")
         locs = self.req_to_token[record.slot, :num_tokens].to(torch.int64)
         rows = self.allocator.translate(locs).to(torch.int64)
+        self._mark("rows")
         lru_rows = rows[first : first + self.buffer_size]
         newest_row = rows[newest : newest + 1]
         page_base = newest_row - newest % page
-        page_offsets = torch.arange(page, dtype=torch.int64, device=self.device)
-        other_rows = (page_base + page_offsets)[page_offsets != newest % page]
-        buffer_rows = torch.cat([lru_rows, newest_row, other_rows])
+        # The page's other offsets, in order, without a boolean mask (which would wait for the GPU).
+        other_offsets = torch.arange(page - 1, dtype=torch.int64, device=self.device)
+        other_offsets += (other_offsets >= newest % page).to(torch.int64)
+        buffer_rows = torch.cat([lru_rows, newest_row, page_base + other_offsets])
         if first > 0:
-            self.allocator.free_device_pages_of_rows(rows[:first:page])
+            # Resident rows are page-aligned with positions: rows[0], rows[page], ... lie in distinct
+            # pages, so no unique() (and no GPU sync) is needed.
+            self.allocator.free_device_pages(rows[:first:page] // page)
+        self._mark("free")
         # The newest token keeps its row, which is now the reserved slot.
         self.allocator.unmap_(locs[:newest])
+        self._mark("unmap")
         self.buffers.acquire(record.slot, buffer_rows, first_token=first)
+        self._mark("buffer")
         record.mode = OFFLOADED
         record.mode_step = self.streams.step
         self.demotions += 1
@@ -658,7 +733,7 @@ class Coordinator:
                 )
                 self.streams.keep_alive(locs, self.streams.backup)
                 self.streams.keep_alive(rows, self.streams.backup)
-        self.allocator.free_device_pages_of_rows(self.buffers.release(record.slot))
+        self._free_buffer(record.slot)
         self.allocator.map_(locs, rows)
         record.mode = RESIDENT
         record.promotion = None

@@ -1,12 +1,15 @@
 """End to end on a GPU: SGLang 0.5.17 serving the tiny DeepSeek-V3.2 model with the plugin decodes like
 SGLang without HiSparse.
 
-Greedy tokens and per-token logprobs must be identical to the no-HiSparse arm wherever the serving stack
-is deterministic (the same server decodes the same prompt identically twice). Where it is not (SGLang
-0.5.17's DSA stack on an H100 was not: repeats diverged within a few tokens), the plugin's divergence
-from the baseline, measured up to the first differing token, must stay within the server's own
-run-to-run divergence. Runs benchmarks/e2e/run_e2e.py unless HISPARSE_E2E_RUN=0 (then it checks the
-results.json a harness run wrote in HISPARSE_E2E_STATE, default /tmp/hisparse_e2e).
+Two plugin arms: c (resident-first: at batch size 1 a request stays resident, so this checks the
+translation path) and d (always offload: every layer of every step runs the swap-in kernel with misses).
+Greedy tokens and per-token logprobs must be identical to the no-HiSparse arm a wherever the serving
+stack is deterministic (the same server decodes the same prompt identically twice). Where it is not
+(SGLang 0.5.17's DSA stack on an H100 was not: repeats diverged within a few tokens), every prompt is
+decoded twice on each server, and the plugin's divergence from the baseline, measured up to the first
+differing token, must look like the servers' own run-to-run divergence. Runs
+benchmarks/e2e/run_e2e.py unless HISPARSE_E2E_RUN=0 (then it checks the results.json a harness run wrote
+in HISPARSE_E2E_STATE, default /tmp/hisparse_e2e).
 """
 
 import json
@@ -22,36 +25,55 @@ pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
+PLUGIN_ARMS = ("c", "d")  # resident-first (default) and always-offload (every decode step swaps in)
+
+
 def results() -> dict:
     state = pathlib.Path(os.environ.get("HISPARSE_E2E_STATE", "/tmp/hisparse_e2e"))
     if os.environ.get("HISPARSE_E2E_RUN", "1") == "1":
-        arms = os.environ.get("HISPARSE_E2E_ARMS", "a,c")
+        arms = os.environ.get("HISPARSE_E2E_ARMS", "a,c,d")
         subprocess.run(
             [sys.executable, str(REPO / "benchmarks/e2e/run_e2e.py"), "--arms", arms,
-             "--phases", "preflight,correctness,report", "--state-dir", str(state)],
+             "--phases", "preflight,correctness,report", "--corr-repeat", "8", "--state-dir", str(state)],
             check=False,
         )
     return json.loads((state / "results.json").read_text())
 
 
-def test_plugin_decodes_like_sglang_without_hisparse():
-    data = results()
-    comparison = data["compare"].get("c_vs_a")
-    assert comparison is not None, f"no c_vs_a comparison in the results: {sorted(data['compare'])}"
+@pytest.fixture(scope="module")
+def data() -> dict:
+    return results()
+
+
+@pytest.mark.parametrize("arm", PLUGIN_ARMS)
+def test_plugin_decodes_like_sglang_without_hisparse(data, arm):
+    if arm not in data["arms"]:
+        pytest.skip(f"arm {arm} was not run (HISPARSE_E2E_ARMS)")
+    comparison = data["compare"].get(f"{arm}_vs_a")
+    assert comparison is not None, f"no {arm}_vs_a comparison in the results: {sorted(data['compare'])}"
     assert comparison["same_weights"], "the arms did not load identical weights"
     assert comparison["prompts_compared"] >= 3, comparison
-    plugin = data["arms"]["c"]["correctness"]
+    plugin = data["arms"][arm]["correctness"]
     baseline = data["arms"]["a"]["correctness"]
     assert baseline.get("context_sensitive"), "outputs do not depend on the context: the check proves little"
-    assert all(not p.get("nan_logprobs") for p in plugin["prompts"]), "the plugin arm produced NaN logprobs"
-    repeats = [r for arm in ("a", "b", "c") for r in data["arms"].get(arm, {}).get("correctness", {}).get("repeats", [])]
-    assert repeats, "no same-server repeats recorded: cannot tell whether the stack is deterministic"
+    assert all(not p.get("nan_logprobs") for p in plugin["prompts"]), f"arm {arm} produced NaN logprobs"
+    repeats = baseline.get("repeats", []) + plugin.get("repeats", [])
+    assert len(repeats) >= 2 * comparison["prompts_compared"] - 2, (
+        "every prompt must be decoded twice on each server (--corr-repeat 8) to measure the stack's own noise"
+    )
+    cross = [p["max_abs_dlogprob"] for p in comparison["per_prompt"]]
     if all(r["identical"] for r in repeats):
         assert comparison["prompts_identical"] == comparison["prompts_compared"], comparison["per_prompt"]
-        assert comparison["max_abs_dlogprob_before_divergence"] == 0.0
-    else:
-        own = max(r["max_abs_dlogprob"] for r in repeats)
-        assert comparison["max_abs_dlogprob_before_divergence"] <= own, (
-            f"plugin vs baseline diverges more ({comparison['max_abs_dlogprob_before_divergence']:.3g}) "
-            f"than the server from itself ({own:.3g})"
-        )
+        assert max(cross) == 0.0
+        return
+    # The stack is not deterministic: same server, same prompt, different logprobs. The plugin's
+    # divergence from the baseline must look like that noise: its median within the largest
+    # same-server divergence, its largest within 1.5x of it (a wrong KV row moves logprobs by
+    # whole units, not by the tenths this noise does).
+    own = max(r["max_abs_dlogprob"] for r in repeats)
+    cross.sort()
+    median = cross[len(cross) // 2]
+    assert median <= own, f"arm {arm} vs baseline: median divergence {median:.3g} > the servers' own {own:.3g}"
+    assert cross[-1] <= 1.5 * own, (
+        f"arm {arm} vs baseline: largest divergence {cross[-1]:.3g} > 1.5 x the servers' own {own:.3g}"
+    )

@@ -7,6 +7,7 @@ swap-in returns must hold the right token's KV, and nothing may leak.
 """
 
 import array
+import logging
 import types
 
 import pytest
@@ -195,7 +196,7 @@ def test_scripted_scheduler_run_leaks_nothing(resident_first):
     stack.assert_all_free()
 
 
-def test_long_requests_are_demoted_under_pressure_and_swap_in_stays_correct():
+def test_long_requests_are_demoted_under_pressure_and_swap_in_stays_correct(caplog):
     stack = Stack(resident_first=True, device_tokens=PAGE * 36)
     reqs = [stack.new_req(f"r{i}", 800) for i in range(3)]
     for req in reqs[:2]:
@@ -210,6 +211,15 @@ def test_long_requests_are_demoted_under_pressure_and_swap_in_stays_correct():
     stats = stack.coordinator.core.stats()
     assert stats.demotions >= 1 and stats.offloaded_requests >= 1
     assert stats.swap_in_lookups > 0
+    # The decode log line reports the demotions and the longest step spent switching, then resets.
+    from hisparse_sglang.integration.sglang import metrics
+
+    with caplog.at_level(logging.INFO, logger="hisparse_sglang"):
+        values = metrics.report(stack.coordinator, log=True, prometheus_labels=None)
+    assert values["demotions_total"] == stats.demotions
+    assert values["switch_ms_max"] > 0
+    assert "switch work max" in caplog.text and "demotions" in caplog.text
+    assert stack.coordinator.report()["switch_ms_max"] == 0
     token_stats = stack.coordinator.get_token_stats()
     assert 0 < token_stats.device_token_usage <= 1 and 0 < token_stats.host_token_usage <= 1
     assert stack.allocator.available_size() <= stack.allocator.device_tokens
@@ -253,6 +263,15 @@ def test_pd_host_pool_exposes_layer_regions_and_preallocated_rows():
     rows = host.alloc_paged_token_slots(None, None, 3, 0, 130)
     assert torch.equal(rows, locs) and bool((rows[::PAGE] % PAGE == 0).all())
     assert bool((stack.allocator.rows.translate(locs) == 0).all()), "logical-only locations must not map to device rows"
+    from hisparse_sglang.errors import HiSparseMemoryError
+
+    with pytest.raises(HiSparseMemoryError, match="PD hook did not run"):
+        host.alloc_paged_token_slots(None, None, 5, 0, 10)
+    host.preallocated[5] = None  # the logical pool was exhausted
+    with pytest.raises(HiSparseMemoryError, match="logical .host. pool had no room for 10 tokens"):
+        host.alloc_paged_token_slots(None, None, 5, 0, 10)
+    with pytest.raises(HiSparseMemoryError, match="exceed the 130 preallocated"):
+        host.alloc_paged_token_slots(None, None, 3, 100, 64)
 
 
 @pytest.fixture
@@ -342,4 +361,37 @@ def test_pd_decode_retraction_round_trip_restores_kv_and_indexer_keys(
     for r in (req, other):
         stack.coordinator.request_finished(r)
         stack.release(r)
+    stack.assert_all_free()
+
+
+def test_pd_request_ending_before_its_transfer_holds_its_host_rows_for_the_quarantine():
+    """A PD request released before its KV transfer completed (failed, timed out, aborted): its
+    host rows are not reused until pd_quarantine_s has passed, then they are freed."""
+    stack = Stack()
+    now = [100.0]
+    stack.allocator.quarantine.clock = lambda: now[0]
+    assert stack.allocator.quarantine.seconds == stack.config.pd_quarantine_s > 0
+    free_before = stack.allocator.rows.logical.free_rows
+
+    failed = stack.new_req("failed", 300)
+    failed_rows = stack.pd_prealloc(failed, 300)
+    # SGLang's failure path: request_finished, then release_kv_cache
+    stack.coordinator.request_finished(failed)
+    stack.release(failed)
+    held = stack.allocator.rows.logical.free_rows
+    assert held == free_before - 5 * PAGE, "the failed request's pages were freed at once"
+    assert stack.allocator.quarantine.rows_held == 300
+
+    # a new request (and the admission budget) cannot get those rows during the quarantine
+    other = stack.new_req("other", 1000)
+    other_rows = stack.pd_prealloc(other, 1000)
+    assert not bool(torch.isin(other_rows, failed_rows).any())
+    assert stack.allocator.logical_attn_allocator.available_size() == free_before - 5 * PAGE - 16 * PAGE
+    stack.coordinator.admit_request_direct(other)
+    stack.coordinator.request_finished(other)
+    stack.release(other)  # admitted: freed at once
+
+    now[0] += stack.config.pd_quarantine_s
+    assert stack.allocator.logical_attn_allocator.available_size() == free_before
+    assert stack.allocator.quarantine.rows_held == 0
     stack.assert_all_free()

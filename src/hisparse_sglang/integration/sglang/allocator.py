@@ -13,6 +13,7 @@ from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
 from hisparse_sglang.errors import UnsupportedSetupError
 from hisparse_sglang.memory.allocator import KVAllocator, _count_extend_pages
+from hisparse_sglang.memory.quarantine import RowQuarantine
 
 __all__ = ["HiSparseTokenAllocator"]
 
@@ -50,7 +51,10 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
         kvcache.attach(self.rows)
         self.coordinator = None  # the core Coordinator, set once it exists (demotions on demand)
         self.coordinator_adapter = None  # the SGLang-facing coordinator (hooks reach it through here)
-        self.logical_attn_allocator = _Capacity(lambda: self.rows.logical.free_rows)
+        # Host rows of PD requests whose transfer did not complete; the coordinator sets the
+        # grace period from the HiSparse config.
+        self.quarantine = RowQuarantine(0.0)
+        self.logical_attn_allocator = _Capacity(self._logical_free_rows)
         self.hisparse_attn_allocator = _Capacity(self._device_rows_obtainable)
         self.compress_ratio = 1
 
@@ -73,7 +77,15 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
 
     def available_size(self) -> int:
         """Tokens a new prefill can get: logical rows, bounded by device rows obtainable by demotion."""
-        return min(self.rows.logical.free_rows, self._device_rows_obtainable())
+        return min(self._logical_free_rows(), self._device_rows_obtainable())
+
+    def _logical_free_rows(self) -> int:
+        self._release_quarantine()
+        return self.rows.logical.free_rows
+
+    def _release_quarantine(self) -> None:
+        for locs in self.quarantine.expired():
+            self.rows.free(locs)
 
     def debug_print(self) -> str:
         stats = self.rows.stats()
@@ -95,6 +107,7 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
         _, _, _, device_pages = _count_extend_pages(prefix_lens_cpu, seq_lens_cpu, self.page_size)
         if device_pages > self.rows.device_rows.free_pages and self.coordinator is not None:
             self.coordinator.reclaim(device_pages)
+        self._release_quarantine()
         return self.rows.alloc_extend(prefix_lens_cpu, seq_lens_cpu, last_loc)
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
@@ -102,13 +115,16 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
 
     def alloc_logical_only(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens):
         """PD direct-to-host admission: logical locations (= host rows) only."""
+        self._release_quarantine()
         return self.rows.alloc_extend(prefix_lens_cpu, seq_lens_cpu, last_loc, with_device_rows=False)
 
     def free(self, free_index: torch.Tensor):
         if free_index.numel() == 0:
             return
         if self.is_not_in_free_group:
-            self.rows.free(free_index)
+            free_index = self.quarantine.intercept(free_index)
+            if free_index.numel():
+                self.rows.free(free_index)
         else:
             self.free_group.append(free_index)
 
@@ -158,6 +174,7 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
         return self.coordinator_adapter.host_pool
 
     def clear(self):
+        self.quarantine.clear()
         self.rows.clear()
         self.is_not_in_free_group = True
         self.free_group = []

@@ -55,18 +55,30 @@ class PDHostPool:
         self.host_pool = host_pool
         self.page_size = page_size
         self.layer_num = host_pool.layer_num
-        self.preallocated: dict[int, torch.Tensor] = {}
+        self.preallocated: dict[int, torch.Tensor | None] = {}
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         pointers, lengths = self.host_pool.region_infos()
         return pointers, lengths, [self.host_pool.item_bytes * self.page_size] * self.layer_num
 
     def alloc_paged_token_slots(self, req_to_host_pool, req_to_host_pool_allocated_len, req_pool_idx, start_pos, num_tokens):
-        locations = self.preallocated.get(int(req_pool_idx))
-        if locations is None or start_pos + num_tokens > locations.numel():
+        slot = int(req_pool_idx)
+        if slot not in self.preallocated:
             raise HiSparseMemoryError(
-                f"request slot {req_pool_idx}: no preallocated logical locations for positions "
+                f"request slot {slot}: no preallocated logical locations for positions "
                 f"[{start_pos}, {start_pos + num_tokens}); hisparse-sglang's PD hook did not run."
+            )
+        locations = self.preallocated[slot]
+        if locations is None:
+            raise HiSparseMemoryError(
+                f"request slot {slot}: the logical (host) pool had no room for {num_tokens} tokens although PD "
+                f"admission budgeted them; raise host_to_device_ratio in --hisparse-config or lower "
+                f"--max-running-requests."
+            )
+        if start_pos + num_tokens > locations.numel():
+            raise HiSparseMemoryError(
+                f"request slot {slot}: positions [{start_pos}, {start_pos + num_tokens}) exceed the "
+                f"{locations.numel()} preallocated logical locations."
             )
         return locations[start_pos : start_pos + num_tokens].to(torch.int64)
 
@@ -120,6 +132,7 @@ class SGLangHiSparseCoordinator:
         )
         allocator.coordinator = self.core
         allocator.coordinator_adapter = self
+        allocator.quarantine.seconds = config.pd_quarantine_s
         self.allocator = allocator
         self.num_real_reqs = self.core.num_real_reqs
         self.mem_pool_host = PDHostPool(self.host_pool, config.page_size)
@@ -207,7 +220,16 @@ class SGLangHiSparseCoordinator:
             return
         slot = int(slot)
         self._staging.pop(slot, None)
-        self.mem_pool_host.preallocated.pop(slot, None)
+        untransferred = self.mem_pool_host.preallocated.pop(slot, None)
+        if untransferred is not None and untransferred.numel() and self.allocator.quarantine.seconds > 0:
+            # PD decode: the request ends before its KV transfer completed; writes of the prefill
+            # instance may still land in these host rows.
+            logger.warning(
+                "HiSparse: request slot %d ended before its KV transfer completed; its %d host rows are held "
+                "for %.0f s (pd_quarantine_s) so that a late write cannot reach another request.",
+                slot, untransferred.numel(), self.allocator.quarantine.seconds,
+            )
+            self.allocator.quarantine.expect(untransferred)
         if retract:
             self.core.retract(slot)
         else:
@@ -243,6 +265,7 @@ class SGLangHiSparseCoordinator:
             "promoting": stats.promoting_requests,
             "demotions_per_min": (stats.demotions - last_demotions) / minutes,
             "promotions_per_min": (stats.promotions - last_promotions) / minutes,
+            "switch_ms_max": 1e3 * self.core.take_switch_time_max(),
             "demotions_total": stats.demotions,
             "promotions_total": stats.promotions,
             "lookups_total": stats.swap_in_lookups,

@@ -151,7 +151,8 @@ def _alloc_for_decode_prealloc_after(result, allocator, *, req, fill_len, uses_s
     """AFTER alloc_for_decode_prealloc_hisparse: remember the logical locations (= host rows) the
     prefill instance must write, before SGLang asks the host pool for them."""
     coordinator = getattr(allocator, "coordinator_adapter", None)
-    if coordinator is not None and result is not None:
+    if coordinator is not None:
+        # None (no logical rows left) is kept too, so that alloc_paged_token_slots names the cause.
         coordinator.mem_pool_host.preallocated[int(req.req_pool_idx)] = result
     return result
 

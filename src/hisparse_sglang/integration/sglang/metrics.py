@@ -17,6 +17,7 @@ _GAUGES = (
     ("offloaded", "Requests decoding from their GPU buffer"),
     ("demotions_per_min", "Resident-to-offloaded switches per minute (last interval)"),
     ("promotions_per_min", "Offloaded-to-resident switches per minute (last interval)"),
+    ("switch_ms_max", "Longest host time one scheduler step spent switching modes (last interval), ms"),
     ("device_rows_used", "GPU KV rows in use"),
     ("device_rows_total", "GPU KV rows in the pool"),
     ("host_rows_used", "Host KV rows in use"),
@@ -36,10 +37,12 @@ def report(coordinator, log: bool, prometheus_labels: dict | None) -> dict:
         hit = f"{100 * values['hit_rate']:.1f}%" if values["hit_rate"] is not None else "n/a"
         logger.info(
             "HiSparse: hit rate %s, moved %.1f MiB, resident %d, offloaded %d (promoting %d), "
-            "demotions %.1f/min, promotions %.1f/min, device rows %d/%d, host rows %d/%d",
+            "demotions %.1f/min, promotions %.1f/min, device rows %d/%d, host rows %d/%d, "
+            "switch work max %.2f ms/step",
             hit, values["bytes_moved"] / 2**20, values["resident"], values["offloaded"], values["promoting"],
             values["demotions_per_min"], values["promotions_per_min"], values["device_rows_used"],
             values["device_rows_total"], values["host_rows_used"], values["host_rows_total"],
+            values["switch_ms_max"],
         )
     if prometheus_labels is not None:
         _export(values, prometheus_labels)
