@@ -196,7 +196,11 @@ def test_scripted_scheduler_run_leaks_nothing(resident_first):
     stack.assert_all_free()
 
 
-def test_long_requests_are_demoted_under_pressure_and_swap_in_stays_correct(caplog):
+def test_long_requests_are_demoted_under_pressure_and_swap_in_stays_correct(caplog, monkeypatch):
+    from hisparse_sglang import coordinator as core
+
+    # Every switching step counts as slow here, so its log line (with the time of each part) is checked.
+    monkeypatch.setattr(core, "SLOW_SWITCH_SECONDS", 0.0)
     stack = Stack(resident_first=True, device_tokens=PAGE * 36)
     reqs = [stack.new_req(f"r{i}", 800) for i in range(3)]
     for req in reqs[:2]:
@@ -219,6 +223,9 @@ def test_long_requests_are_demoted_under_pressure_and_swap_in_stays_correct(capl
     assert values["demotions_total"] == stats.demotions
     assert values["switch_ms_max"] > 0
     assert "switch work max" in caplog.text and "demotions" in caplog.text
+    slow = [r.getMessage() for r in caplog.records if "switching modes" in r.getMessage()]
+    assert slow, "a demotion step must be reported when it exceeds SLOW_SWITCH_SECONDS"
+    assert any("1 demotions" in m and "unmap" in m and "buffer" in m for m in slow), slow
     assert stack.coordinator.report()["switch_ms_max"] == 0
     token_stats = stack.coordinator.get_token_stats()
     assert 0 < token_stats.device_token_usage <= 1 and 0 < token_stats.host_token_usage <= 1
