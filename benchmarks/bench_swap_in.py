@@ -280,8 +280,8 @@ def main() -> int:
                     record["variants_us"] = variants
                 if miss == 0:
                     record["ours_host_us"] = host_us(cell.run_ours)
-                    if row_bytes in baseline:
-                        record["sglang_host_us"] = host_us(lambda: cell.run_sglang(baseline[row_bytes]))
+                    if kernel is not None:
+                        record["sglang_host_us"] = host_us(lambda: cell.run_sglang(kernel))
                 record["sm_clock_mhz_after"] = sm_clock_mhz()
                 results.append(record)
                 print(format_row(record), flush=True)

@@ -15,6 +15,8 @@ import os
 
 import pytest
 
+from hisparse_sglang.integration.sglang.compat import SUPPORTED_SGLANG, sglang_version
+
 
 @functools.cache
 def _has_gpu() -> bool:
@@ -24,16 +26,6 @@ def _has_gpu() -> bool:
         return torch.cuda.is_available()
     except Exception:
         return False
-
-
-@functools.cache
-def _sglang_version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("sglang")
-    except Exception:
-        return None
 
 
 @functools.cache
@@ -52,9 +44,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") and not _has_gpu():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine (docs/kernels.md)"))
-        if item.get_closest_marker("sglang") and _sglang_version() != "0.5.17":
+        if item.get_closest_marker("sglang") and sglang_version() != SUPPORTED_SGLANG:
             item.add_marker(
-                pytest.mark.skip(reason=f"needs sglang==0.5.17 (found {_sglang_version()}); .ci/run installs it")
+                pytest.mark.skip(
+                    reason=f"needs sglang=={SUPPORTED_SGLANG} (found {sglang_version()}); .ci/run installs it"
+                )
             )
         if item.get_closest_marker("mooncake"):
             reason = _has_mooncake()

@@ -171,7 +171,6 @@ class Coordinator:
         self.demotions = 0
         self.promotions = 0
         self.promotion_cancels = 0
-        self.switch_seconds_total = 0.0
         self.switch_seconds_max = 0.0
         self._marks: list[tuple[str, float]] = []
 
@@ -420,7 +419,6 @@ class Coordinator:
         return self.demotions, self.promotions, self.promotion_cancels
 
     def _note_switch_time(self, where: str, seconds: float, before: tuple[int, int, int]) -> None:
-        self.switch_seconds_total += seconds
         self.switch_seconds_max = max(self.switch_seconds_max, seconds)
         if seconds > SLOW_SWITCH_SECONDS:
             demoted, promoted, cancelled = (a - b for a, b in zip(self._switch_counts(), before))
