@@ -146,8 +146,7 @@ class Cell:
             pinned = case.host_kv.pin_memory()
             host_cache[("pinned", batch, row_bytes)] = pinned
         self.gpu.host_kv = pinned
-        self.saved_tokens = self.gpu.slot_tokens.clone()
-        self.saved_lru = self.gpu.lru_order.clone()
+        self.saved = [t.clone() for t in (self.gpu.slot_tokens, self.gpu.slot_stamps, self.gpu.token_slot)]
         self.out = torch.empty((batch, TOP_K), dtype=torch.int32, device="cuda")
         self.counters = torch.zeros(2, dtype=torch.int64, device="cuda")
         self._sglang_layout(case)
@@ -164,7 +163,9 @@ class Cell:
             if buffer >= 0:
                 tokens[slot, :BUFFER] = case.slot_tokens[buffer]
                 locs[slot] = case.slot_rows[buffer]
-                lru[slot] = case.lru_order[buffer]
+                # SGLang keeps an explicit order, least recently used first: ours by (stamp, slot).
+                key = case.slot_stamps[buffer].to(torch.int64) * BUFFER + torch.arange(BUFFER)
+                lru[slot] = torch.argsort(key).to(torch.int16)
         self.sg_tokens0, self.sg_lru0 = tokens.cuda(), lru.cuda()
         self.sg_tokens, self.sg_lru = tokens.cuda(), lru.cuda()
         self.sg_locs = locs.cuda()
@@ -172,8 +173,8 @@ class Cell:
         self.sg_out = torch.empty((case.top_k.shape[0], TOP_K), dtype=torch.int32, device="cuda")
 
     def reset_ours(self) -> None:
-        self.gpu.slot_tokens.copy_(self.saved_tokens)
-        self.gpu.lru_order.copy_(self.saved_lru)
+        for table, saved in zip((self.gpu.slot_tokens, self.gpu.slot_stamps, self.gpu.token_slot), self.saved):
+            table.copy_(saved)
 
     def run_ours(self, splits=None, threads=None) -> None:
         ours.swap_in(*self.gpu.args(), out=self.out, splits=splits, threads=threads)

@@ -93,7 +93,7 @@ int64_t occupancy(size_t smem) {
 void hisparse_swap_in(
     TensorView top_k, TensorView seq_lens, TensorView req_pool_indices, TensorView num_real_reqs,
     TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
-    TensorView slot_tokens, TensorView lru_order, TensorView host_kv, TensorView device_kv, TensorView out,
+    TensorView slot_tokens, TensorView slot_stamps, TensorView token_slot, TensorView host_kv, TensorView device_kv, TensorView out,
     TensorView counters, TensorView plan, TensorView sync, int64_t splits, int64_t threads, int64_t stream) {
   require(top_k.ndim() == 2 && is_int(top_k, 32) && on_cuda(top_k), "top_k must be int32 [batch, top_k] on CUDA");
   const int64_t batch = top_k.size(0);
@@ -114,8 +114,14 @@ void hisparse_swap_in(
   const int64_t D = slot_tokens.size(1);
   require(slot_rows.ndim() == 2 && is_int(slot_rows, 32) && slot_rows.stride(1) == 1 && slot_rows.size(1) > D,
           "slot_rows must be int32 [NB, D + page]");
-  require(lru_order.ndim() == 2 && is_int(lru_order, 16) && lru_order.size(1) == D && lru_order.stride(1) == 1,
-          "lru_order must be int16 [NB, D] for one layer");
+  require(slot_stamps.ndim() == 2 && is_int(slot_stamps, 32) && slot_stamps.size(1) == D && slot_stamps.stride(1) == 1,
+          "slot_stamps must be int32 [NB, D] for one layer");
+  require(token_slot.ndim() == 2 && is_int(token_slot, 16) && token_slot.stride(1) == 1 &&
+              token_slot.size(1) >= req_to_token.size(1),
+          "token_slot must be int16 [NB, C'] for one layer with C' >= req_to_token's width");
+  require(slot_stamps.size(0) == slot_tokens.size(0) && token_slot.size(0) == slot_tokens.size(0) &&
+              slot_rows.size(0) >= slot_tokens.size(0),
+          "slot_rows, slot_tokens, slot_stamps and token_slot must have one row per buffer");
   require(K <= D, "top_k must not exceed device_buffer_size");
   require(K <= 8192, "top_k above 8192 is not supported by the swap-in kernel");
   require(D <= 32767, "device_buffer_size above 32767 is not supported");
@@ -151,8 +157,10 @@ void hisparse_swap_in(
   p.slot_rows_stride = slot_rows.stride(0);
   p.slot_tokens = data_of<int32_t>(slot_tokens);
   p.slot_tokens_stride = slot_tokens.stride(0);
-  p.lru_order = data_of<int16_t>(lru_order);
-  p.lru_stride = lru_order.stride(0);
+  p.slot_stamps = data_of<int32_t>(slot_stamps);
+  p.slot_stamps_stride = slot_stamps.stride(0);
+  p.token_slot = data_of<int16_t>(token_slot);
+  p.token_slot_stride = token_slot.stride(0);
   p.host_kv = data_of<uint8_t>(host_kv);
   p.device_kv = data_of<uint8_t>(device_kv);
   p.row_bytes = row_bytes;

@@ -128,19 +128,31 @@ def test_host_pool_layout_and_item_sizes():
 
 
 def test_device_buffers_acquire_release():
-    pool = DeviceBufferPool(layer_num=2, num_req_slots=4, num_buffers=2, buffer_size=8, page_size=4)
+    pool = DeviceBufferPool(layer_num=2, num_req_slots=4, num_buffers=2, buffer_size=8, page_size=4, context_len=40)
     rows = torch.arange(100, 112)
     buffer_id = pool.acquire(3, rows, first_token=20)
     assert pool.buffer_of(3) == buffer_id and int(pool.buffer_of_req[3]) == buffer_id
     assert pool.slot_tokens[1, buffer_id].tolist() == list(range(20, 28))
-    assert pool.lru_order[0, buffer_id].tolist() == list(range(8))
+    assert pool.slot_stamps[0, buffer_id].tolist() == [0] * 8
+    expected_map = [-1] * 20 + list(range(8)) + [-1] * 13
+    assert pool.token_slot[0, buffer_id].tolist() == expected_map
+    assert pool.token_slot[1, buffer_id].tolist() == expected_map
     assert int(pool.newest_row(3)) == 108
+    with pytest.raises(HiSparseMemoryError, match="context capacity 40"):
+        pool.acquire(2, rows, first_token=33)
     with pytest.raises(HiSparseMemoryError, match="already owns"):
         pool.acquire(3, rows, None)
     with pytest.raises(HiSparseMemoryError, match="needs 12 rows"):
         pool.acquire(2, rows[:5], None)
+    # a swap-in moved token 20 out and 5 in (slot 0) on layer 1; release clears whatever is mapped
+    pool.slot_tokens[1, buffer_id, 0] = 5
+    pool.token_slot[1, buffer_id, 20] = -1
+    pool.token_slot[1, buffer_id, 5] = 0
+    pool.slot_tokens[0, buffer_id, 3] = -1
+    pool.token_slot[0, buffer_id, 23] = -1
     assert torch.equal(pool.release(3), rows)
     assert pool.buffer_of(3) == -1 and pool.free_buffers == 2
+    assert bool((pool.token_slot == -1).all()) and bool((pool.slot_tokens == -1).all())
     with pytest.raises(HiSparseMemoryError, match="owns no buffer"):
         pool.release(3)
     pool.acquire(0, rows, None)

@@ -295,7 +295,8 @@ class Coordinator:
             self.buffers.buffer_of_req,
             self.buffers.slot_rows,
             self.buffers.slot_tokens[layer_id],
-            self.buffers.lru_order[layer_id],
+            self.buffers.slot_stamps[layer_id],
+            self.buffers.token_slot[layer_id],
             self.host_pool.layers[layer_id],
             self.device_layers[layer_id],
             out=out,
@@ -316,7 +317,7 @@ class Coordinator:
             self._last_backup.wait_on_current_stream()
 
     def swap_counter_values(self, exact: bool = True) -> list[int]:
-        """(distinct lookups, misses) so far; ``exact=False`` does not wait for the GPU and returns
+        """(lookups, misses) so far; ``exact=False`` does not wait for the GPU and returns
         the values of the previous call on CUDA (for periodic metrics on the scheduler's hot path)."""
         if exact or not self.streams.is_cuda:
             return self.swap_counters.tolist()

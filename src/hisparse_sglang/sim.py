@@ -108,7 +108,7 @@ class SimulatedServer:
         self.allocator = KVAllocator(host_pages, device_pages, config.page_size, device, checked=True)
         num_buffers = (device_pages - 1) * config.page_size // config.padded_buffer_size
         self.buffers = DeviceBufferPool(
-            layer_num, max_reqs, max(num_buffers, 1), config.device_buffer_size, config.page_size, device
+            layer_num, max_reqs, max(num_buffers, 1), config.device_buffer_size, config.page_size, max_context, device
         )
         self.device = torch.device(device)
         self.host_pool = HostKVPool(layer_num, host_pages * config.page_size, item_bytes, pin=self.device.type == "cuda")
@@ -354,10 +354,14 @@ class SimulatedServer:
         size = self.config.device_buffer_size
         for layer_id in range(self.layer_num):
             tokens = self.buffers.slot_tokens[layer_id, buffer_id].to(torch.int64)
-            lru = self.buffers.lru_order[layer_id, buffer_id].to(torch.int64)
-            assert torch.equal(torch.sort(lru).values.cpu(), torch.arange(size)), "LRU order is not a permutation"
+            stamps = self.buffers.slot_stamps[layer_id, buffer_id].to(torch.int64)
+            assert bool((stamps <= request.seq_len).all()), "an LRU stamp is ahead of the request"
             held = tokens[tokens >= 0]
             assert torch.unique(held).numel() == held.numel(), "a token sits in two LRU slots"
+            mapping = self.buffers.token_slot[layer_id, buffer_id, : self.max_context].to(torch.int64)
+            mapped = torch.nonzero(mapping >= 0).reshape(-1)
+            assert torch.equal(mapped.cpu(), torch.sort(held).values.cpu()), "token -> slot map and slots disagree"
+            assert torch.equal(tokens[mapping[mapped]].cpu(), mapped.cpu()), "token -> slot map points elsewhere"
             assert bool((held < request.seq_len - 1).all()), "an LRU slot holds the newest or a future token"
             rows = self.buffers.slot_rows[buffer_id, :size].to(torch.int64)[tokens >= 0]
             got = self.device_layers[layer_id][rows].cpu()

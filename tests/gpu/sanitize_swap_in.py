@@ -30,7 +30,8 @@ def main() -> int:
         for name, want, got in (
             ("out", expected_out, out),
             ("slot_tokens", expected.slot_tokens, actual.slot_tokens),
-            ("lru_order", expected.lru_order, actual.lru_order),
+            ("slot_stamps", expected.slot_stamps, actual.slot_stamps),
+            ("token_slot", expected.token_slot, actual.token_slot),
         ):
             if not torch.equal(want, got.cpu()):
                 print(f"MISMATCH splits={splits}: {name}")

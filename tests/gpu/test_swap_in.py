@@ -55,7 +55,8 @@ def check(case, **kwargs):
     (exp, exp_out, exp_counters), (act, out, counters) = run_both(case, **kwargs)
     assert_same("out", exp_out, out)
     assert_same("slot_tokens", exp.slot_tokens, act.slot_tokens)
-    assert_same("lru_order", exp.lru_order, act.lru_order)
+    assert_same("slot_stamps", exp.slot_stamps, act.slot_stamps)
+    assert_same("token_slot", exp.token_slot, act.token_slot)
     assert_same("device_kv", exp.device_kv, act.device_kv)
     assert_same("counters", exp_counters, counters)
     assert torch.equal(act.host_kv, case.host_kv), "the kernel wrote host memory"
@@ -95,6 +96,19 @@ def test_split_copies_match_reference(splits):
 def test_seq_len_around_buffer_size(offset):
     buffer_size = 1024
     case = make_case(4, 512, buffer_size, 656, seq_len=buffer_size + offset, miss_rate=0.3, seed=100 + offset)
+    check(case)
+
+
+@pytest.mark.parametrize("spread,old", [(1, 0.0), (3, 0.5), (400, 0.0)])
+def test_lru_ties_and_spread_of_ages(spread, old):
+    case = make_case(5, 1024, 2048, 656, miss_rate=0.4, stamp_spread=spread, old_stamp_fraction=old, seed=spread)
+    check(case)
+
+
+def test_ages_beyond_the_cap_and_stamps_ahead():
+    case = make_case(3, 512, 1024, 64, miss_rate=0.5, seq_len=reference.AGE_CAP + 2000, stamp_spread=4000,
+                     old_stamp_fraction=0.3, seed=12)
+    case.slot_stamps[:, :50] = int(case.seq_lens[0]) + 7  # ahead of the request: age 0
     check(case)
 
 
@@ -140,16 +154,24 @@ def test_graph_replays_many_times_with_changing_inputs():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ops.swap_in(*gpu.args(), out=out, splits=3)
-    for step in range(6):
+    top_k = base.top_k.clone()
+    for step in range(12):
+        # Each step keeps most of the previous top-k (as a decode does), draws the rest anew and
+        # advances every request by one token, so ages, ties and evictions change step by step.
         generator = torch.Generator().manual_seed(step)
-        top_k = torch.randint(0, int(base.seq_lens[0]) - 1, tuple(base.top_k.shape), generator=generator, dtype=torch.int32)
-        ref.top_k.copy_(top_k)
-        gpu.top_k.copy_(top_k)
+        seq_len = int(base.seq_lens[0]) + step
+        fresh = torch.randint(0, seq_len - 1, tuple(top_k.shape), generator=generator, dtype=torch.int32)
+        keep = torch.rand(tuple(top_k.shape), generator=generator) < 0.8
+        top_k = torch.where(keep & (top_k >= 0), top_k, fresh)
+        for state in (ref, gpu):
+            state.top_k.copy_(top_k)
+            state.seq_lens.fill_(seq_len)
         expected = reference.swap_in(*ref.args())
         graph.replay()
         torch.cuda.synchronize()
         assert_same(f"out step {step}", expected, out)
-        assert_same(f"lru step {step}", ref.lru_order, gpu.lru_order)
+        assert_same(f"slot_stamps step {step}", ref.slot_stamps, gpu.slot_stamps)
+        assert_same(f"token_slot step {step}", ref.token_slot, gpu.token_slot)
         assert_same(f"device_kv step {step}", ref.device_kv, gpu.device_kv)
 
 

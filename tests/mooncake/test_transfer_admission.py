@@ -36,7 +36,9 @@ def test_transferred_requests_are_admitted_short_resident_long_offloaded(cleanup
     for layer in host_pool.layers:
         layer.fill_(POISON)
     device_layers = [torch.zeros(12 * PAGE, ROW_BYTES, dtype=torch.uint8) for _ in range(LAYERS)]
-    buffers = DeviceBufferPool(LAYERS, num_req_slots=4, num_buffers=2, buffer_size=2 * TOP_K, page_size=PAGE)
+    buffers = DeviceBufferPool(
+        LAYERS, num_req_slots=4, num_buffers=2, buffer_size=2 * TOP_K, page_size=PAGE, context_len=1024
+    )
     req_to_token = torch.zeros(4, 1024, dtype=torch.int32)
     coordinator = Coordinator(config, allocator, buffers, host_pool, device_layers, req_to_token)
     # the scheduler's own running request: three logical pages the receiver must never grant

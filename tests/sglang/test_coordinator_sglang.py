@@ -402,3 +402,19 @@ def test_pd_request_ending_before_its_transfer_holds_its_host_rows_for_the_quara
     assert stack.allocator.logical_attn_allocator.available_size() == free_before
     assert stack.allocator.quarantine.rows_held == 0
     stack.assert_all_free()
+
+
+def test_buffer_tables_that_do_not_fit_the_gpu_are_refused_before_allocation(monkeypatch, caplog):
+    from hisparse_sglang.errors import HiSparseMemoryError
+    from hisparse_sglang.integration.sglang import coordinator as adapter
+    from hisparse_sglang.memory.device_buffers import DeviceBufferPool
+
+    shape = (61, 256, 150, 4096, 64, 163840)  # layers, request slots, buffers, D, page, context
+    needed = DeviceBufferPool.table_bytes(*shape)
+    assert needed > 61 * 150 * 163840 * 2  # the token -> slot maps dominate
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (needed, 80 << 30))
+    with caplog.at_level(logging.INFO), pytest.raises(HiSparseMemoryError, match="--context-length"):
+        adapter._check_device_memory(needed, torch.device("cuda", 0), shape)
+    assert "device buffer tables take" in caplog.text
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * needed, 80 << 30))
+    adapter._check_device_memory(needed, torch.device("cuda", 0), shape)  # fits: no error

@@ -29,7 +29,8 @@ class SwapInCase:
     buffer_of_req: torch.Tensor
     slot_rows: torch.Tensor
     slot_tokens: torch.Tensor
-    lru_order: torch.Tensor
+    slot_stamps: torch.Tensor
+    token_slot: torch.Tensor
     host_kv: torch.Tensor
     device_kv: torch.Tensor
     expected_misses: int
@@ -37,8 +38,8 @@ class SwapInCase:
     def args(self) -> tuple:
         return (
             self.top_k, self.seq_lens, self.req_pool_indices, self.num_real_reqs, self.req_to_token,
-            self.device_row_of_loc, self.buffer_of_req, self.slot_rows, self.slot_tokens, self.lru_order,
-            self.host_kv, self.device_kv,
+            self.device_row_of_loc, self.buffer_of_req, self.slot_rows, self.slot_tokens, self.slot_stamps,
+            self.token_slot, self.host_kv, self.device_kv,
         )
 
     def clone(self, device: torch.device | str | None = None, pin_host: bool = False) -> "SwapInCase":
@@ -80,6 +81,8 @@ def make_case(
     padding_fraction: float = 0.0,
     out_of_range_fraction: float = 0.0,
     empty_slot_fraction: float = 0.0,
+    stamp_spread: int = 48,
+    old_stamp_fraction: float = 0.1,
     newest_count: int | None = None,
     extra_slots: int = 3,
     seed: int = 0,
@@ -95,6 +98,8 @@ def make_case(
         newest_fraction, duplicate_fraction, padding_fraction, out_of_range_fraction: shares of top-k
             entries that are the newest position, repeats of an earlier entry, -1, or >= seq_len.
         empty_slot_fraction: share of LRU slots that hold no token.
+        stamp_spread, old_stamp_fraction: a slot's last use is one of the ``stamp_spread`` steps
+            before this one (many slots share a step: ties), or with ``old_stamp_fraction`` step 0.
         newest_count: if set, exactly this many entries per request are the newest position
             (replacing ``newest_fraction``), as a real indexer's distinct output has one.
         extra_slots: request slots beyond the batch (requests use a random subset of slots).
@@ -134,7 +139,8 @@ def make_case(
     buffer_of_req = torch.full((num_slots,), -1, dtype=torch.int32)
     slot_rows = torch.zeros((num_buffers, padded), dtype=torch.int32)
     slot_tokens = torch.full((num_buffers, buffer_size), -1, dtype=torch.int32)
-    lru_order = torch.zeros((num_buffers, buffer_size), dtype=torch.int16)
+    slot_stamps = torch.zeros((num_buffers, buffer_size), dtype=torch.int32)
+    token_slot = torch.full((num_buffers, context), -1, dtype=torch.int16)
     device_kv = torch.full((num_device_rows, row_bytes), POISON, dtype=torch.uint8)
     top = torch.full((batch, top_k), -1, dtype=torch.int32)
     expected_misses = 0
@@ -152,7 +158,9 @@ def make_case(
             buffer_of_req[slot] = buffer
             slot_rows[buffer] = device_rows[cursor : cursor + padded]
             cursor += padded
-            lru_order[buffer] = torch.randperm(buffer_size, generator=generator).to(torch.int16)
+            recent = seq_len - 1 - torch.randint(0, max(stamp_spread, 1), (buffer_size,), generator=generator)
+            old = torch.rand(buffer_size, generator=generator) < old_stamp_fraction
+            slot_stamps[buffer] = torch.where(old, torch.zeros_like(recent), recent.clamp(min=0)).to(torch.int32)
             distinct = min(top_k, seq_len - 1)
             num_miss = int(round(miss_rate * distinct))
             num_hit = distinct - num_miss
@@ -163,6 +171,7 @@ def make_case(
             hit_tokens = held[torch.randperm(held_count, generator=generator)[:num_hit]]
             slot_order = torch.randperm(buffer_size, generator=generator)[:held_count]
             slot_tokens[buffer, slot_order] = held.to(torch.int32)
+            token_slot[buffer, held] = slot_order.to(torch.int16)
             held_rows = slot_rows[buffer, slot_order].to(torch.int64)
             device_kv[held_rows] = host_kv[req_to_token[slot, held].to(torch.int64)]
             chosen = torch.cat([hit_tokens, misses])
@@ -197,7 +206,8 @@ def make_case(
         buffer_of_req=buffer_of_req,
         slot_rows=slot_rows,
         slot_tokens=slot_tokens,
-        lru_order=lru_order,
+        slot_stamps=slot_stamps,
+        token_slot=token_slot,
         host_kv=host_kv,
         device_kv=device_kv,
         expected_misses=expected_misses,

@@ -13,7 +13,11 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["swap_in", "copy_rows", "eager_backup"]
+__all__ = ["swap_in", "copy_rows", "eager_backup", "AGE_CAP"]
+
+
+AGE_CAP = 32767
+"""Ages (steps since a slot's last use) are capped here: older slots count as this old."""
 
 
 def swap_in(
@@ -26,7 +30,8 @@ def swap_in(
     buffer_of_req: torch.Tensor,
     slot_rows: torch.Tensor,
     slot_tokens: torch.Tensor,
-    lru_order: torch.Tensor,
+    slot_stamps: torch.Tensor,
+    token_slot: torch.Tensor,
     host_kv: torch.Tensor,
     device_kv: torch.Tensor,
     out: torch.Tensor | None = None,
@@ -54,14 +59,16 @@ def swap_in(
         slot_rows: int32 ``[NB, D + P]``, device row of each slot; slot ``D`` holds the newest token.
         slot_tokens: int32 ``[NB, D]`` (this layer), token held by each LRU slot, -1 = empty.
             Updated in place.
-        lru_order: int16 ``[NB, D]`` (this layer), permutation of slots, least recently used
-            first. Updated in place.
+        slot_stamps: int32 ``[NB, D]`` (this layer), the ``seq_len`` of the request's last call
+            that used each slot (its LRU clock). Updated in place.
+        token_slot: int16 ``[NB, C']`` with ``C' >= C`` (this layer), the slot holding each
+            position, -1 none: the inverse of ``slot_tokens``. Updated in place.
         host_kv: ``[N, ...]`` (this layer, any dtype), host rows; read only.
         device_kv: ``[M, ...]`` (this layer, same row layout), device rows; missed tokens are
             copied into it.
         out: optional int32 ``[B, K]`` to write into.
         counters: optional int64 ``[2]``, incremented in place for offloaded rows by the number of
-            distinct non-newest tokens looked up (``[0]``) and of misses copied (``[1]``).
+            valid non-newest entries looked up (``[0]``) and of distinct misses copied (``[1]``).
         splits, threads: launch parameters of the CUDA twin (CTAs per request, threads per
             block); they do not change the result and are ignored here.
 
@@ -73,19 +80,23 @@ def swap_in(
     * Resident (``buf == -1``): entry ``t`` maps to ``device_row_of_loc[req_to_token[r, t]]``.
       Nothing is copied or updated.
     * Offloaded: entries equal to the newest position ``s - 1`` map to ``slot_rows[buf, D]``.
-      The other valid entries form a set ``U`` of distinct tokens (duplicates collapse).
+      Every other valid entry ``t`` is looked up in ``token_slot[buf, t]``:
 
-      - Hits: LRU slots whose token is in ``U`` keep their token; its entries map to the slot's row.
-      - Misses: tokens of ``U`` held by no slot, ordered by their first occurrence in ``top_k``.
-      - Evictable slots: slots not hit, in LRU order (empty slots are just stale slots).
-        The ``k``-th miss goes to the ``k``-th evictable slot: its host row
-        ``req_to_token[r, t]`` is copied to the slot's device row, the slot's token becomes ``t``.
-      - New LRU order: evictable slots left unused (still in LRU order), then the slots that took
-        misses (in miss order), then the hit slots (in their previous LRU order).
+      - Hits: the slot keeps its token, its stamp becomes ``s``; the entry maps to the slot's row.
+      - Misses: the distinct tokens no slot holds, ordered by their first occurrence in ``top_k``;
+        ``m`` of them.
+      - Victims: of the slots no entry hit, the ``m`` with the largest key
+        ``(min(max(s - stamp, 0), AGE_CAP), -slot)``: the least recently used, lower slot first
+        among equals. Let ``A`` be the smallest age among them. The victims older than ``A``
+        come first, by slot; then those of age ``A``, by slot.
+      - The ``k``-th miss goes to the ``k``-th victim: the victim's old token leaves
+        ``token_slot``, its host row ``req_to_token[r, t]`` is copied to the victim's device
+        row, and the victim's token, stamp and ``token_slot`` entry become ``t``, ``s``, victim.
 
-    Preconditions (not checked by the kernel): ``K <= D``; no token is held by two LRU slots of
-    one buffer; every position ``< s - 1`` of an offloaded request has been written to its host
-    row; slot rows are distinct; requests in a batch are distinct.
+    Preconditions (not checked by the kernel): ``K <= D``; ``token_slot[buf]`` is the inverse of
+    ``slot_tokens[buf]`` (``token_slot[buf, t] == j`` iff ``slot_tokens[buf, j] == t``); every
+    position ``< s - 1`` of an offloaded request has been written to its host row; slot rows are
+    distinct; requests in a batch are distinct.
     """
     batch, num_top_k = top_k.shape
     buffer_size = slot_tokens.shape[1]
@@ -108,45 +119,53 @@ def swap_in(
         is_newest = valid & (tokens == newest)
         out[b, is_newest] = slot_rows[buf, buffer_size]
         other_index = torch.nonzero(valid & ~is_newest).reshape(-1)
+        if counters is not None:
+            counters[0] += other_index.numel()
         if other_index.numel() == 0:
             continue
         other_tokens = tokens[other_index]
-        distinct, inverse = torch.unique(other_tokens, return_inverse=True)
-        first_seen = torch.full((distinct.numel(),), num_top_k, dtype=torch.int64, device=tokens.device)
-        first_seen.scatter_reduce_(0, inverse, other_index, reduce="amin")
-        wanted = distinct[torch.argsort(first_seen)]  # distinct tokens in first-occurrence order
+        found = token_slot[buf, other_tokens].to(torch.int64)
+        hit_slots = torch.unique(found[found >= 0])
+        slot_stamps[buf, hit_slots] = seq_len
 
-        held = slot_tokens[buf].to(torch.int64)
-        slot_is_hit = torch.isin(held, wanted)
-        lru = lru_order[buf].to(torch.int64)
-        lru_hits = lru[slot_is_hit[lru]]
-        lru_evictable = lru[~slot_is_hit[lru]]
-        misses = wanted[~torch.isin(wanted, held[slot_is_hit])]
-        num_miss = misses.numel()
-        if counters is not None:
-            counters[0] += wanted.numel()
-            counters[1] += num_miss
-        if num_miss > lru_evictable.numel():
-            raise ValueError(
-                f"request slot {req}: {num_miss} misses but only {lru_evictable.numel()} evictable slots "
-                f"(top_k must not exceed device_buffer_size)."
-            )
-        fill_slots = lru_evictable[:num_miss]
+        missed = other_tokens[found < 0]
+        missed_index = other_index[found < 0]
+        if missed.numel() > 0:
+            distinct, inverse = torch.unique(missed, return_inverse=True)
+            first_seen = torch.full((distinct.numel(),), num_top_k, dtype=torch.int64, device=tokens.device)
+            first_seen.scatter_reduce_(0, inverse, missed_index, reduce="amin")
+            misses = distinct[torch.argsort(first_seen)]  # first-occurrence order
+            num_miss = misses.numel()
+            if counters is not None:
+                counters[1] += num_miss
+            candidate = torch.ones(buffer_size, dtype=torch.bool, device=tokens.device)
+            candidate[hit_slots] = False
+            slots = torch.nonzero(candidate).reshape(-1)
+            if num_miss > slots.numel():
+                raise ValueError(
+                    f"request slot {req}: {num_miss} misses but only {slots.numel()} slots not hit "
+                    f"(top_k must not exceed device_buffer_size)."
+                )
+            ages = (seq_len - slot_stamps[buf, slots].to(torch.int64)).clamp(0, AGE_CAP)
+            # Largest age first, lower slot first among equal ages (argsort is stable).
+            by_key = torch.argsort(-ages, stable=True)[:num_miss]
+            chosen, chosen_ages = slots[by_key], ages[by_key]
+            youngest = chosen_ages.min()
+            older = torch.sort(chosen[chosen_ages > youngest]).values
+            equal = torch.sort(chosen[chosen_ages == youngest]).values
+            victims = torch.cat([older, equal])
 
-        host_rows = req_to_token[req, misses].to(torch.int64)
-        device_rows = slot_rows[buf, fill_slots].to(torch.int64)
-        device_kv[device_rows] = host_kv[host_rows].to(device_kv.device)
-        slot_tokens[buf, fill_slots] = misses.to(slot_tokens.dtype)
-        lru_order[buf] = torch.cat([lru_evictable[num_miss:], fill_slots, lru_hits]).to(lru_order.dtype)
+            old_tokens = slot_tokens[buf, victims].to(torch.int64)
+            token_slot[buf, old_tokens[old_tokens >= 0]] = -1
+            host_rows = req_to_token[req, misses].to(torch.int64)
+            device_rows = slot_rows[buf, victims].to(torch.int64)
+            device_kv[device_rows] = host_kv[host_rows].to(device_kv.device)
+            slot_tokens[buf, victims] = misses.to(slot_tokens.dtype)
+            slot_stamps[buf, victims] = seq_len
+            token_slot[buf, misses] = victims.to(token_slot.dtype)
 
-        # Every wanted token now sits in exactly one slot: look entries up by token.
-        held = slot_tokens[buf].to(torch.int64)
-        occupied = torch.nonzero(held >= 0).reshape(-1)
-        order = torch.argsort(held[occupied])
-        sorted_tokens = held[occupied][order]
-        sorted_slots = occupied[order]
-        position = torch.searchsorted(sorted_tokens, other_tokens)
-        out[b, other_index] = slot_rows[buf, sorted_slots[position]]
+        rows = slot_rows[buf, token_slot[buf, other_tokens].to(torch.int64)]
+        out[b, other_index] = rows
     out[min(batch, num_real) :] = -1
     return out
 

@@ -108,11 +108,12 @@ class SGLangHiSparseCoordinator:
         item_bytes = layers[0].shape[1]
         _check_host_memory(len(layers) * rows.num_locs * item_bytes, config)
         self.host_pool = HostKVPool(len(layers), rows.num_locs, item_bytes, pin=self.device.type == "cuda")
-        num_req_slots = req_to_token_pool.req_to_token.shape[0]
-        num_buffers = max(1, rows.device_rows.capacity_rows // config.padded_buffer_size)
-        self.buffers = DeviceBufferPool(
-            len(layers), num_req_slots, num_buffers, config.device_buffer_size, config.page_size, self.device
-        )
+        num_req_slots, context_len = req_to_token_pool.req_to_token.shape
+        # No more requests can be offloaded at once than there are request slots.
+        num_buffers = max(1, min(num_req_slots, rows.device_rows.capacity_rows // config.padded_buffer_size))
+        table_shape = (len(layers), num_req_slots, num_buffers, config.device_buffer_size, config.page_size, context_len)
+        _check_device_memory(DeviceBufferPool.table_bytes(*table_shape), self.device, table_shape)
+        self.buffers = DeviceBufferPool(*table_shape, self.device)
         if self.device.type == "cuda":
             from hisparse_sglang.ops import swap_in as ops
             from hisparse_sglang.ops.jit import load_module
@@ -284,6 +285,25 @@ class SGLangHiSparseCoordinator:
         values = torch.tensor([int(f) for f in flags], dtype=torch.int32)
         torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
         return [bool(v) for v in values.tolist()]
+
+
+def _check_device_memory(needed: int, device: torch.device, shape: tuple) -> None:
+    """The buffer tables are allocated after SGLang sized its KV pool: they must fit what is left."""
+    layers, _, buffers, buffer_size, _, context_len = shape
+    logger.info(
+        "HiSparse: device buffer tables take %.1f MiB (%d layers x %d buffers; token -> slot map of "
+        "context %d)", needed / 2**20, layers, buffers, context_len,
+    )
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if needed > 0.5 * free:
+        raise HiSparseMemoryError(
+            f"the HiSparse device buffer tables need {needed / 2**30:.2f} GiB of GPU memory ({layers} layers x "
+            f"{buffers} buffers x context {context_len}) but only {free / 2**30:.2f} GiB is free after the KV "
+            f"pool; lower --mem-fraction-static or --context-length, or raise device_buffer_size "
+            f"({buffer_size}) in --hisparse-config (fewer, larger buffers)."
+        )
 
 
 def _check_host_memory(needed: int, config: HiSparseConfig) -> None:

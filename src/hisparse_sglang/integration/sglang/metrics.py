@@ -24,7 +24,7 @@ _GAUGES = (
     ("host_rows_total", "Host KV rows in the pool"),
 )
 _COUNTERS = (
-    ("lookups", "Distinct top-k tokens looked up for offloaded requests"),
+    ("lookups", "Top-k entries (not the newest token) looked up for offloaded requests"),
     ("misses", "Top-k tokens copied host -> device"),
     ("bytes_moved", "Bytes copied host -> device by the swap-in"),
 )
