@@ -165,37 +165,65 @@ __device__ __forceinline__ void warp_find_from_top(const int32_t* hist, int buck
 
 constexpr int kCopyUnroll = 4;
 
-// Copies rows [first, count) step `stride` of a copy plan, 16 bytes per thread access, with
-// several independent loads in flight per thread; starts at flat index `start` of this CTA's
-// (row, 16-byte piece) space.
+// A CTA's share of a copy plan: rows first, first + stride, ... of the plan's `count` rows,
+// flattened into (row, 16-byte piece) indices [0, total).
+struct CopyShare {
+  const int32_t* plan;  // (host row, device row) per planned row
+  int first;
+  int stride;
+  int vectors_per_row;
+  int total;
+
+  __device__ __forceinline__ CopyShare(const int32_t* plan_, int count, int first_, int stride_, int64_t row_bytes)
+      : plan(plan_), first(first_), stride(stride_), vectors_per_row(static_cast<int>(row_bytes / 16)) {
+    const int my_rows = count > first ? (count - first + stride - 1) / stride : 0;
+    total = my_rows * vectors_per_row;
+  }
+};
+
+// One batch of a thread's copy: kCopyUnroll pieces, THREADS apart, starting at flat index `base`.
+// load() reads the host pieces (it needs only the plan's host rows); store() writes them to the
+// device rows, so the two may be separated by a wait for the device rows.
 template <int THREADS>
-__device__ __forceinline__ void copy_planned_rows(
-    const int32_t* plan, int count, int first, int stride, const uint8_t* src_base, uint8_t* dst_base,
-    int64_t row_bytes, int start = 0) {
-  const int vectors_per_row = static_cast<int>(row_bytes / 16);
-  const int my_rows = count > first ? (count - first + stride - 1) / stride : 0;
-  const int total = my_rows * vectors_per_row;
-  for (int base = start + threadIdx.x; base < total; base += THREADS * kCopyUnroll) {
-    int4 value[kCopyUnroll];
-    uint8_t* dst[kCopyUnroll];
+struct CopyBatch {
+  int4 value[kCopyUnroll];
+  int row_index[kCopyUnroll];  // -1: no piece
+
+  __device__ __forceinline__ void load(const CopyShare& share, int base, const uint8_t* src_base, int64_t row_bytes) {
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
       const int g = base + u * THREADS;
-      dst[u] = nullptr;
-      if (g < total) {
-        const int row_index = first + (g / vectors_per_row) * stride;
-        const int vector = g % vectors_per_row;
-        const int32_t src_row = __ldcg(plan + 2 * row_index);
-        const int32_t dst_row = __ldcg(plan + 2 * row_index + 1);
-        const int4* src = reinterpret_cast<const int4*>(src_base + int64_t(src_row) * row_bytes) + vector;
-        value[u] = __ldg(src);
-        dst[u] = dst_base + int64_t(dst_row) * row_bytes + int64_t(vector) * 16;
+      row_index[u] = -1;
+      if (g < share.total) {
+        row_index[u] = share.first + (g / share.vectors_per_row) * share.stride;
+        const int32_t src_row = __ldcg(share.plan + 2 * row_index[u]);
+        value[u] = __ldg(reinterpret_cast<const int4*>(src_base + int64_t(src_row) * row_bytes) +
+                         g % share.vectors_per_row);
       }
     }
+  }
+
+  __device__ __forceinline__ void store(const CopyShare& share, int base, uint8_t* dst_base, int64_t row_bytes) const {
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
-      if (dst[u] != nullptr) __stcg(reinterpret_cast<int4*>(dst[u]), value[u]);
+      if (row_index[u] >= 0) {
+        const int g = base + u * THREADS;
+        const int32_t dst_row = __ldcg(share.plan + 2 * row_index[u] + 1);
+        __stcg(reinterpret_cast<int4*>(dst_base + int64_t(dst_row) * row_bytes) + g % share.vectors_per_row, value[u]);
+      }
     }
+  }
+};
+
+// Copies a CTA's share of a copy plan from flat index `start` on, 16 bytes per thread access,
+// with kCopyUnroll independent loads in flight per thread.
+template <int THREADS>
+__device__ __forceinline__ void copy_share(const CopyShare& share, const uint8_t* src_base, uint8_t* dst_base,
+                                           int64_t row_bytes, int start = 0) {
+  for (int base = start + threadIdx.x; base < share.total; base += THREADS * kCopyUnroll) {
+    CopyBatch<THREADS> batch;
+    batch.load(share, base, src_base, row_bytes);
+    batch.store(share, base, dst_base, row_bytes);
   }
 }
 
@@ -233,33 +261,13 @@ __device__ __forceinline__ void helper_copy(const SwapInParams& p, const int32_t
   wait_for_stage(p, b, kSourcesReady);
   if (threadIdx.x == 0) *shared_count = __ldcg(p.plan_count + b);
   __syncthreads();
-  const int count = *shared_count;
-  const int vectors_per_row = static_cast<int>(p.row_bytes / 16);
-  const int my_rows = count > part ? (count - part + p.splits - 1) / p.splits : 0;
-  const int total = my_rows * vectors_per_row;
-  if (total == 0) return;
-  int4 value[kCopyUnroll];
-  int row_index[kCopyUnroll];
-#pragma unroll
-  for (int u = 0; u < kCopyUnroll; ++u) {
-    const int g = threadIdx.x + u * THREADS;
-    row_index[u] = -1;
-    if (g < total) {
-      row_index[u] = part + (g / vectors_per_row) * p.splits;
-      const int32_t src_row = __ldcg(plan + 2 * row_index[u]);
-      value[u] = __ldg(reinterpret_cast<const int4*>(p.host_kv + int64_t(src_row) * p.row_bytes) + g % vectors_per_row);
-    }
-  }
+  const CopyShare share(plan, *shared_count, part, p.splits, p.row_bytes);
+  if (share.total == 0) return;
+  CopyBatch<THREADS> first_batch;
+  first_batch.load(share, threadIdx.x, p.host_kv, p.row_bytes);
   wait_for_stage(p, b, kPlanReady);
-#pragma unroll
-  for (int u = 0; u < kCopyUnroll; ++u) {
-    if (row_index[u] >= 0) {
-      const int g = threadIdx.x + u * THREADS;
-      const int32_t dst_row = __ldcg(plan + 2 * row_index[u] + 1);
-      __stcg(reinterpret_cast<int4*>(p.device_kv + int64_t(dst_row) * p.row_bytes) + g % vectors_per_row, value[u]);
-    }
-  }
-  copy_planned_rows<THREADS>(plan, count, part, p.splits, p.host_kv, p.device_kv, p.row_bytes, THREADS * kCopyUnroll);
+  first_batch.store(share, threadIdx.x, p.device_kv, p.row_bytes);
+  copy_share<THREADS>(share, p.host_kv, p.device_kv, p.row_bytes, THREADS * kCopyUnroll);
 }
 
 template <int THREADS>
@@ -589,7 +597,7 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   }
 
   // M7: the planner's share of the copies.
-  copy_planned_rows<THREADS>(plan, num_miss, 0, p.splits, p.host_kv, p.device_kv, p.row_bytes);
+  copy_share<THREADS>(CopyShare(plan, num_miss, 0, p.splits, p.row_bytes), p.host_kv, p.device_kv, p.row_bytes);
   if (p.splits > 1) {
     __syncthreads();
     if (tid == 0) arrive_done(p, b);
