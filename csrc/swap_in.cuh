@@ -7,14 +7,19 @@
 //   * resident request (buffer_of_req[r] < 0): the planner translates positions to device rows.
 //   * offloaded request: the planner looks every entry up in the token -> slot map (one load per
 //     entry); a hit writes its slot's row and stamps the slot at once. Only if some entry missed
-//     does the block go on: it deduplicates and ranks the misses
-//     and publishes their host rows (plan stage 1), selects the least recently used slots not hit
-//     (two histogram passes over the slots' ages), updates the tables and publishes the device
-//     rows (plan stage 2). With splits > 1, helper CTAs start reading their share of the missed
-//     host rows (zero-copy reads of pinned host memory) at stage 1 and write them at stage 2, so
-//     the copy overlaps the slot selection; the planner copies its share after stage 2. The
-//     stage is a per-request flag (0, 1, 2); the last CTA to finish resets it, so the kernel can
-//     be replayed in a CUDA graph without host involvement.
+//     does the block go on: it deduplicates the misses, selects the least recently used slots not
+//     hit (two histogram passes over the slots' ages), updates the tables and writes the missed
+//     entries' outputs. With splits == 1 the planner then copies the missed rows itself.
+//   * copier CTAs (part >= 1, splits > 1): each owns a chunk of the top-k entries. It looks its
+//     entries up in the map on its own, counts itself in looked[b] (release) and starts reading
+//     the missed host rows into shared memory at once (zero-copy reads of pinned host memory),
+//     while the planner still chooses the slots. The planner waits for every copier's lookups
+//     before it updates the map (so a copier never sees a miss as a hit), and once it publishes
+//     the outputs (flags[b] = kPlanReady) the copiers write their rows to the device rows named
+//     there. A copier with no miss leaves after its lookups. Copiers wait for their planner and
+//     the planner for its copiers, so the host keeps the grid co-resident (ops.choose_splits).
+//     The last CTA of a request to finish resets its flag and counters, so the kernel can be
+//     replayed in a CUDA graph without host involvement.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,10 +39,8 @@ constexpr int kFineBuckets = 128;    // age & 127
 constexpr int32_t kDone = -1;
 constexpr int32_t kNewest = -2;
 constexpr int32_t kMissBase = -3;
-// flags[b]: 0 before the plan, kSourcesReady when plan_count and the host rows are published,
-// kPlanReady when the device rows are too.
-constexpr int32_t kSourcesReady = 1;
-constexpr int32_t kPlanReady = 2;
+// flags[b]: 0 before the plan, kPlanReady when the missed entries' outputs are published.
+constexpr int32_t kPlanReady = 1;
 
 struct SwapInParams {
   const int32_t* top_k_positions;  // [batch, top_k_stride], positions, -1 = padding
@@ -65,15 +68,16 @@ struct SwapInParams {
   int32_t* out;                      // [batch, out_stride]
   int64_t out_stride;
   unsigned long long* counters;      // [2] or nullptr: lookups, misses
-  int32_t* plan;                     // [batch, 2 * top_k]: (host row, device row) per miss
-  int32_t* plan_count;               // [batch]
   int32_t* flags;                    // [batch], 0 between launches
-  int32_t* done;                     // [batch], 0 between launches
+  int32_t* done;                     // [batch] CTAs finished, 0 between launches
+  int32_t* looked;                   // [batch] copiers done with their lookups, 0 between launches
   int batch;
   int num_top_k;                     // K <= buffer_size, K <= 8192
   int buffer_size;                   // D <= 32767
   int hash_bits;                     // hash table of 1 << hash_bits >= 2 * K entries
   int splits;
+  int smem_bytes;                    // dynamic shared memory of every CTA
+  int late_copiers_ns;               // test hook: copiers sleep this long before their lookups
 };
 
 // Dynamic shared memory of a swap_in CTA, in bytes.
@@ -81,7 +85,7 @@ inline size_t swap_in_smem_bytes(int top_k, int buffer_size, int hash_bits) {
   const size_t hash = size_t(1) << hash_bits;
   size_t bytes = 0;
   bytes += hash * 4 * 4;                          // keys, first occurrence, host and device row of a miss
-  bytes += size_t(buffer_size + 1) * 4;           // slot -> device row (slot D included)
+  bytes += size_t(buffer_size) * 4;               // slot -> device row
   bytes += size_t(buffer_size) * 4;               // slot -> token
   bytes += size_t(top_k) * 4;                     // entry_state
   bytes += (size_t(buffer_size) + 31) / 32 * 4;   // hit bit per slot
@@ -165,67 +169,76 @@ __device__ __forceinline__ void warp_find_from_top(const int32_t* hist, int buck
 
 constexpr int kCopyUnroll = 4;
 
-// A CTA's share of a copy plan: rows first, first + stride, ... of the plan's `count` rows,
-// flattened into (row, 16-byte piece) indices [0, total).
-struct CopyShare {
-  const int32_t* plan;  // (host row, device row) per planned row
-  int first;
-  int stride;
-  int vectors_per_row;
-  int total;
-
-  __device__ __forceinline__ CopyShare(const int32_t* plan_, int count, int first_, int stride_, int64_t row_bytes)
-      : plan(plan_), first(first_), stride(stride_), vectors_per_row(static_cast<int>(row_bytes / 16)) {
-    const int my_rows = count > first ? (count - first + stride - 1) / stride : 0;
-    total = my_rows * vectors_per_row;
-  }
-};
-
-// One batch of a thread's copy: kCopyUnroll pieces, THREADS apart, starting at flat index `base`.
-// load() reads the host pieces (it needs only the plan's host rows); store() writes them to the
-// device rows, so the two may be separated by a wait for the device rows.
-template <int THREADS>
-struct CopyBatch {
-  int4 value[kCopyUnroll];
-  int row_index[kCopyUnroll];  // -1: no piece
-
-  __device__ __forceinline__ void load(const CopyShare& share, int base, const uint8_t* src_base, int64_t row_bytes) {
+// Copies `count` rows, row m from source row src_row(m) to destination row dst_row(m), 16 bytes
+// per thread access with kCopyUnroll independent loads in flight per thread.
+template <int THREADS, typename SrcRow, typename DstRow>
+__device__ __forceinline__ void copy_listed_rows(int count, SrcRow src_row, DstRow dst_row, const uint8_t* src_base,
+                                                 uint8_t* dst_base, int64_t row_bytes) {
+  const int vectors_per_row = static_cast<int>(row_bytes / 16);
+  const int total = count * vectors_per_row;
+  for (int base = threadIdx.x; base < total; base += THREADS * kCopyUnroll) {
+    int4 value[kCopyUnroll];
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
       const int g = base + u * THREADS;
-      row_index[u] = -1;
-      if (g < share.total) {
-        row_index[u] = share.first + (g / share.vectors_per_row) * share.stride;
-        const int32_t src_row = __ldcg(share.plan + 2 * row_index[u]);
-        value[u] = __ldg(reinterpret_cast<const int4*>(src_base + int64_t(src_row) * row_bytes) +
-                         g % share.vectors_per_row);
+      if (g < total) {
+        value[u] = __ldg(reinterpret_cast<const int4*>(src_base + int64_t(src_row(g / vectors_per_row)) * row_bytes) +
+                         g % vectors_per_row);
       }
     }
-  }
-
-  __device__ __forceinline__ void store(const CopyShare& share, int base, uint8_t* dst_base, int64_t row_bytes) const {
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
-      if (row_index[u] >= 0) {
-        const int g = base + u * THREADS;
-        const int32_t dst_row = __ldcg(share.plan + 2 * row_index[u] + 1);
-        __stcg(reinterpret_cast<int4*>(dst_base + int64_t(dst_row) * row_bytes) + g % share.vectors_per_row, value[u]);
+      const int g = base + u * THREADS;
+      if (g < total) {
+        __stcg(reinterpret_cast<int4*>(dst_base + int64_t(dst_row(g / vectors_per_row)) * row_bytes) +
+                   g % vectors_per_row,
+               value[u]);
       }
     }
   }
-};
-
-// Copies a CTA's share of a copy plan from flat index `start` on, 16 bytes per thread access,
-// with kCopyUnroll independent loads in flight per thread.
-template <int THREADS>
-__device__ __forceinline__ void copy_share(const CopyShare& share, const uint8_t* src_base, uint8_t* dst_base,
-                                           int64_t row_bytes, int start = 0) {
-  for (int base = start + threadIdx.x; base < share.total; base += THREADS * kCopyUnroll) {
-    CopyBatch<THREADS> batch;
-    batch.load(share, base, src_base, row_bytes);
-    batch.store(share, base, dst_base, row_bytes);
-  }
 }
+
+__device__ __forceinline__ uint64_t global_time_ns() {
+  uint64_t now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
+// Phase timestamps for diagnostics (benchmarks/trace_swap_in.py builds with -DHISPARSE_TRACE):
+// thread 0 of batch row 0's CTAs records the global timer at each mark and prints them on exit.
+#ifdef HISPARSE_TRACE
+__shared__ uint64_t trace_marks[8];
+#define HISPARSE_START()                                                   \
+  do {                                                                     \
+    if (threadIdx.x == 0) {                                                \
+      for (int k_ = 0; k_ < 8; ++k_) trace_marks[k_] = global_time_ns();   \
+    }                                                                      \
+  } while (0)
+#define HISPARSE_MARK(k) \
+  do {                    \
+    if (threadIdx.x == 0) trace_marks[k] = global_time_ns(); \
+  } while (0)
+#define HISPARSE_DUMP(role)                                                                                    \
+  do {                                                                                                         \
+    if (threadIdx.x == 0 && blockIdx.x % p.batch == 0) {                                                       \
+      printf("trace %s %d %llu %lld %lld %lld %lld %lld %lld %lld\n", role, int(blockIdx.x / p.batch),           \
+             (unsigned long long)trace_marks[0], (long long)(trace_marks[1] - trace_marks[0]),                 \
+             (long long)(trace_marks[2] - trace_marks[0]), (long long)(trace_marks[3] - trace_marks[0]),       \
+             (long long)(trace_marks[4] - trace_marks[0]), (long long)(trace_marks[5] - trace_marks[0]),       \
+             (long long)(trace_marks[6] - trace_marks[0]), (long long)(trace_marks[7] - trace_marks[0]));      \
+    }                                                                                                          \
+  } while (0)
+#else
+#define HISPARSE_START() \
+  do {                    \
+  } while (0)
+#define HISPARSE_MARK(k) \
+  do {                    \
+  } while (0)
+#define HISPARSE_DUMP(role) \
+  do {                       \
+  } while (0)
+#endif
 
 __device__ __forceinline__ int load_acquire(const int32_t* ptr) {
   int value;
@@ -242,6 +255,7 @@ __device__ __forceinline__ void arrive_done(const SwapInParams& p, int b) {
   if (atomicAdd(p.done + b, 1) == p.splits - 1) {
     p.done[b] = 0;
     p.flags[b] = 0;
+    p.looked[b] = 0;
   }
 }
 
@@ -253,28 +267,152 @@ __device__ __forceinline__ void wait_for_stage(const SwapInParams& p, int b, int
   __syncthreads();
 }
 
-// A helper CTA: reads the first batch of its share of the missed host rows as soon as their
-// sources are published, writes them once their device rows are, then copies the rest.
-template <int THREADS>
-__device__ __forceinline__ void helper_copy(const SwapInParams& p, const int32_t* plan, int b, int part,
-                                            int* shared_count) {
-  wait_for_stage(p, b, kSourcesReady);
-  if (threadIdx.x == 0) *shared_count = __ldcg(p.plan_count + b);
+// Counts a copier CTA in looked[b] once all its threads are done with their lookups (the caller
+// synchronizes the block first): the release orders those loads before the planner's map update.
+__device__ __forceinline__ void count_looked(int32_t* looked) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(looked) : "memory");
+}
+
+// Spins (thread 0) until `count` copiers are counted in looked[b], then the block goes on together.
+__device__ __forceinline__ void wait_for_copiers(const SwapInParams& p, int b, int count) {
+  if (threadIdx.x == 0) {
+    while (load_acquire(p.looked + b) < count) __nanosleep(32);
+  }
   __syncthreads();
-  const CopyShare share(plan, *shared_count, part, p.splits, p.row_bytes);
-  if (share.total == 0) return;
-  CopyBatch<THREADS> first_batch;
-  first_batch.load(share, threadIdx.x, p.host_kv, p.row_bytes);
+}
+
+// Entries per copier CTA: an equal share of the top-k, rounded up to whole warps.
+__device__ __forceinline__ int copier_chunk(int top_k, int splits) {
+  const int copiers = splits - 1;
+  return ((top_k + copiers - 1) / copiers + kWarpSize - 1) / kWarpSize * kWarpSize;
+}
+
+// A copier CTA (part >= 1) of an offloaded request; see the file comment. Returns with the block
+// converged; the caller arrives.
+template <int THREADS>
+__device__ __forceinline__ void copier(const SwapInParams& p, int b, int part, const int32_t* top_k,
+                                       const int32_t (&first_batch)[kBatch], const int32_t* positions_to_loc,
+                                       const int16_t* token_slot, int32_t newest, uint8_t* smem,
+                                       uint64_t* warp_sums) {
+  const int tid = threadIdx.x;
+  const int K = p.num_top_k;
+  const int chunk = copier_chunk(K, p.splits);
+  const int begin = (part - 1) * chunk;
+  if (begin >= K) {  // no entries: counted at once
+    if (tid == 0) count_looked(p.looked + b);
+    return;
+  }
+  const int span = min(K, begin + chunk) - begin;
+  const int vectors_per_row = static_cast<int>(p.row_bytes / 16);
+  int32_t* out = p.out + int64_t(b) * p.out_stride;
+
+  // Shared memory: the miss list (entry, host row, device row), then as many staged rows as fit.
+  int32_t* list_entry = reinterpret_cast<int32_t*>(smem);
+  int32_t* list_host = list_entry + chunk;
+  int32_t* list_device = list_host + chunk;  // before the compaction: host row of a missed entry, else -1
+  const int header = 3 * chunk * 4;
+  const int staged_offset = (header + 15) / 16 * 16;
+  int4* staged = reinterpret_cast<int4*>(smem + staged_offset);
+  const int capacity = max(0, static_cast<int>((p.smem_bytes - staged_offset) / p.row_bytes));
+
+  if (p.late_copiers_ns > 0) {
+    if (tid == 0) {
+      const uint64_t until = global_time_ns() + static_cast<uint64_t>(p.late_copiers_ns);
+      while (global_time_ns() < until) __nanosleep(256);
+    }
+    __syncthreads();
+  }
+
+  // C1: lookups; a miss records its host row.
+  int local = 0;
+  const int rounds = (span + THREADS * kBatch - 1) / (THREADS * kBatch);
+  for (int round = 0; round < rounds; ++round) {
+    int32_t t[kBatch];
+    int16_t slot[kBatch];
+    int32_t host_row[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = tid + (round * kBatch + u) * THREADS;
+      t[u] = round == 0 ? first_batch[u] : (e < span ? top_k[begin + e] : -1);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) slot[u] = (t[u] >= 0 && t[u] < newest) ? token_slot[t[u]] : int16_t(0);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      host_row[u] = (t[u] >= 0 && t[u] < newest && slot[u] < 0) ? positions_to_loc[t[u]] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = tid + (round * kBatch + u) * THREADS;
+      const bool miss = t[u] >= 0 && t[u] < newest && slot[u] < 0;
+      if (e < span) list_device[e] = miss ? host_row[u] : -1;
+      local += miss;
+    }
+  }
+  uint64_t total;
+  int rank = static_cast<int>(block_exclusive_scan<THREADS>(local, warp_sums, total));
+  const int num_miss = static_cast<int>(total);
+  HISPARSE_MARK(1);
+  for (int round = 0; round < rounds; ++round) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = tid + (round * kBatch + u) * THREADS;
+      if (e < span && list_device[e] >= 0) {
+        list_entry[rank] = begin + e;
+        list_host[rank] = list_device[e];
+        ++rank;
+      }
+    }
+  }
+
+  if (tid == 0) count_looked(p.looked + b);  // the scan synchronized the block after the lookups
+  if (num_miss == 0) {
+    HISPARSE_DUMP("copy");
+    return;
+  }
+  __syncthreads();
+
+  // C2: stage the first missed rows in shared memory while the planner chooses the slots.
+  const int staged_rows = min(num_miss, capacity);
+  const int staged_total = staged_rows * vectors_per_row;
+  for (int base = tid; base < staged_total; base += THREADS * kCopyUnroll) {
+    int4 value[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int g = base + u * THREADS;
+      if (g < staged_total) {
+        value[u] = __ldg(reinterpret_cast<const int4*>(p.host_kv + int64_t(list_host[g / vectors_per_row]) * p.row_bytes) +
+                         g % vectors_per_row);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      if (base + u * THREADS < staged_total) staged[base + u * THREADS] = value[u];
+    }
+  }
+
+  // C3: the planner's outputs name the device rows.
+  HISPARSE_MARK(2);
   wait_for_stage(p, b, kPlanReady);
-  first_batch.store(share, threadIdx.x, p.device_kv, p.row_bytes);
-  copy_share<THREADS>(share, p.host_kv, p.device_kv, p.row_bytes, THREADS * kCopyUnroll);
+  HISPARSE_MARK(3);
+  for (int m = tid; m < num_miss; m += THREADS) list_device[m] = __ldcg(out + list_entry[m]);
+  __syncthreads();
+  for (int g = tid; g < staged_total; g += THREADS) {
+    __stcg(reinterpret_cast<int4*>(p.device_kv + int64_t(list_device[g / vectors_per_row]) * p.row_bytes) +
+               g % vectors_per_row,
+           staged[g]);
+  }
+  copy_listed_rows<THREADS>(
+      num_miss - staged_rows, [&](int m) { return list_host[staged_rows + m]; },
+      [&](int m) { return list_device[staged_rows + m]; }, p.host_kv, p.device_kv, p.row_bytes);
+  HISPARSE_MARK(4);
+  HISPARSE_DUMP("copy");
 }
 
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) {
   static_assert(THREADS % kWarpSize == 0 && THREADS <= 1024, "block size");
   __shared__ uint64_t warp_sums[THREADS / kWarpSize + 1];
-  __shared__ int shared_count;
   __shared__ int coarse_bucket, coarse_above, fine_bucket, fine_above;
 
   const int b = blockIdx.x % p.batch;
@@ -282,19 +420,22 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   const int tid = threadIdx.x;
   const int K = p.num_top_k;
   const int D = p.buffer_size;
+  HISPARSE_START();
   int32_t* out = p.out + int64_t(b) * p.out_stride;
   const int32_t* top_k = p.top_k_positions + int64_t(b) * p.top_k_stride;
 
-  // Independent loads first: the real-batch size, this row's request and length, and (planner)
-  // the first batch of top-k entries.
+  // Independent loads first: the real-batch size, this row's request and length, and the first
+  // batch of this CTA's top-k entries (all of them for the planner, its chunk for a copier).
   const int num_real = *p.num_real_reqs;
   const int64_t req = load_index(p.req_pool_indices, p.req_pool_indices_is_64, b);
   const int64_t seq_len = load_index(p.seq_lens, p.seq_lens_is_64, b);
+  const int entries_begin = part == 0 ? 0 : (part - 1) * copier_chunk(K, p.splits);
+  const int entries_end = part == 0 ? K : min(K, entries_begin + copier_chunk(K, p.splits));
   int32_t first_batch[kBatch];
 #pragma unroll
   for (int u = 0; u < kBatch; ++u) {
-    const int i = tid + u * THREADS;
-    first_batch[u] = (part == 0 && i < K) ? top_k[i] : -1;
+    const int i = entries_begin + tid + u * THREADS;
+    first_batch[u] = i < entries_end ? top_k[i] : -1;
   }
   if (b >= num_real) {
     if (part == 0) {
@@ -328,18 +469,20 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
     return;
   }
 
-  const int32_t* slot_rows = p.slot_rows + int64_t(buffer) * p.slot_rows_stride;
-  int32_t* plan = p.plan + int64_t(b) * 2 * K;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int32_t now = static_cast<int32_t>(seq_len);
+  const int32_t newest = now - 1;
+  int16_t* token_slot = p.token_slot + int64_t(buffer) * p.token_slot_stride;
 
-  if (part != 0) {  // helper: copy a share of the misses
-    helper_copy<THREADS>(p, plan, b, part, &shared_count);
+  if (part != 0) {
+    copier<THREADS>(p, b, part, top_k, first_batch, positions_to_loc, token_slot, newest, smem, warp_sums);
     __syncthreads();
     if (tid == 0) arrive_done(p, b);
     return;
   }
 
   // ---------------------------------------------------------------- planner
-  extern __shared__ __align__(16) uint8_t smem[];
+  const int32_t* slot_rows = p.slot_rows + int64_t(buffer) * p.slot_rows_stride;
   const int H = 1 << p.hash_bits;
   const int bitmap_words = (D + 31) / 32;
   int32_t* keys = reinterpret_cast<int32_t*>(smem);
@@ -347,7 +490,7 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   int32_t* hash_host_row = first + H;
   int32_t* hash_device_row = hash_host_row + H;
   int32_t* row_of_slot = hash_device_row + H;
-  int32_t* token_of_slot = row_of_slot + D + 1;
+  int32_t* token_of_slot = row_of_slot + D;
   int32_t* entry_state = token_of_slot + D;
   uint32_t* slot_hit = reinterpret_cast<uint32_t*>(entry_state + K);
   int32_t* coarse = reinterpret_cast<int32_t*>(slot_hit + bitmap_words);
@@ -359,9 +502,6 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
 
   int32_t* slot_tokens = p.slot_tokens + int64_t(buffer) * p.slot_tokens_stride;
   int32_t* stamps = p.slot_stamps + int64_t(buffer) * p.slot_stamps_stride;
-  int16_t* token_slot = p.token_slot + int64_t(buffer) * p.token_slot_stride;
-  const int32_t now = static_cast<int32_t>(seq_len);
-  const int32_t newest = now - 1;
 
   // Each thread owns a contiguous range of slots and (miss path) of entries: scans rank in index
   // order.
@@ -428,13 +568,13 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
       if (tid % kWarpSize == 0 && lookups > 0) atomicAdd(p.counters, static_cast<unsigned long long>(lookups));
     }
     missed = __syncthreads_or(missed);
+    HISPARSE_MARK(1);
 
-    if (!missed) {  // all hits: done
+    if (!missed) {  // all hits: done (copiers find no miss and leave without waiting)
       if (p.splits > 1 && tid == 0) {
-        p.plan_count[b] = 0;
-        store_release(p.flags + b, kPlanReady);
         arrive_done(p, b);
       }
+      HISPARSE_DUMP("plan");
       return;
     }
   }
@@ -446,14 +586,16 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   const uint32_t mask = static_cast<uint32_t>(H - 1);
 
   // M1: mark the hit slots; insert the missed tokens into the hash set with their first entry
-  // and host row; stage the tokens, ages and device rows of the slots.
+  // (and host row if the planner copies); stage the tokens, ages and device rows of the slots.
   for (int i0 = entry_begin; i0 < entry_end; i0 += kBatch) {
     int32_t state[kBatch];
     int32_t host_row[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) state[u] = i0 + u < entry_end ? entry_state[i0 + u] : kDone;
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) host_row[u] = state[u] <= kMissBase ? positions_to_loc[kMissBase - state[u]] : 0;
+    for (int u = 0; u < kBatch; ++u) {
+      host_row[u] = (p.splits == 1 && state[u] <= kMissBase) ? positions_to_loc[kMissBase - state[u]] : 0;
+    }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       if (state[u] >= 0) {
@@ -472,37 +614,33 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
       }
     }
   }
-  auto stage_slot = [&](int j, int32_t stamp, int32_t token) {
-    token_of_slot[j] = token;
-    const int age = now - stamp;
-    slot_age[j] = static_cast<int16_t>(age < 0 ? 0 : (age > kAgeCap ? kAgeCap : age));
-  };
   for (int j0 = slot_begin; j0 < slot_end; j0 += kBatch) {
     int32_t stamp[kBatch];
     int32_t token[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      stamp[u] = j0 + u < slot_end ? stamps[j0 + u] : 0;
-      token[u] = j0 + u < slot_end ? slot_tokens[j0 + u] : -1;
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (j0 + u < slot_end) stage_slot(j0 + u, stamp[u], token[u]);
-    }
-  }
-  for (int base = tid; base <= D; base += THREADS * kBatch) {
     int32_t row[kBatch];
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) row[u] = base + u * THREADS <= D ? slot_rows[base + u * THREADS] : 0;
+    for (int u = 0; u < kBatch; ++u) {
+      const bool mine = j0 + u < slot_end;
+      stamp[u] = mine ? stamps[j0 + u] : 0;
+      token[u] = mine ? slot_tokens[j0 + u] : -1;
+      row[u] = mine ? slot_rows[j0 + u] : 0;
+    }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      if (base + u * THREADS <= D) row_of_slot[base + u * THREADS] = row[u];
+      if (j0 + u < slot_end) {
+        const int age = now - stamp[u];
+        slot_age[j0 + u] = static_cast<int16_t>(age < 0 ? 0 : (age > kAgeCap ? kAgeCap : age));
+        token_of_slot[j0 + u] = token[u];
+        row_of_slot[j0 + u] = row[u];
+      }
     }
   }
   __syncthreads();
 
-  // M2: rank the misses (first occurrences, in entry order) and publish their host rows (plan
-  // stage 1); histogram the ages of the slots not hit by their high bits.
+  HISPARSE_MARK(2);
+
+  // M2: rank the misses (first occurrences, in entry order); histogram the ages of the slots not
+  // hit by their high bits.
   uint64_t local = 0;
   for (int i = entry_begin; i < entry_end; ++i) {
     if (entry_state[i] <= kMissBase && first[entry_hash[i]] == i) ++local;
@@ -521,18 +659,12 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
     const int h = entry_hash[i];
     if (entry_state[i] <= kMissBase && first[h] == i) {
       miss_hash[rank] = static_cast<int16_t>(h);
-      plan[2 * rank] = hash_host_row[h];
       ++rank;
     }
   }
-  if (p.splits > 1) __threadfence();
   if (tid < kWarpSize) warp_find_from_top(coarse, kCoarseBuckets, num_miss, &coarse_bucket, &coarse_above);
   __syncthreads();
-  if (p.splits > 1 && tid == 0) {
-    p.plan_count[b] = num_miss;
-    __threadfence();
-    store_release(p.flags + b, kSourcesReady);
-  }
+  HISPARSE_MARK(3);
 
   // M3: within the coarse bucket of the youngest victim, histogram the low bits of the age.
   const int high = coarse_bucket;
@@ -568,8 +700,12 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   }
   __syncthreads();
 
-  // M5: the k-th miss takes the k-th victim: tables, device rows of the plan (stage 2) and of the
-  // missed entries' outputs.
+  // The copiers must have looked the entries up before the map changes.
+  HISPARSE_MARK(4);
+  if (p.splits > 1) wait_for_copiers(p, b, p.splits - 1);
+  HISPARSE_MARK(5);
+
+  // M5: the k-th miss takes the k-th victim: tables and the device rows of the misses.
   for (int k = tid; k < num_miss; k += THREADS) {
     const int h = miss_hash[k];
     const int16_t victim = victim_slot[k];
@@ -580,28 +716,33 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
     token_slot[token] = victim;
     slot_tokens[victim] = token;
     stamps[victim] = now;
-    plan[2 * k + 1] = device_row;
     hash_device_row[h] = device_row;
   }
-  // Every writer of the plan fences before the flag is released (read by helper CTAs).
-  if (p.splits > 1) __threadfence();
   __syncthreads();
-  if (tid == 0) {
-    if (p.splits > 1) store_release(p.flags + b, kPlanReady);
-    if (p.counters != nullptr) atomicAdd(p.counters + 1, static_cast<unsigned long long>(num_miss));
-  }
+  HISPARSE_MARK(6);
 
-  // M6: outputs of the missed entries.
+  // M6: outputs of the missed entries; with copiers they are the plan, published by the flag.
   for (int i = entry_begin; i < entry_end; ++i) {
     if (entry_state[i] <= kMissBase) out[i] = hash_device_row[entry_hash[i]];
   }
-
-  // M7: the planner's share of the copies.
-  copy_share<THREADS>(CopyShare(plan, num_miss, 0, p.splits, p.row_bytes), p.host_kv, p.device_kv, p.row_bytes);
+  if (tid == 0 && p.counters != nullptr) atomicAdd(p.counters + 1, static_cast<unsigned long long>(num_miss));
   if (p.splits > 1) {
     __syncthreads();
-    if (tid == 0) arrive_done(p, b);
+    if (tid == 0) {
+      store_release(p.flags + b, kPlanReady);  // cumulative: covers the whole block's outputs
+      arrive_done(p, b);
+    }
+    HISPARSE_MARK(7);
+    HISPARSE_DUMP("plan");
+    return;
   }
+
+  // M7: the planner copies the missed rows itself.
+  copy_listed_rows<THREADS>(
+      num_miss, [&](int k) { return hash_host_row[miss_hash[k]]; }, [&](int k) { return hash_device_row[miss_hash[k]]; },
+      p.host_kv, p.device_kv, p.row_bytes);
+  HISPARSE_MARK(7);
+  HISPARSE_DUMP("plan");
 }
 
 struct CopyRowsParams {

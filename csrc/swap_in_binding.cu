@@ -94,7 +94,7 @@ void hisparse_swap_in(
     TensorView top_k, TensorView seq_lens, TensorView req_pool_indices, TensorView num_real_reqs,
     TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
     TensorView slot_tokens, TensorView slot_stamps, TensorView token_slot, TensorView host_kv, TensorView device_kv, TensorView out,
-    TensorView counters, TensorView plan, TensorView sync, int64_t splits, int64_t threads, int64_t stream) {
+    TensorView counters, TensorView sync, int64_t splits, int64_t threads, int64_t late_copiers_ns, int64_t stream) {
   require(top_k.ndim() == 2 && is_int(top_k, 32) && on_cuda(top_k), "top_k must be int32 [batch, top_k] on CUDA");
   const int64_t batch = top_k.size(0);
   const int64_t K = top_k.size(1);
@@ -134,9 +134,10 @@ void hisparse_swap_in(
   require(row_bytes % 16 == 0, "KV rows must be a multiple of 16 bytes");
   require(splits >= 1, "splits must be >= 1");
   require(counters.numel() == 0 || (is_int(counters, 64) && counters.numel() >= 2), "counters must be int64 [2] or empty");
-  require(is_int(plan, 32) && plan.numel() >= batch * 2 * K, "plan workspace too small");
-  // sync = [flags | done | counts], capacity rows each, all zero between launches.
-  require(is_int(sync, 32) && sync.numel() % 3 == 0 && sync.numel() / 3 >= batch, "sync workspace too small");
+  require(late_copiers_ns >= 0 && late_copiers_ns < (int64_t(1) << 31), "late_copiers_ns out of range");
+  // sync = [flags | done | looked], capacity rows each, all zero between launches.
+  require(is_int(sync, 32) && on_cuda(sync) && sync.numel() % 3 == 0 && sync.numel() / 3 >= batch,
+          "sync workspace too small");
   if (batch == 0) return;
 
   const int64_t capacity = sync.numel() / 3;
@@ -167,17 +168,18 @@ void hisparse_swap_in(
   p.out = data_of<int32_t>(out);
   p.out_stride = out.stride(0);
   p.counters = counters.numel() ? reinterpret_cast<unsigned long long*>(data_of<int64_t>(counters)) : nullptr;
-  p.plan = data_of<int32_t>(plan);
   p.flags = sync_data;
   p.done = sync_data + capacity;
-  p.plan_count = sync_data + 2 * capacity;
+  p.looked = sync_data + 2 * capacity;
   p.batch = static_cast<int>(batch);
   p.num_top_k = static_cast<int>(K);
   p.buffer_size = static_cast<int>(D);
   p.hash_bits = hash_bits_for(static_cast<int>(K));
   p.splits = static_cast<int>(splits);
+  p.late_copiers_ns = static_cast<int>(late_copiers_ns);
 
   const size_t smem = hisparse::swap_in_smem_bytes(p.num_top_k, p.buffer_size, p.hash_bits);
+  p.smem_bytes = static_cast<int>(smem);
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   switch (threads) {
     case 256: launch_swap_in<256>(p, smem, cuda_stream); break;

@@ -19,9 +19,9 @@ def main() -> int:
     )
     expected = case.clone()
     expected_out = reference.swap_in(*expected.args())
-    for splits in (1, 4):
+    for splits, late_copiers_ns in ((1, 0), (4, 0), (17, 0), (4, 20_000)):
         actual = case.clone(device="cuda", pin_host=True)
-        out = ops.swap_in(*actual.args(), splits=splits)
+        out = ops.swap_in(*actual.args(), splits=splits, late_copiers_ns=late_copiers_ns)
         host = [actual.host_kv]
         device = [actual.device_kv]
         rows = torch.arange(64, 96, device="cuda")
@@ -32,9 +32,10 @@ def main() -> int:
             ("slot_tokens", expected.slot_tokens, actual.slot_tokens),
             ("slot_stamps", expected.slot_stamps, actual.slot_stamps),
             ("token_slot", expected.token_slot, actual.token_slot),
+            ("device_kv", expected.device_kv, actual.device_kv),
         ):
             if not torch.equal(want, got.cpu()):
-                print(f"MISMATCH splits={splits}: {name}")
+                print(f"MISMATCH splits={splits} late_copiers_ns={late_copiers_ns}: {name}")
                 return 1
     print("sanitize case: outputs match the reference")
     return 0

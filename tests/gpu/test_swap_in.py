@@ -15,7 +15,7 @@ def cuda_ops():
     return ops
 
 
-def run_both(case, splits=None, threads=None, graph=False):
+def run_both(case, splits=None, threads=None, graph=False, late_copiers_ns=0):
     """Run the reference on CPU copies and the kernel on GPU copies; return both states."""
     expected = case.clone()
     expected_counters = torch.zeros(2, dtype=torch.int64)
@@ -31,10 +31,12 @@ def run_both(case, splits=None, threads=None, graph=False):
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            ops.swap_in(*actual.args(), out=out, counters=counters, splits=splits, threads=threads)
+            ops.swap_in(*actual.args(), out=out, counters=counters, splits=splits, threads=threads,
+                        late_copiers_ns=late_copiers_ns)
         g.replay()
     else:
-        ops.swap_in(*actual.args(), out=out, counters=counters, splits=splits, threads=threads)
+        ops.swap_in(*actual.args(), out=out, counters=counters, splits=splits, threads=threads,
+                    late_copiers_ns=late_copiers_ns)
     torch.cuda.synchronize()
     return (expected, expected_out, expected_counters), (actual, out.cpu(), counters.cpu())
 
@@ -86,10 +88,40 @@ def test_matches_reference(batch, top_k, buffer_size, row_bytes, miss_rate, thre
     check(case, threads=threads)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5, 16])
+@pytest.mark.parametrize("splits", [1, 2, 3, 5, 16, 17])
 def test_split_copies_match_reference(splits):
     case = make_case(3, 2048, 4096, 1152, miss_rate=0.4, duplicate_fraction=0.02, seed=splits)
     check(case, splits=splits)
+
+
+@pytest.mark.parametrize("splits", [2, 5, 17])
+def test_planner_waits_for_late_copiers(splits):
+    """Copiers held back 30 us look the entries up long after the planner reached its map update;
+    the planner must wait for them (a copier that looked after the update would take its misses
+    for hits and copy nothing)."""
+    case = make_case(3, 2048, 4096, 1152, miss_rate=0.4, duplicate_fraction=0.05, newest_fraction=0.01,
+                     seed=30 + splits)
+    check(case, splits=splits, late_copiers_ns=30_000)
+
+
+def test_copiers_with_all_hits_and_small_odd_top_k():
+    check(make_case(4, 2048, 4096, 656, miss_rate=0.0, seed=31), splits=5, late_copiers_ns=10_000)
+    # 17 copiers over 100 entries: most copiers own no entry.
+    check(make_case(3, 100, 256, 64, miss_rate=0.6, duplicate_fraction=0.1, seed=32), splits=17)
+    check(make_case(3, 100, 256, 64, miss_rate=0.6, seed=33), splits=17, late_copiers_ns=10_000)
+
+
+def test_splits_beyond_co_residency_is_refused():
+    """The CTAs of a request wait for each other: a grid the GPU cannot hold at once would hang."""
+    from hisparse_sglang.errors import HiSparseError
+
+    ops = cuda_ops()
+    resident = ops.resident_ctas(512, 1024, ops.DEFAULT_THREADS, torch.device("cuda"))
+    batch = resident // 2 + 1
+    case = make_case(batch, 512, 1024, 64, miss_rate=0.2, seed=34)
+    with pytest.raises(HiSparseError, match="co-resident"):
+        ops.swap_in(*case.clone(device="cuda", pin_host=True).args(), splits=2)
+    assert ops.choose_splits(batch, 512, 1024, ops.DEFAULT_THREADS, torch.device("cuda")) == 1
 
 
 @pytest.mark.parametrize("offset", [-1, 0, 1])

@@ -13,41 +13,34 @@ import torch
 from hisparse_sglang.errors import HiSparseError
 from hisparse_sglang.ops.jit import load_module
 
-__all__ = ["swap_in", "copy_rows", "eager_backup", "reserve", "choose_splits", "DEFAULT_THREADS"]
+__all__ = ["swap_in", "copy_rows", "eager_backup", "reserve", "choose_splits", "resident_ctas", "DEFAULT_THREADS"]
 
 DEFAULT_THREADS = 1024
-MAX_SPLITS = 16
+MAX_SPLITS = 17
 TARGET_COPIERS = 16
 
 class _Workspace:
-    """Per-device scratch of the swap-in kernel.
-
-    ``plan`` holds (host row, device row) per miss per batch row; ``sync`` holds the flags, done
-    counters and miss counts that CTAs of one request use to hand the plan over. The kernel
-    leaves ``sync`` all zero after every launch, so it is zeroed only when allocated; its layout
-    depends on its capacity alone. Replaced tensors are kept alive: captured CUDA graphs may still
-    point at them.
+    """Per-device scratch of the swap-in kernel: per batch row, the flag, done counter and lookup
+    counter through which the CTAs of one request hand the plan over. The kernel leaves it all
+    zero after every launch, so it is zeroed only when allocated; its layout depends on its
+    capacity alone. Replaced tensors are kept alive: captured CUDA graphs may still point at them.
     """
 
     def __init__(self) -> None:
-        self.plan = None
         self.sync = None
         self.retired: list[torch.Tensor] = []
 
-    def get(self, device: torch.device, batch: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.plan is None or self.plan.numel() < batch * 2 * top_k or self.sync.numel() < 3 * batch:
+    def get(self, device: torch.device, batch: int) -> torch.Tensor:
+        if self.sync is None or self.sync.numel() < 3 * batch:
             if torch.cuda.is_current_stream_capturing():
                 raise HiSparseError(
-                    f"swap-in workspace for batch {batch} x top_k {top_k} was not reserved before CUDA-graph "
-                    f"capture; call hisparse_sglang.ops.swap_in.reserve() first."
+                    f"swap-in workspace for batch {batch} was not reserved before CUDA-graph capture; "
+                    f"call hisparse_sglang.ops.swap_in.reserve() first."
                 )
-            capacity = max(batch, 0 if self.sync is None else self.sync.numel() // 3)
-            plan_size = max(batch * 2 * top_k, 0 if self.plan is None else self.plan.numel())
-            if self.plan is not None:
-                self.retired += [self.plan, self.sync]
-            self.plan = torch.empty(plan_size, dtype=torch.int32, device=device)
-            self.sync = torch.zeros(3 * capacity, dtype=torch.int32, device=device)
-        return self.plan, self.sync
+            if self.sync is not None:
+                self.retired.append(self.sync)
+            self.sync = torch.zeros(3 * batch, dtype=torch.int32, device=device)
+        return self.sync
 
 
 _workspaces: dict[torch.device, _Workspace] = {}
@@ -79,26 +72,35 @@ def reserve(
     """Allocate the swap-in workspace for batches up to ``max_batch`` and query the kernel's
     occupancy for ``threads`` per block (call before CUDA-graph capture)."""
     device = _normalized(device)
-    _workspace_for(device).get(device, max_batch, top_k)
+    _workspace_for(device).get(device, max_batch)
     if buffer_size is not None:
         choose_splits(1, top_k, buffer_size, threads or DEFAULT_THREADS, device)
 
 
-def choose_splits(batch: int, top_k: int, buffer_size: int, threads: int, device: torch.device) -> int:
-    """CTAs per request: spread a small batch's copies over the GPU, keep every CTA co-resident.
-
-    Measured on an H100 (benchmarks/results): a lone request copies 3x faster from 16 CTAs than
-    from one, but with 8 requests 16 CTAs each (128 copiers) lowered the gather rate from 48 to
-    41 GB/s at 100 % misses; about 16 copying CTAs in all is the sweet spot.
-    """
+def resident_ctas(top_k: int, buffer_size: int, threads: int, device: torch.device) -> int:
+    """How many swap-in CTAs of this shape the GPU runs at once (multiprocessors x occupancy)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (threads, top_k, buffer_size, index)
     if key not in _occupancy:
         _occupancy[key] = int(load_module().swap_in_occupancy(threads, top_k, buffer_size))
         _multiprocessors[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    sms = _multiprocessors[index]
-    resident = max(1, sms * _occupancy[key])
-    splits = max(1, min(MAX_SPLITS, TARGET_COPIERS // max(batch, 1)))
+    return max(1, _multiprocessors[index] * _occupancy[key])
+
+
+def choose_splits(batch: int, top_k: int, buffer_size: int, threads: int, device: torch.device) -> int:
+    """CTAs per request: a planner, plus copier CTAs while the batch is small and they fit.
+
+    Copiers start reading a request's missed host rows at once, while its planner still chooses
+    the slots; without them the planner copies after planning. Measured on an H100
+    (benchmarks/results): the scattered gather from pinned memory peaks with about 16 copying CTAs
+    in all and falls with many more (41 against 48 GB/s with 128), so a small batch gets about 16
+    copiers in all, a larger one one copier per request. Every CTA of the grid must be
+    co-resident (copiers wait for their planner, the planner for its copiers), which caps the
+    split at large batches.
+    """
+    resident = resident_ctas(top_k, buffer_size, threads, device)
+    batch = max(batch, 1)
+    splits = min(MAX_SPLITS, 1 + -(-TARGET_COPIERS // batch))
     while splits > 1 and batch * splits > resident:
         splits -= 1
     return splits
@@ -123,10 +125,14 @@ def swap_in(
     *,
     splits: int | None = None,
     threads: int | None = None,
+    late_copiers_ns: int = 0,
 ) -> torch.Tensor:
     """CUDA twin of :func:`hisparse_sglang.ops.reference.swap_in` (see there for shapes and rules).
 
-    ``host_kv`` must be pinned host memory; every other tensor lives on the GPU.
+    ``host_kv`` must be pinned host memory; every other tensor lives on the GPU. ``splits`` is
+    the number of CTAs per request (default :func:`choose_splits`). ``late_copiers_ns`` is a
+    test hook: copier CTAs sleep this long before their lookups, so the planner must wait for them;
+    results must not change.
     """
     batch, k = top_k.shape
     device = top_k.device
@@ -135,9 +141,15 @@ def swap_in(
     threads = threads or DEFAULT_THREADS
     if splits is None:
         splits = choose_splits(batch, k, slot_tokens.shape[1], threads, device)
+    elif splits > 1 and batch * splits > resident_ctas(k, slot_tokens.shape[1], threads, device):
+        raise HiSparseError(
+            f"swap_in with splits={splits} needs {batch * splits} co-resident CTAs for batch {batch}, but this GPU "
+            f"runs at most {resident_ctas(k, slot_tokens.shape[1], threads, device)} at once (the CTAs of a request "
+            f"wait for each other); pass a smaller splits or leave it to choose_splits()."
+        )
     if counters is None:
         counters = _empty_counters.setdefault(device, torch.empty(0, dtype=torch.int64, device=device))
-    plan, sync = _workspace_for(device).get(device, batch, k)
+    sync = _workspace_for(device).get(device, batch)
     load_module().swap_in(
         top_k,
         seq_lens,
@@ -154,10 +166,10 @@ def swap_in(
         device_kv,
         out,
         counters,
-        plan,
         sync,
         splits,
         threads,
+        late_copiers_ns,
         torch.cuda.current_stream(device).cuda_stream,
     )
     return out
