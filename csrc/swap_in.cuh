@@ -169,33 +169,34 @@ __device__ __forceinline__ void warp_find_from_top(const int32_t* hist, int buck
 
 constexpr int kCopyUnroll = 4;
 
-// Copies `count` rows, row m from source row src_row(m) to destination row dst_row(m), 16 bytes
-// per thread access with kCopyUnroll independent loads in flight per thread.
-template <int THREADS, typename SrcRow, typename DstRow>
-__device__ __forceinline__ void copy_listed_rows(int count, SrcRow src_row, DstRow dst_row, const uint8_t* src_base,
-                                                 uint8_t* dst_base, int64_t row_bytes) {
-  const int vectors_per_row = static_cast<int>(row_bytes / 16);
+// Copies `count` rows of `vectors_per_row` 16-byte pieces: piece v of row m goes from load(m, v)
+// to store(m, v, value). Consecutive threads take consecutive pieces; each thread has kCopyUnroll
+// independent loads in flight. Serves every row copy of swap_in (host, shared memory, device).
+template <int THREADS, typename Load, typename Store>
+__device__ __forceinline__ void copy_rows_by(int count, int vectors_per_row, Load load, Store store) {
   const int total = count * vectors_per_row;
   for (int base = threadIdx.x; base < total; base += THREADS * kCopyUnroll) {
     int4 value[kCopyUnroll];
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
       const int g = base + u * THREADS;
-      if (g < total) {
-        value[u] = __ldg(reinterpret_cast<const int4*>(src_base + int64_t(src_row(g / vectors_per_row)) * row_bytes) +
-                         g % vectors_per_row);
-      }
+      if (g < total) value[u] = load(g / vectors_per_row, g % vectors_per_row);
     }
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
       const int g = base + u * THREADS;
-      if (g < total) {
-        __stcg(reinterpret_cast<int4*>(dst_base + int64_t(dst_row(g / vectors_per_row)) * row_bytes) +
-                   g % vectors_per_row,
-               value[u]);
-      }
+      if (g < total) store(g / vectors_per_row, g % vectors_per_row, value[u]);
     }
   }
+}
+
+// A 16-byte piece of a row: zero-copy read of pinned host memory, streaming write to device memory.
+__device__ __forceinline__ int4 load_piece(const uint8_t* base, int32_t row, int64_t row_bytes, int v) {
+  return __ldg(reinterpret_cast<const int4*>(base + int64_t(row) * row_bytes) + v);
+}
+
+__device__ __forceinline__ void store_piece(uint8_t* base, int32_t row, int64_t row_bytes, int v, int4 value) {
+  __stcg(reinterpret_cast<int4*>(base + int64_t(row) * row_bytes) + v, value);
 }
 
 __device__ __forceinline__ uint64_t global_time_ns() {
@@ -250,7 +251,7 @@ __device__ __forceinline__ void store_release(int32_t* ptr, int value) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
 }
 
-// The last of the request's `splits` CTAs to arrive resets its flag and counter for the next launch.
+// The last of the request's `splits` CTAs to arrive resets its flag and counters for the next launch.
 __device__ __forceinline__ void arrive_done(const SwapInParams& p, int b) {
   if (atomicAdd(p.done + b, 1) == p.splits - 1) {
     p.done[b] = 0;
@@ -259,10 +260,10 @@ __device__ __forceinline__ void arrive_done(const SwapInParams& p, int b) {
   }
 }
 
-// Spins (thread 0) until flags[b] reaches `stage`, then the block goes on together.
-__device__ __forceinline__ void wait_for_stage(const SwapInParams& p, int b, int stage) {
+// Spins (thread 0) until *counter reaches `value` (acquire), then the block goes on together.
+__device__ __forceinline__ void wait_until_at_least(const int32_t* counter, int value) {
   if (threadIdx.x == 0) {
-    while (load_acquire(p.flags + b) < stage) __nanosleep(64);
+    while (load_acquire(counter) < value) __nanosleep(32);
   }
   __syncthreads();
 }
@@ -273,36 +274,25 @@ __device__ __forceinline__ void count_looked(int32_t* looked) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(looked) : "memory");
 }
 
-// Spins (thread 0) until `count` copiers are counted in looked[b], then the block goes on together.
-__device__ __forceinline__ void wait_for_copiers(const SwapInParams& p, int b, int count) {
-  if (threadIdx.x == 0) {
-    while (load_acquire(p.looked + b) < count) __nanosleep(32);
-  }
-  __syncthreads();
-}
-
 // Entries per copier CTA: an equal share of the top-k, rounded up to whole warps.
 __device__ __forceinline__ int copier_chunk(int top_k, int splits) {
   const int copiers = splits - 1;
   return ((top_k + copiers - 1) / copiers + kWarpSize - 1) / kWarpSize * kWarpSize;
 }
 
-// A copier CTA (part >= 1) of an offloaded request; see the file comment. Returns with the block
-// converged; the caller arrives.
+// A copier CTA (part >= 1) of an offloaded request, owning entries [begin, end) of a chunk of
+// `chunk` entries; see the file comment. Returns with the block converged; the caller arrives.
 template <int THREADS>
-__device__ __forceinline__ void copier(const SwapInParams& p, int b, int part, const int32_t* top_k,
-                                       const int32_t (&first_batch)[kBatch], const int32_t* positions_to_loc,
-                                       const int16_t* token_slot, int32_t newest, uint8_t* smem,
-                                       uint64_t* warp_sums) {
+__device__ __forceinline__ void copier(const SwapInParams& p, int b, int begin, int end, int chunk,
+                                       const int32_t* top_k, const int32_t (&first_batch)[kBatch],
+                                       const int32_t* positions_to_loc, const int16_t* token_slot, int32_t newest,
+                                       uint8_t* smem, uint64_t* warp_sums) {
   const int tid = threadIdx.x;
-  const int K = p.num_top_k;
-  const int chunk = copier_chunk(K, p.splits);
-  const int begin = (part - 1) * chunk;
-  if (begin >= K) {  // no entries: counted at once
+  if (begin >= end) {  // no entries: counted at once
     if (tid == 0) count_looked(p.looked + b);
     return;
   }
-  const int span = min(K, begin + chunk) - begin;
+  const int span = end - begin;
   const int vectors_per_row = static_cast<int>(p.row_bytes / 16);
   int32_t* out = p.out + int64_t(b) * p.out_stride;
 
@@ -374,37 +364,23 @@ __device__ __forceinline__ void copier(const SwapInParams& p, int b, int part, c
 
   // C2: stage the first missed rows in shared memory while the planner chooses the slots.
   const int staged_rows = min(num_miss, capacity);
-  const int staged_total = staged_rows * vectors_per_row;
-  for (int base = tid; base < staged_total; base += THREADS * kCopyUnroll) {
-    int4 value[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int g = base + u * THREADS;
-      if (g < staged_total) {
-        value[u] = __ldg(reinterpret_cast<const int4*>(p.host_kv + int64_t(list_host[g / vectors_per_row]) * p.row_bytes) +
-                         g % vectors_per_row);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      if (base + u * THREADS < staged_total) staged[base + u * THREADS] = value[u];
-    }
-  }
+  copy_rows_by<THREADS>(
+      staged_rows, vectors_per_row, [&](int m, int v) { return load_piece(p.host_kv, list_host[m], p.row_bytes, v); },
+      [&](int m, int v, int4 value) { staged[m * vectors_per_row + v] = value; });
 
   // C3: the planner's outputs name the device rows.
   HISPARSE_MARK(2);
-  wait_for_stage(p, b, kPlanReady);
+  wait_until_at_least(p.flags + b, kPlanReady);
   HISPARSE_MARK(3);
   for (int m = tid; m < num_miss; m += THREADS) list_device[m] = __ldcg(out + list_entry[m]);
   __syncthreads();
-  for (int g = tid; g < staged_total; g += THREADS) {
-    __stcg(reinterpret_cast<int4*>(p.device_kv + int64_t(list_device[g / vectors_per_row]) * p.row_bytes) +
-               g % vectors_per_row,
-           staged[g]);
-  }
-  copy_listed_rows<THREADS>(
-      num_miss - staged_rows, [&](int m) { return list_host[staged_rows + m]; },
-      [&](int m) { return list_device[staged_rows + m]; }, p.host_kv, p.device_kv, p.row_bytes);
+  copy_rows_by<THREADS>(
+      staged_rows, vectors_per_row, [&](int m, int v) { return staged[m * vectors_per_row + v]; },
+      [&](int m, int v, int4 value) { store_piece(p.device_kv, list_device[m], p.row_bytes, v, value); });
+  copy_rows_by<THREADS>(
+      num_miss - staged_rows, vectors_per_row,
+      [&](int m, int v) { return load_piece(p.host_kv, list_host[staged_rows + m], p.row_bytes, v); },
+      [&](int m, int v, int4 value) { store_piece(p.device_kv, list_device[staged_rows + m], p.row_bytes, v, value); });
   HISPARSE_MARK(4);
   HISPARSE_DUMP("copy");
 }
@@ -429,8 +405,9 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   const int num_real = *p.num_real_reqs;
   const int64_t req = load_index(p.req_pool_indices, p.req_pool_indices_is_64, b);
   const int64_t seq_len = load_index(p.seq_lens, p.seq_lens_is_64, b);
-  const int entries_begin = part == 0 ? 0 : (part - 1) * copier_chunk(K, p.splits);
-  const int entries_end = part == 0 ? K : min(K, entries_begin + copier_chunk(K, p.splits));
+  const int chunk = part == 0 ? K : copier_chunk(K, p.splits);
+  const int entries_begin = part == 0 ? 0 : min(K, (part - 1) * chunk);
+  const int entries_end = min(K, entries_begin + chunk);
   int32_t first_batch[kBatch];
 #pragma unroll
   for (int u = 0; u < kBatch; ++u) {
@@ -475,7 +452,8 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   int16_t* token_slot = p.token_slot + int64_t(buffer) * p.token_slot_stride;
 
   if (part != 0) {
-    copier<THREADS>(p, b, part, top_k, first_batch, positions_to_loc, token_slot, newest, smem, warp_sums);
+    copier<THREADS>(p, b, entries_begin, entries_end, chunk, top_k, first_batch, positions_to_loc, token_slot, newest,
+                    smem, warp_sums);
     __syncthreads();
     if (tid == 0) arrive_done(p, b);
     return;
@@ -702,7 +680,7 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
 
   // The copiers must have looked the entries up before the map changes.
   HISPARSE_MARK(4);
-  if (p.splits > 1) wait_for_copiers(p, b, p.splits - 1);
+  if (p.splits > 1) wait_until_at_least(p.looked + b, p.splits - 1);
   HISPARSE_MARK(5);
 
   // M5: the k-th miss takes the k-th victim: tables and the device rows of the misses.
@@ -738,9 +716,10 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   }
 
   // M7: the planner copies the missed rows itself.
-  copy_listed_rows<THREADS>(
-      num_miss, [&](int k) { return hash_host_row[miss_hash[k]]; }, [&](int k) { return hash_device_row[miss_hash[k]]; },
-      p.host_kv, p.device_kv, p.row_bytes);
+  copy_rows_by<THREADS>(
+      num_miss, static_cast<int>(p.row_bytes / 16),
+      [&](int k, int v) { return load_piece(p.host_kv, hash_host_row[miss_hash[k]], p.row_bytes, v); },
+      [&](int k, int v, int4 value) { store_piece(p.device_kv, hash_device_row[miss_hash[k]], p.row_bytes, v, value); });
   HISPARSE_MARK(7);
   HISPARSE_DUMP("plan");
 }

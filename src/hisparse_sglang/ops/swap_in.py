@@ -141,12 +141,14 @@ def swap_in(
     threads = threads or DEFAULT_THREADS
     if splits is None:
         splits = choose_splits(batch, k, slot_tokens.shape[1], threads, device)
-    elif splits > 1 and batch * splits > resident_ctas(k, slot_tokens.shape[1], threads, device):
-        raise HiSparseError(
-            f"swap_in with splits={splits} needs {batch * splits} co-resident CTAs for batch {batch}, but this GPU "
-            f"runs at most {resident_ctas(k, slot_tokens.shape[1], threads, device)} at once (the CTAs of a request "
-            f"wait for each other); pass a smaller splits or leave it to choose_splits()."
-        )
+    elif splits > 1:
+        resident = resident_ctas(k, slot_tokens.shape[1], threads, device)
+        if batch * splits > resident:
+            raise HiSparseError(
+                f"swap_in with splits={splits} needs {batch * splits} co-resident CTAs for batch {batch}, but this "
+                f"GPU runs at most {resident} at once (the CTAs of a request wait for each other); pass a smaller "
+                f"splits or leave it to choose_splits()."
+            )
     if counters is None:
         counters = _empty_counters.setdefault(device, torch.empty(0, dtype=torch.int64, device=device))
     sync = _workspace_for(device).get(device, batch)
