@@ -9,6 +9,7 @@
 #include <sstream>
 #include <string>
 
+#include "decode_rows.cuh"
 #include "swap_in.cuh"
 
 namespace {
@@ -241,6 +242,93 @@ void hisparse_copy_rows(
   check_cuda(cudaGetLastError(), "copy_rows launch");
 }
 
+namespace {
+
+// The tables of the decode-row kernels; slot_rows may have no buffer yet (then no entry reads it).
+hisparse::DecodeTables decode_tables(
+    TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
+    int64_t buffer_size) {
+  require(on_cuda(req_to_token) && req_to_token.ndim() == 2 && is_int(req_to_token, 32) && req_to_token.stride(1) == 1,
+          "req_to_token must be int32 [R, C] on CUDA, rows contiguous");
+  require(on_cuda(device_row_of_loc) && device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32),
+          "device_row_of_loc must be int32 [N + 1] on CUDA");
+  require(on_cuda(buffer_of_req) && buffer_of_req.ndim() == 1 && is_int(buffer_of_req, 32),
+          "buffer_of_req must be int32 [R] on CUDA");
+  require(on_cuda(slot_rows) && slot_rows.ndim() == 2 && is_int(slot_rows, 32) && slot_rows.stride(1) == 1 &&
+              slot_rows.size(1) > buffer_size && buffer_size >= 0,
+          "slot_rows must be int32 [NB, D + page] on CUDA with D = buffer_size");
+  hisparse::DecodeTables t{};
+  t.req_to_token = data_of<int32_t>(req_to_token);
+  t.req_to_token_stride = req_to_token.stride(0);
+  t.device_row_of_loc = data_of<int32_t>(device_row_of_loc);
+  t.buffer_of_req = data_of<int32_t>(buffer_of_req);
+  t.slot_rows = data_of<int32_t>(slot_rows);
+  t.slot_rows_stride = slot_rows.stride(0);
+  t.buffer_size = static_cast<int>(buffer_size);
+  return t;
+}
+
+void require_plan(const TensorView& plan, const char* name) {
+  require(on_cuda(plan) && plan.ndim() == 2 && plan.size(0) == 3 && is_int(plan, 64) &&
+              (plan.size(1) == 0 || (plan.stride(1) == 1 && plan.stride(0) == plan.size(1))),
+          std::string(name) + " must be a contiguous int64 [3, n] tensor on CUDA");
+}
+
+constexpr int kDecodeRowThreads = 128;
+
+int decode_row_blocks(int64_t count) { return static_cast<int>((count + kDecodeRowThreads - 1) / kDecodeRowThreads); }
+
+}  // namespace
+
+// rows[:, i] = (device row, host row) of position plan[1, i] of request slot plan[0, i]; the
+// device row is the buffer's slot D when plan[2, i] (offloaded), else the token's resident row.
+void hisparse_backup_rows(
+    TensorView plan, TensorView rows, TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req,
+    TensorView slot_rows, int64_t buffer_size, int64_t stream) {
+  require_plan(plan, "plan");
+  const int64_t count = plan.size(1);
+  require(on_cuda(rows) && rows.ndim() == 2 && rows.size(0) == 2 && rows.size(1) == count && is_int(rows, 64) &&
+              (count == 0 || (rows.stride(1) == 1 && rows.stride(0) == count)),
+          "rows must be a contiguous int64 [2, n] tensor on CUDA, n = plan's columns");
+  hisparse::BackupRowsParams p{};
+  p.tables = decode_tables(req_to_token, device_row_of_loc, buffer_of_req, slot_rows, buffer_size);
+  if (count == 0) return;
+  p.plan = data_of<int64_t>(plan);
+  p.rows = data_of<int64_t>(rows);
+  p.count = count;
+  hisparse::backup_rows_kernel<<<decode_row_blocks(count), kDecodeRowThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p);
+  check_cuda(cudaGetLastError(), "backup_rows launch");
+}
+
+// device_row_of_loc[new_locs[i]] = the row the new token at position plan[1, i] of request slot
+// plan[0, i] is written to: new_pages[plan[2, i]] * page_size, the row after its previous token's
+// (kBindContinue) or its buffer's slot D (kBindBufferSlot).
+void hisparse_bind_rows(
+    TensorView plan, TensorView new_locs, TensorView new_pages, TensorView req_to_token, TensorView device_row_of_loc,
+    TensorView buffer_of_req, TensorView slot_rows, int64_t buffer_size, int64_t page_size, int64_t stream) {
+  require_plan(plan, "plan");
+  const int64_t count = plan.size(1);
+  require(on_cuda(new_locs) && new_locs.ndim() == 1 && new_locs.size(0) == count && is_int(new_locs, 64) &&
+              (count == 0 || new_locs.stride(0) == 1),
+          "new_locs must be a contiguous int64 [n] tensor on CUDA, n = plan's columns");
+  require(on_cuda(new_pages) && new_pages.ndim() == 1 && is_int(new_pages, 64) &&
+              (new_pages.numel() == 0 || new_pages.stride(0) == 1),
+          "new_pages must be a contiguous int64 [pages] tensor on CUDA");
+  require(page_size >= 1, "page_size must be >= 1");
+  hisparse::BindRowsParams p{};
+  p.tables = decode_tables(req_to_token, device_row_of_loc, buffer_of_req, slot_rows, buffer_size);
+  if (count == 0) return;
+  p.plan = data_of<int64_t>(plan);
+  p.new_locs = data_of<int64_t>(new_locs);
+  p.new_pages = new_pages.numel() ? data_of<int64_t>(new_pages) : nullptr;
+  p.count = count;
+  p.page_size = page_size;
+  hisparse::bind_rows_kernel<<<decode_row_blocks(count), kDecodeRowThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p);
+  check_cuda(cudaGetLastError(), "bind_rows launch");
+}
+
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in, hisparse_swap_in);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in_occupancy, hisparse_swap_in_occupancy);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(copy_rows, hisparse_copy_rows);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(backup_rows, hisparse_backup_rows);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bind_rows, hisparse_bind_rows);

@@ -14,7 +14,9 @@ def recording_ops(calls: list):
         calls.append(kwargs.get("threads"))
         return reference.swap_in(*args, **kwargs)
 
-    return types.SimpleNamespace(swap_in=swap_in, copy_rows=reference.copy_rows)
+    return types.SimpleNamespace(
+        swap_in=swap_in, copy_rows=reference.copy_rows, backup_rows=reference.backup_rows, bind_rows=reference.bind_rows
+    )
 
 
 @pytest.mark.parametrize("block_size", [None, 256, 1024])

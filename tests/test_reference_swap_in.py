@@ -172,3 +172,29 @@ def test_copy_rows_and_eager_backup_cover_every_layer():
         assert torch.equal(host_layers[layer][25], device_layers[layer][4])
         assert torch.equal(host_layers[layer][3], device_layers[layer][9])
         assert int((host_layers[layer] == -7).all(dim=1).sum()) == 28
+
+
+def test_backup_rows_reads_resident_rows_and_the_buffer_slot():
+    case = Case()
+    # request 0 is offloaded (buffer 0, slot D -> row 60), request 1 is resident (rows 300 + pos)
+    plan = torch.tensor([[0, 1, 1], [39, 5, 6], [1, 0, 0]])
+    rows = reference.backup_rows(plan, case.req_to_token, case.device_row_of_loc, case.buffer_of_req, case.slot_rows, D)
+    assert rows.dtype == torch.int64
+    assert rows.tolist() == [[60, 305, 306], [1039, 2005, 2006]]
+
+
+def test_bind_rows_by_kind():
+    case = Case()
+    new_locs = torch.tensor([1040, 2030, 2031], dtype=torch.int64)
+    # offloaded -> slot D of its buffer; resident continuing position 30 -> row of position 29 + 1;
+    # resident starting a page -> first row of new_pages[1]
+    plan = torch.tensor([[0, 1, 1], [40, 30, 31], [reference.BIND_BUFFER_SLOT, reference.BIND_CONTINUE, 1]])
+    case.device_row_of_loc[2030:2032] = 0  # the new locations are not mapped yet
+    table = case.device_row_of_loc.clone()
+    reference.bind_rows(plan, new_locs, torch.tensor([7, 9]), case.req_to_token, table, case.buffer_of_req,
+                        case.slot_rows, D, P)
+    assert table[1040].item() == 60
+    assert table[2030].item() == 329 + 1
+    assert table[2031].item() == 9 * P
+    changed = (table != case.device_row_of_loc).nonzero().flatten().tolist()
+    assert changed == [1040, 2030, 2031]

@@ -121,6 +121,7 @@ HISPARSE_FIELDS = (
     ("demotions_per_min", re.compile(r"demotions ([0-9.]+)/min"), float),
     ("promotions_per_min", re.compile(r"promotions ([0-9.]+)/min"), float),
     ("switch_work_max_ms", re.compile(r"switch work max ([0-9.]+) ms/step"), float),
+    ("step_host_ms", re.compile(r"step host work ([0-9.]+) ms"), float),
 )
 
 
@@ -174,7 +175,8 @@ def summarize_hisparse(text: str) -> dict | None:
     return {"lines": len(rows), "switch_work_max_ms": top("switch_work_max_ms"),
             "demotions_per_min_max": top("demotions_per_min"), "promotions_per_min_max": top("promotions_per_min"),
             "offloaded_max": top("offloaded"), "resident_max": top("resident"),
-            "hit_rate_pct_min": top("hit_rate_pct", min)}
+            "hit_rate_pct_min": top("hit_rate_pct", min),
+            "step_host_ms_median": top("step_host_ms", statistics.median)}
 
 
 def summarize_log(text: str) -> dict:
@@ -1087,12 +1089,13 @@ def phase_throughput(srv: Server, args, vocab: int, dl: Deadline, cap: int | Non
         t = time.perf_counter()
         generate(srv.port, make_prompt(99, L, vocab), 8, timeout=max(30.0, min(300.0, dl.left() - args.reserve_s)))
         res["warmup_s"] = round(time.perf_counter() - t, 2)
-    for lv, c in levels:
+    runs = [(lv, c, rep) for lv, c in levels for rep in range(args.tp_repeats)]
+    for lv, c, rep in runs:
         if dl.left() < args.reserve_s + 20:
             res["skipped_rest"] = "deadline"
             break
         srv.check()
-        prompts = [make_prompt(200_000 + 1000 * c + i, L, vocab) for i in range(c)]
+        prompts = [make_prompt(200_000 + 1000 * c + 100_000 * rep + i, L, vocab) for i in range(c)]
         off = file_size(srv.log_path)
         timeout = max(20.0, min(args.tp_level_timeout, dl.left() - args.reserve_s))
         t0 = time.perf_counter()
@@ -1104,7 +1107,9 @@ def phase_throughput(srv: Server, args, vocab: int, dl: Deadline, cap: int | Non
         tpots = [o["tpot_s"] for o in ok if o.get("tpot_s")]
         ttfts = [o["ttft_s"] for o in ok if o.get("ttft_s") is not None]
         toks = sum(o["tokens"] for o in ok)
-        row = {"level": lv, "concurrency": c, "ok": len(ok), "errors": sorted({o["error"] for o in outs if "error" in o})[:3],
+        hs = seg.get("hisparse") or {}
+        row = {"level": lv, "repeat": rep, "concurrency": c, "ok": len(ok),
+               "errors": sorted({o["error"] for o in outs if "error" in o})[:3],
                "wall_s": round(wall, 2), "output_tokens": toks,
                "output_tok_s": round(toks / wall, 1) if wall > 0 else None,
                "tpot_ms_median": round(1000 * statistics.median(tpots), 3) if tpots else None,
@@ -1114,11 +1119,17 @@ def phase_throughput(srv: Server, args, vocab: int, dl: Deadline, cap: int | Non
                "ttft_s_max": round(max(ttfts), 3) if ttfts else None,
                "log_gen_tput_median": seg["gen_tput_median"], "log_gen_tput_max": seg["gen_tput_max"],
                "log_max_running": seg["max_running"], "cuda_graph_fraction": seg["cuda_graph_fraction"],
-               "retracted_reqs": seg["retracted_reqs"]}
+               "retracted_reqs": seg["retracted_reqs"],
+               "hisparse_step_host_ms_median": hs.get("step_host_ms_median"),
+               "hisparse_resident_max": hs.get("resident_max"), "hisparse_offloaded_max": hs.get("offloaded_max"),
+               # per request, in send order: [TTFT s, end-to-end s, output tokens] (the tail of a level)
+               "requests": [[round(o["ttft_s"], 3) if o.get("ttft_s") is not None else None,
+                             round(o["e2e_s"], 3), o["tokens"]] for o in ok]}
         res["levels"].append(row)
-        LOG(f"  throughput c={c:3d} ({lv}): {row['output_tok_s']} out tok/s, TPOT median {row['tpot_ms_median']} ms, "
-            f"TTFT median {row['ttft_s_median']} s, log decode {row['log_gen_tput_median']} tok/s, "
-            f"max running {row['log_max_running']}, wall {row['wall_s']}s, ok {row['ok']}/{c}")
+        LOG(f"  throughput c={c:3d} ({lv}, run {rep + 1}/{args.tp_repeats}): {row['output_tok_s']} out tok/s, "
+            f"TPOT median {row['tpot_ms_median']} ms, TTFT median {row['ttft_s_median']} s, "
+            f"log decode {row['log_gen_tput_median']} tok/s, max running {row['log_max_running']}, "
+            f"HiSparse step host {row['hisparse_step_host_ms_median']} ms, wall {row['wall_s']}s, ok {row['ok']}/{c}")
         save()
     return res
 
@@ -1341,17 +1352,22 @@ def render_markdown(data: dict) -> str:
     levels = []
     for x in present:
         for lv in (arms[x].get("throughput") or {}).get("levels", []):
-            if lv["level"] not in levels:
-                levels.append(lv["level"])
+            key = (lv["level"], lv.get("repeat", 0))
+            if key not in levels:
+                levels.append(key)
 
-    def lvl(r, level):
-        return next((v for v in r["throughput"]["levels"] if v["level"] == level), None)
+    def lvl(r, key):
+        return next((v for v in r["throughput"]["levels"] if (v["level"], v.get("repeat", 0)) == key), None)
 
-    for level in levels:
-        row(f"c={level}: output tok/s (client)", lambda r, lv=level: f"{fmt(lvl(r, lv)['output_tok_s'])} (c={lvl(r, lv)['concurrency']})")
-        row(f"c={level}: TPOT median / p90 (ms)", lambda r, lv=level: f"{fmt(lvl(r, lv)['tpot_ms_median'], 2)} / {fmt(lvl(r, lv)['tpot_ms_p90'], 2)}")
-        row(f"c={level}: decode tok/s (server log, median)", lambda r, lv=level: fmt(lvl(r, lv)["log_gen_tput_median"]))
-        row(f"c={level}: TTFT median (s)", lambda r, lv=level: fmt(lvl(r, lv)["ttft_s_median"], 2))
+    for key in levels:
+        name = f"c={key[0]}" + (f" (run {key[1] + 1})" if any(k[1] for k in levels) else "")
+        row(f"{name}: output tok/s (client)", lambda r, k=key: f"{fmt(lvl(r, k)['output_tok_s'])} (c={lvl(r, k)['concurrency']})")
+        row(f"{name}: TPOT median / p90 (ms)", lambda r, k=key: f"{fmt(lvl(r, k)['tpot_ms_median'], 2)} / {fmt(lvl(r, k)['tpot_ms_p90'], 2)}")
+        row(f"{name}: decode tok/s (server log, median)", lambda r, k=key: fmt(lvl(r, k)["log_gen_tput_median"]))
+        row(f"{name}: TTFT median / max (s)",
+            lambda r, k=key: f"{fmt(lvl(r, k)['ttft_s_median'], 2)} / {fmt(lvl(r, k).get('ttft_s_max'), 2)}")
+        row(f"{name}: HiSparse host work per decode step (ms, median)",
+            lambda r, k=key: fmt(lvl(r, k).get("hisparse_step_host_ms_median"), 3))
     tp = next((arms[x]["throughput"] for x in present if arms[x].get("throughput")), None)
     if tp:
         lines.append(f"\nThroughput: {tp.get('input_len')} input + {tp.get('output_len')} output tokens per request, "
@@ -1507,6 +1523,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tp-input-len", type=int, default=16384)
     g.add_argument("--tp-output-len", type=int, default=256)
     g.add_argument("--tp-levels", default="1,8,32,max")
+    g.add_argument("--tp-repeats", type=int, default=1,
+                   help="run every throughput level this many times in a row (new prompts each time)")
     g.add_argument("--tp-level-timeout", type=float, default=120)
     g.add_argument("--tp-max-fallback", type=int, default=64, help="'max' level if capacity was not measured")
     g = ap.add_argument_group("storm (opt-in phase)")

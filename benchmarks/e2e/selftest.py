@@ -225,7 +225,8 @@ def storm_checks() -> None:
     hs = ("[2026-11-22 10:00:03 TP0] HiSparse: hit rate 24.8%, moved 35.2 MiB, resident 3, offloaded 33 (promoting 0), "
           "demotions 12.0/min, promotions 0.0/min, device rows 130944/131136, host rows 820352/1048640, switch work max 0.41 ms/step\n"
           "[2026-11-22 10:00:04 TP0] HiSparse: hit rate n/a, moved 0.0 MiB, resident 5, offloaded 0 (promoting 2), "
-          "demotions 30.5/min, promotions 6.0/min, device rows 1/2, host rows 3/4, switch work max 1.25 ms/step\n"
+          "demotions 30.5/min, promotions 6.0/min, device rows 1/2, host rows 3/4, switch work max 1.25 ms/step, "
+          "step host work 0.120 ms (max 0.31)\n"
           "[2026-11-22 10:00:05 TP0] HiSparse: hit rate 90.0%, moved 1.0 MiB, resident 1, offloaded 2 (promoting 0), "
           "demotions 2.0/min, promotions 0.0/min, device rows 1/2, host rows 3/4\n"
           "[2026-11-22 10:00:05 TP0] HiSparse: alloc_device_buffer failed for req 7\n")
@@ -237,7 +238,8 @@ def storm_checks() -> None:
           f"HiSparse lines without a hit rate / without switch work: {rows[1:]}")
     sh = E.summarize_hisparse(hs)
     check(sh == {"lines": 3, "switch_work_max_ms": 1.25, "demotions_per_min_max": 30.5, "promotions_per_min_max": 6.0,
-                 "offloaded_max": 33, "resident_max": 5, "hit_rate_pct_min": 24.8}, f"HiSparse summary {sh}")
+                 "offloaded_max": 33, "resident_max": 5, "hit_rate_pct_min": 24.8, "step_host_ms_median": 0.12},
+          f"HiSparse summary {sh}")
     check(E.summarize_hisparse(hs.split("\n")[2]) ["switch_work_max_ms"] is None, "older line without switch work")
     check(E.summarize_hisparse("HiSparse: admitting request r1 directly") is None and E.summarize_log(hs)["hisparse"] == sh,
           "in-tree HiSparse lines are not the plugin's; summarize_log carries the summary")
@@ -358,7 +360,7 @@ def reporter():
             log(f"Decode batch, #running-req: {r}, {use}, cuda graph: True, gen throughput (token/s): {t / 0.2:.2f}, #queue-req: {w}, ")
             if HS_LOG:
                 log(f"HiSparse: hit rate 97.5%, moved 1.5 MiB, resident 0, offloaded {r} (promoting 0), demotions {6.0 * r:.1f}/min, "
-                    f"promotions 0.0/min, device rows 100/4096, host rows 200/32768, switch work max 0.25 ms/step")
+                    f"promotions 0.0/min, device rows 100/4096, host rows 200/32768, switch work max 0.25 ms/step, step host work 0.110 ms (max 0.20)")
 threading.Thread(target=reporter, daemon=True).start()
 
 class H(BaseHTTPRequestHandler):
@@ -490,7 +492,7 @@ def mock_e2e(python: str) -> None:
                   "--health-timeout", "30", "--arm-min-s", "5", "--reserve-s", "5"]
         # run 1: arms a,b; run 2: arm c with a mismatch injected and a loadable plugin entry point;
         # run 3: arm c with an entry point that cannot be imported -> must fail loudly
-        r1 = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "a,b", *common],
+        r1 = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "a,b", "--tp-repeats", "2", *common],
                             capture_output=True, text=True, timeout=300)
         print(r1.stdout[-3000:], r1.stderr[-2000:], sep="\n", flush=True)
         check(r1.returncode == 0, f"mock run 1 rc={r1.returncode}")
@@ -506,9 +508,13 @@ def mock_e2e(python: str) -> None:
         ca, cb = arms["a"]["capacity"], arms["b"]["capacity"]
         check(ca["max_running"] == 5 and "plateau" in ca["stop_reason"], f"baseline capacity {ca['max_running']} {ca['stop_reason']}")
         check(cb["max_running"] == 12 and cb["stop_reason"] == "all requests running", f"hisparse capacity {cb['max_running']} {cb['stop_reason']}")
-        lv = {row["level"]: row for row in arms["b"]["throughput"]["levels"]}
+        runs = [(row["level"], row["repeat"]) for row in arms["b"]["throughput"]["levels"]]
+        check(runs == [(1, 0), (1, 1), (4, 0), (4, 1), ("max", 0), ("max", 1)], f"throughput runs {runs}")
+        lv = {row["level"]: row for row in arms["b"]["throughput"]["levels"] if row["repeat"] == 0}
         check(set(lv) == {1, 4, "max"} and lv["max"]["concurrency"] == 12 and lv[4]["ok"] == 4
               and lv[1]["tpot_ms_median"] and lv[1]["log_gen_tput_median"], f"throughput levels {list(lv)}")
+        check(len(lv["max"]["requests"]) == 12 and all(r[2] == 200 and r[0] <= r[1] for r in lv["max"]["requests"]),
+              f"per-request TTFT / end-to-end / tokens {lv['max']['requests'][:2]}")
         check("capacity" in arms["a"] and arms["a"]["correctness"]["prompts_ok"] == 6, "arm a data kept across runs")
         cmp_ba, cmp_ca = res["compare"]["b_vs_a"], res["compare"]["c_vs_a"]
         check(cmp_ba["prompts_identical"] == 6 and cmp_ba["mismatched_tokens"] == 0, f"b vs a identical: {cmp_ba['prompts_identical']}")
@@ -521,7 +527,7 @@ def mock_e2e(python: str) -> None:
         files = sorted(p.name for p in out.iterdir())
         check(len(files) <= 8 and {"results.json", "results.md", "server-a.log", "harness.log"} <= set(files), f"$OUT files {files}")
         md = (out / "results.md").read_text()
-        check("| c=max: output tok/s (client) |" in md and "b_vs_a" in md, "markdown table rows")
+        check("| c=max (run 2): output tok/s (client) |" in md and "b_vs_a" in md, "markdown table rows")
         mock_storm(common, out)
         r3 = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "c", "--phases", "correctness,report",
                              "--plugin-ep", "hisparse=no_such_module_xyz:register", *common],

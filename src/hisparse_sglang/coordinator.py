@@ -42,8 +42,10 @@ from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
 from hisparse_sglang.memory.allocator import KVAllocator, PoolStats
 from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 from hisparse_sglang.memory.host_pool import HostKVPool
-from hisparse_sglang.memory.paged import upload
+from hisparse_sglang.memory.paged import upload_ints
 from hisparse_sglang.ops import reference
+from hisparse_sglang.ops.layers import LayerSet
+from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT, BIND_CONTINUE
 from hisparse_sglang.streams import CopyEvent, StreamSet
 
 __all__ = ["Coordinator", "RequestRecord", "RESIDENT", "OFFLOADED", "CoordinatorStats"]
@@ -113,7 +115,8 @@ class Coordinator:
         device_layers: one device KV tensor per layer, rows along dim 0.
         req_to_token: int32 ``[R, C]`` logical location of each position of each request slot
             (SGLang's ``ReqToTokenPool.req_to_token``).
-        ops: module with ``swap_in`` and ``copy_rows`` (the CUDA ops or their reference twins).
+        ops: module with ``swap_in``, ``copy_rows``, ``backup_rows`` and ``bind_rows`` (the CUDA ops or
+            their reference twins).
         streams: side streams and events (CPU stand-in by default).
         agree: makes event-dependent decisions identical across TP ranks (all-reduce MIN of a
             list of booleans); identity on one rank.
@@ -145,7 +148,8 @@ class Coordinator:
         self.allocator = allocator
         self.buffers = buffers
         self.host_pool = host_pool
-        self.device_layers = list(device_layers)
+        self.device_layers = LayerSet(device_layers)
+        self.host_layers = LayerSet(host_pool.layers)
         self.req_to_token = req_to_token
         self.ops = ops
         self.device = allocator.device
@@ -161,6 +165,7 @@ class Coordinator:
             (buffers.num_req_slots, config.top_k), -1, dtype=torch.int32, device=self.device
         )
         self.swap_counters = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self._no_pages = torch.zeros(0, dtype=torch.int64, device=self.device)
         # The last copy enqueued on the backup stream (frees of device rows are ordered after it)
         # and the one the next forward must wait for (only when it overwrites a row being copied).
         self._last_backup: CopyEvent | None = None
@@ -172,6 +177,7 @@ class Coordinator:
         self.promotions = 0
         self.promotion_cancels = 0
         self.switch_seconds_max = 0.0
+        self._step_host = (0.0, 0.0, 0)  # prepare_decode host time: sum, max, steps since last taken
         self._marks: list[tuple[str, float]] = []
 
     # ================================================================== admission
@@ -183,7 +189,7 @@ class Coordinator:
         locs = self.req_to_token[slot, :prefill_len].to(torch.int64)
         rows = self.allocator.translate(locs)
         with self.streams.on(self.streams.staging):
-            self.ops.copy_rows(self.device_layers, self.host_pool.layers, rows, locs)
+            self.ops.copy_rows(self.device_layers, self.host_layers, rows, locs)
             staging = self.streams.record(self.streams.staging)
             self.streams.keep_alive(locs, self.streams.staging)
             self.streams.keep_alive(rows, self.streams.staging)
@@ -232,7 +238,7 @@ class Coordinator:
         if kv_len - 1 < self.buffer_size:
             pages = self._alloc_pages_with_reclaim(-(-kv_len // self.page_size))
             rows = self.allocator.device_rows.page_rows(pages)[:kv_len]
-            self.ops.copy_rows(self.host_pool.layers, self.device_layers, locs, rows)
+            self.ops.copy_rows(self.host_layers, self.device_layers, locs, rows)
             self.allocator.map_(locs, rows)
         else:
             pages = self._alloc_pages_with_reclaim(self.buffer_pages)
@@ -250,6 +256,7 @@ class Coordinator:
             seq_lens: lengths including the new token (its position is ``seq_len - 1``).
             new_locs: int64 ``[B]`` on ``device``: logical location of each new token.
         """
+        entered = time.perf_counter()
         self.streams.step += 1
         records = [self._record(slot) for slot in slots]
         for record, seq_len in zip(records, seq_lens):
@@ -278,6 +285,8 @@ class Coordinator:
         # up; a resident request writes a fresh row, so its forward need not wait for the copy.
         if switched or any(record.mode == OFFLOADED for record in records):
             self._forward_must_wait = self._last_backup
+        spent = time.perf_counter() - entered
+        self._step_host = (self._step_host[0] + spent, max(self._step_host[1], spent), self._step_host[2] + 1)
 
     def swap_in(
         self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, layer_id: int
@@ -297,7 +306,7 @@ class Coordinator:
             self.buffers.slot_tokens[layer_id],
             self.buffers.slot_stamps[layer_id],
             self.buffers.token_slot[layer_id],
-            self.host_pool.layers[layer_id],
+            self.host_layers[layer_id],
             self.device_layers[layer_id],
             out=out,
             counters=self.swap_counters,
@@ -416,6 +425,17 @@ class Coordinator:
         value, self.switch_seconds_max = self.switch_seconds_max, 0.0
         return value
 
+    def take_step_host_time(self) -> tuple[float, float]:
+        """Mean and longest host time (s) of ``prepare_decode`` since the previous call; resets them.
+
+        The bookkeeping HiSparse adds to every decode step of the scheduler (backup and bind
+        launches, mode switches): with SGLang's overlap scheduler it is hidden behind the forward
+        pass only while shorter than it.
+        """
+        total, longest, steps = self._step_host
+        self._step_host = (0.0, 0.0, 0)
+        return (total / steps if steps else 0.0), longest
+
     def _switch_counts(self) -> tuple[int, int, int]:
         return self.demotions, self.promotions, self.promotion_cancels
 
@@ -470,40 +490,36 @@ class Coordinator:
 
     # ================================================================== internals: decode step
     def _backup_previous_tokens(self, records: list[RequestRecord]) -> None:
-        """Copy each request's previous token (position ``seq_len - 1`` before this step) to host."""
-        resident_slots, resident_positions, offloaded_slots, offloaded_positions = [], [], [], []
+        """Copy each request's tokens not yet on host (the previous token after a decode step) to
+        host, on the backup stream; the rows are looked up now, before any mode switch."""
+        slots, positions, offloaded = [], [], []
         for record in records:
+            if record.host_len == record.seq_len:
+                continue
+            is_offloaded = record.mode == OFFLOADED
+            if is_offloaded and record.host_len != record.seq_len - 1:
+                raise HiSparseMemoryError(
+                    f"request slot {record.slot}: offloaded with positions {record.host_len}.."
+                    f"{record.seq_len - 1} not on host; only the newest may be missing."
+                )
             for position in range(record.host_len, record.seq_len):
-                if record.mode == RESIDENT:
-                    resident_slots.append(record.slot)
-                    resident_positions.append(position)
-                else:
-                    if position != record.seq_len - 1:
-                        raise HiSparseMemoryError(
-                            f"request slot {record.slot}: offloaded with positions {record.host_len}.."
-                            f"{record.seq_len - 1} not on host; only the newest may be missing."
-                        )
-                    offloaded_slots.append(record.slot)
-                    offloaded_positions.append(position)
+                slots.append(record.slot)
+                positions.append(position)
+                offloaded.append(int(is_offloaded))
             record.host_len = record.seq_len
-        if not resident_slots and not offloaded_slots:
+        if not slots:
             return
-        slots, positions = upload(
-            torch.tensor([resident_slots + offloaded_slots, resident_positions + offloaded_positions], dtype=torch.int64),
-            self.device,
+        rows = self.ops.backup_rows(
+            upload_ints([slots, positions, offloaded], self.device),
+            self.req_to_token,
+            self.allocator.device_row_of_loc,
+            self.buffers.buffer_of_req,
+            self.buffers.slot_rows,
+            self.buffer_size,
         )
-        host_rows = self.req_to_token[slots, positions].to(torch.int64)
-        parts = []
-        if resident_slots:
-            parts.append(self.allocator.translate(host_rows[: len(resident_slots)]).to(torch.int64))
-        if offloaded_slots:
-            buffer_ids = self.buffers.buffer_of_req[slots[len(resident_slots) :]].to(torch.int64)
-            parts.append(self.buffers.slot_rows[buffer_ids, self.buffer_size].to(torch.int64))
-        device_rows = torch.cat(parts)
         with self.streams.on(self.streams.backup):
-            self.ops.copy_rows(self.device_layers, self.host_pool.layers, device_rows, host_rows)
-            self.streams.keep_alive(device_rows, self.streams.backup)
-            self.streams.keep_alive(host_rows, self.streams.backup)
+            self.ops.copy_rows(self.device_layers, self.host_layers, rows[0], rows[1])
+            self.streams.keep_alive(rows, self.streams.backup)
 
     def _switch_modes(self, records: list[RequestRecord]) -> None:
         """Finish promotions, force or relieve demotions, start promotions (bounded per step)."""
@@ -570,25 +586,37 @@ class Coordinator:
         return sum(1 for r in records if self._starts_page(r))
 
     def _assign_new_rows(self, records: list[RequestRecord], new_locs: torch.Tensor) -> None:
-        resident_index = [i for i, r in enumerate(records) if r.mode == RESIDENT]
-        offloaded_index = [i for i, r in enumerate(records) if r.mode == OFFLOADED]
-        if resident_index:
-            lengths = torch.tensor([records[i].seq_len + 1 for i in resident_index], dtype=torch.int64)
-            index, slots, last_positions = upload(
-                torch.stack([torch.tensor(resident_index), torch.tensor([records[i].slot for i in resident_index]), lengths - 2]),
-                self.device,
+        """Bind every new token to its device row (one launch): a resident request's continues its
+        page or starts a new one, an offloaded request's is its buffer's slot ``D``."""
+        slots, positions, kinds = [], [], []
+        num_pages = 0
+        for record in records:
+            slots.append(record.slot)
+            positions.append(record.seq_len)
+            if record.mode == OFFLOADED:
+                kinds.append(BIND_BUFFER_SLOT)
+            elif record.seq_len % self.page_size == 0:
+                kinds.append(num_pages)
+                num_pages += 1
+            else:
+                kinds.append(BIND_CONTINUE)
+        if num_pages > self.allocator.device_rows.free_pages:
+            raise PoolExhaustedError(
+                f"device KV pool exhausted while binding new tokens: {num_pages} resident request(s) start a "
+                f"page, {self.allocator.device_rows.free_pages} page(s) free."
             )
-            last_locs = self.req_to_token[slots, last_positions].to(torch.int64)
-            rows = self.allocator.device_rows.alloc_decode(lengths, self.allocator.translate(last_locs).to(torch.int64))
-            if rows is None:
-                raise PoolExhaustedError("device KV pool exhausted while binding new tokens of resident requests.")
-            self.allocator.map_(new_locs[index], rows)
-        if offloaded_index:
-            index, slots = upload(
-                torch.tensor([offloaded_index, [records[i].slot for i in offloaded_index]], dtype=torch.int64), self.device
-            )
-            buffer_ids = self.buffers.buffer_of_req[slots].to(torch.int64)
-            self.allocator.map_(new_locs[index], self.buffers.slot_rows[buffer_ids, self.buffer_size])
+        pages = self.allocator.device_rows.alloc_pages(num_pages) if num_pages else self._no_pages
+        self.ops.bind_rows(
+            upload_ints([slots, positions, kinds], self.device),
+            new_locs.to(torch.int64),
+            pages,
+            self.req_to_token,
+            self.allocator.device_row_of_loc,
+            self.buffers.buffer_of_req,
+            self.buffers.slot_rows,
+            self.buffer_size,
+            self.page_size,
+        )
 
     # ================================================================== internals: transitions
     def _pages_held(self, record: RequestRecord) -> int:
@@ -703,7 +731,7 @@ class Coordinator:
                 if self.streams.backup is not None:
                     # This step's backup of the previous token runs on the backup stream.
                     self.streams.promotion.wait_stream(self.streams.backup)
-                self.ops.copy_rows(self.host_pool.layers, self.device_layers, locs, rows)
+                self.ops.copy_rows(self.host_layers, self.device_layers, locs, rows)
                 event = self.streams.record(self.streams.promotion)
                 self.streams.keep_alive(locs, self.streams.promotion)
                 self.streams.keep_alive(rows, self.streams.promotion)
@@ -728,7 +756,7 @@ class Coordinator:
             # Tokens decoded while the promotion copy ran; same stream as this step's backups.
             with self.streams.on(self.streams.backup):
                 self.ops.copy_rows(
-                    self.host_pool.layers, self.device_layers, locs[promotion.covered :], rows[promotion.covered :]
+                    self.host_layers, self.device_layers, locs[promotion.covered :], rows[promotion.covered :]
                 )
                 self.streams.keep_alive(locs, self.streams.backup)
                 self.streams.keep_alive(rows, self.streams.backup)

@@ -53,8 +53,11 @@ class StreamSet:
     """
 
     def __init__(self, device: torch.device, cpu_event_delay_steps: int = 0) -> None:
-        self.device = device
         self.is_cuda = device.type == "cuda"
+        if self.is_cuda and device.index is None:
+            # An explicit index keeps torch.cuda.current_stream() off its slow device lookup.
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.cpu_event_delay_steps = cpu_event_delay_steps
         self.step = 0
         self.producer: "torch.cuda.Stream | None" = None
@@ -62,6 +65,8 @@ class StreamSet:
             self.staging = torch.cuda.Stream(device=device)
             self.backup = torch.cuda.Stream(device=device)
             self.promotion = torch.cuda.Stream(device=device)
+            # Reused for ordering: a wait takes the event's state when it is enqueued.
+            self._order_events = (torch.cuda.Event(), torch.cuda.Event())
         else:
             self.staging = self.backup = self.promotion = None
 
@@ -72,11 +77,17 @@ class StreamSet:
             yield
             return
         current = torch.cuda.current_stream(self.device)
-        stream.wait_stream(current)
+        after_current, after_producer = self._order_events
+        after_current.record(current)
+        stream.wait_event(after_current)
         if self.producer is not None:
-            stream.wait_stream(self.producer)
-        with torch.cuda.stream(stream):
+            after_producer.record(self.producer)
+            stream.wait_event(after_producer)
+        torch.cuda.set_stream(stream)
+        try:
             yield
+        finally:
+            torch.cuda.set_stream(current)
 
     def record(self, stream: "torch.cuda.Stream | None") -> CopyEvent:
         if stream is None:

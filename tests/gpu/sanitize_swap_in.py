@@ -1,4 +1,4 @@
-"""One representative swap-in and copy for compute-sanitizer (memcheck, racecheck); exits 1 on a mismatch.
+"""One representative swap-in, copy and decode-row bookkeeping for compute-sanitizer (memcheck, racecheck); exits 1 on a mismatch.
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize_swap_in.py
 """
@@ -37,8 +37,40 @@ def main() -> int:
             if not torch.equal(want, got.cpu()):
                 print(f"MISMATCH splits={splits} late_copiers_ns={late_copiers_ns}: {name}")
                 return 1
+    if not decode_rows_match(case):
+        return 1
     print("sanitize case: outputs match the reference")
     return 0
+
+
+def decode_rows_match(case) -> bool:
+    """backup_rows and bind_rows on the case's tables: every request, both kinds of row."""
+    slots = case.req_pool_indices.to(torch.int64)
+    offloaded = (case.buffer_of_req[slots] >= 0).to(torch.int64)
+    backup_plan = torch.stack([slots, case.seq_lens.to(torch.int64) - 1, offloaded])
+    kinds = torch.where(offloaded > 0, reference.BIND_BUFFER_SLOT, reference.BIND_CONTINUE).to(torch.int64)
+    kinds[0] = 0  # the first request starts a page
+    bind_plan = torch.stack([slots, case.seq_lens.to(torch.int64), kinds])
+    # new locations past every token's (the kernel may not read what another thread writes)
+    num_locs = case.device_row_of_loc.numel() - 1
+    new_locs = torch.arange(num_locs, num_locs + slots.numel(), dtype=torch.int64)
+    row_of_loc = torch.cat([case.device_row_of_loc[:-1], torch.zeros(slots.numel() + 1, dtype=torch.int32)])
+    row_of_loc[-1] = -1
+    pages = torch.tensor([7], dtype=torch.int64)
+    tables = (case.req_to_token, row_of_loc, case.buffer_of_req, case.slot_rows)
+    want_rows = reference.backup_rows(backup_plan, *tables, case.slot_tokens.shape[1])
+    want_map = row_of_loc.clone()
+    reference.bind_rows(bind_plan, new_locs, pages, case.req_to_token, want_map, case.buffer_of_req, case.slot_rows,
+                        case.slot_tokens.shape[1], 64)
+    gpu = [t.cuda() for t in tables]
+    got_rows = ops.backup_rows(backup_plan.cuda(), *gpu, case.slot_tokens.shape[1])
+    ops.bind_rows(bind_plan.cuda(), new_locs.cuda(), pages.cuda(), gpu[0], gpu[1], gpu[2], gpu[3],
+                  case.slot_tokens.shape[1], 64)
+    torch.cuda.synchronize()
+    if not torch.equal(want_rows, got_rows.cpu()) or not torch.equal(want_map, gpu[1].cpu()):
+        print("MISMATCH decode rows")
+        return False
+    return True
 
 
 if __name__ == "__main__":

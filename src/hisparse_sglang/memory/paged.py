@@ -15,7 +15,7 @@ import torch
 
 from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
 
-__all__ = ["PagedAllocator", "extend_layout", "upload"]
+__all__ = ["PagedAllocator", "extend_layout", "upload", "upload_ints"]
 
 
 def upload(values: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -27,6 +27,14 @@ def upload(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return values.to(device)
     return values.pin_memory().to(device, non_blocking=True)
+
+
+def upload_ints(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Python integer lists (equal lengths) as an int64 ``[len(rows), n]`` tensor on ``device``,
+    built in pinned memory and copied without stalling the host (two dispatches)."""
+    if device.type != "cuda":
+        return torch.tensor(rows, dtype=torch.int64, device=device)
+    return torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
 
 
 def extend_layout(

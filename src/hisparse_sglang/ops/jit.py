@@ -33,7 +33,7 @@ __all__ = ["load_module", "cache_dir", "source_dir", "cuda_arch"]
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("swap_in.cuh", "swap_in_binding.cu")
+_SOURCES = ("swap_in.cuh", "decode_rows.cuh", "swap_in_binding.cu")
 _NVCC_FLAGS = (
     "-O3",
     "-std=c++17",

@@ -13,11 +13,19 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["swap_in", "copy_rows", "eager_backup", "AGE_CAP"]
+__all__ = [
+    "swap_in", "copy_rows", "eager_backup", "backup_rows", "bind_rows", "AGE_CAP", "BIND_CONTINUE", "BIND_BUFFER_SLOT",
+]
 
 
 AGE_CAP = 32767
 """Ages (steps since a slot's last use) are capped here: older slots count as this old."""
+
+BIND_CONTINUE = -1
+"""Bind kind of a resident request's new token that continues its page: the previous token's row + 1."""
+
+BIND_BUFFER_SLOT = -2
+"""Bind kind of an offloaded request's new token: slot ``D`` of its buffer."""
 
 
 def swap_in(
@@ -203,3 +211,73 @@ def eager_backup(
 ) -> None:
     """Copy the given device rows of every layer to the given host rows (the newest tokens' KV)."""
     copy_rows(device_layers, host_layers, device_rows, host_rows)
+
+
+def backup_rows(
+    plan: torch.Tensor,
+    req_to_token: torch.Tensor,
+    device_row_of_loc: torch.Tensor,
+    buffer_of_req: torch.Tensor,
+    slot_rows: torch.Tensor,
+    buffer_size: int,
+) -> torch.Tensor:
+    """Source and destination rows of the eager backup of a decode step.
+
+    Args:
+        plan: int64 ``[3, n]``: request slot, token position, and 1 if the request is offloaded
+            (its token is the newest one, held in slot ``D`` of its buffer) or 0 if it is
+            resident (the token's row is ``device_row_of_loc`` of its location).
+        req_to_token, device_row_of_loc, buffer_of_req, slot_rows: as in :func:`swap_in`.
+        buffer_size: ``D``.
+
+    Returns:
+        int64 ``[2, n]``: the device row and the host row (= logical location) of each token.
+    """
+    slots, positions, offloaded = plan.to(torch.int64)
+    host_rows = req_to_token[slots, positions].to(torch.int64)
+    resident_rows = device_row_of_loc[host_rows].to(torch.int64)
+    buffer_ids = buffer_of_req[slots].to(torch.int64).clamp(min=0)
+    newest_rows = slot_rows[buffer_ids, buffer_size].to(torch.int64) if slot_rows.shape[0] else resident_rows
+    return torch.stack([torch.where(offloaded != 0, newest_rows, resident_rows), host_rows])
+
+
+def bind_rows(
+    plan: torch.Tensor,
+    new_locs: torch.Tensor,
+    new_pages: torch.Tensor,
+    req_to_token: torch.Tensor,
+    device_row_of_loc: torch.Tensor,
+    buffer_of_req: torch.Tensor,
+    slot_rows: torch.Tensor,
+    buffer_size: int,
+    page_size: int,
+) -> None:
+    """Bind each new token of a decode step to the device row its KV is written to.
+
+    Sets ``device_row_of_loc[new_locs[i]]`` to, by kind ``plan[2, i]``:
+
+    * ``k >= 0``: the first row of device page ``new_pages[k]`` (a resident request whose new
+      token starts a page);
+    * :data:`BIND_CONTINUE`: the row after the row of the previous position (a resident request
+      continuing its page);
+    * :data:`BIND_BUFFER_SLOT`: slot ``D`` of the request's buffer (an offloaded request).
+
+    Args:
+        plan: int64 ``[3, n]``: request slot, position of the new token, kind.
+        new_locs: int64 ``[n]``, distinct logical locations of the new tokens.
+        new_pages: int64 ``[pages]``, device page ids the kinds ``>= 0`` index.
+        req_to_token, device_row_of_loc, buffer_of_req, slot_rows: as in :func:`swap_in`.
+        buffer_size: ``D``.
+        page_size: ``P``.
+    """
+    slots, positions, kinds = plan.to(torch.int64)
+    previous = req_to_token[slots, (positions - 1).clamp(min=0)].to(torch.int64)
+    rows = device_row_of_loc[previous].to(torch.int64) + 1
+    if slot_rows.shape[0]:
+        buffer_ids = buffer_of_req[slots].to(torch.int64).clamp(min=0)
+        rows = torch.where(kinds == BIND_BUFFER_SLOT, slot_rows[buffer_ids, buffer_size].to(torch.int64), rows)
+    if new_pages.numel():
+        fresh = new_pages.to(torch.int64)[kinds.clamp(0, new_pages.numel() - 1)] * page_size
+        rows = torch.where(kinds >= 0, fresh, rows)
+    device_row_of_loc[new_locs.to(torch.int64)] = rows.to(device_row_of_loc.dtype)
+

@@ -12,8 +12,12 @@ import torch
 
 from hisparse_sglang.errors import HiSparseError
 from hisparse_sglang.ops.jit import load_module
+from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT, BIND_CONTINUE
 
-__all__ = ["swap_in", "copy_rows", "eager_backup", "reserve", "choose_splits", "resident_ctas", "DEFAULT_THREADS"]
+__all__ = [
+    "swap_in", "copy_rows", "eager_backup", "backup_rows", "bind_rows", "reserve", "choose_splits", "resident_ctas",
+    "DEFAULT_THREADS", "BIND_CONTINUE", "BIND_BUFFER_SLOT",
+]
 
 DEFAULT_THREADS = 1024
 MAX_SPLITS = 17
@@ -178,6 +182,13 @@ def swap_in(
 
 
 def _pointers(layers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """uint64 table of the layers' base pointers on ``device`` (cached on a LayerSet)."""
+    tables = getattr(layers, "pointer_tables", None)
+    if tables is not None:
+        pointers = tables.get(device)
+        if pointers is None:
+            pointers = tables[device] = torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64).to(device)
+        return pointers
     key = tuple(t.data_ptr() for t in layers) + (device.index or 0,)
     pointers = _layer_pointers.get(key)
     if pointers is None:
@@ -223,3 +234,39 @@ def eager_backup(
 ) -> None:
     """Copy the given device rows of every layer to the given host rows, in one launch."""
     copy_rows(device_layers, host_layers, device_rows, host_rows)
+
+
+def backup_rows(
+    plan: torch.Tensor,
+    req_to_token: torch.Tensor,
+    device_row_of_loc: torch.Tensor,
+    buffer_of_req: torch.Tensor,
+    slot_rows: torch.Tensor,
+    buffer_size: int,
+) -> torch.Tensor:
+    """CUDA twin of :func:`hisparse_sglang.ops.reference.backup_rows` (one launch)."""
+    rows = torch.empty((2, plan.shape[1]), dtype=torch.int64, device=plan.device)
+    load_module().backup_rows(
+        plan, rows, req_to_token, device_row_of_loc, buffer_of_req, slot_rows, buffer_size,
+        torch.cuda.current_stream(plan.device).cuda_stream,
+    )
+    return rows
+
+
+def bind_rows(
+    plan: torch.Tensor,
+    new_locs: torch.Tensor,
+    new_pages: torch.Tensor,
+    req_to_token: torch.Tensor,
+    device_row_of_loc: torch.Tensor,
+    buffer_of_req: torch.Tensor,
+    slot_rows: torch.Tensor,
+    buffer_size: int,
+    page_size: int,
+) -> None:
+    """CUDA twin of :func:`hisparse_sglang.ops.reference.bind_rows` (one launch)."""
+    load_module().bind_rows(
+        plan, new_locs, new_pages, req_to_token, device_row_of_loc, buffer_of_req, slot_rows, buffer_size, page_size,
+        torch.cuda.current_stream(plan.device).cuda_stream,
+    )
+

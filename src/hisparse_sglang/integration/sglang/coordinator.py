@@ -249,6 +249,7 @@ class SGLangHiSparseCoordinator:
     def report(self) -> dict:
         """Counters since the previous report: hit rate, bytes moved, modes, switches per minute."""
         stats = self.core.stats(exact=False)
+        step_host_mean, step_host_max = self.core.take_step_host_time()
         now = time.monotonic()
         last_time, last_lookups, last_misses, last_demotions, last_promotions = self._report_state
         lookups = stats.swap_in_lookups - last_lookups
@@ -267,6 +268,8 @@ class SGLangHiSparseCoordinator:
             "demotions_per_min": (stats.demotions - last_demotions) / minutes,
             "promotions_per_min": (stats.promotions - last_promotions) / minutes,
             "switch_ms_max": 1e3 * self.core.take_switch_time_max(),
+            "step_host_ms": 1e3 * step_host_mean,
+            "step_host_ms_max": 1e3 * step_host_max,
             "demotions_total": stats.demotions,
             "promotions_total": stats.promotions,
             "lookups_total": stats.swap_in_lookups,

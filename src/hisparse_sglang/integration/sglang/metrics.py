@@ -18,6 +18,8 @@ _GAUGES = (
     ("demotions_per_min", "Resident-to-offloaded switches per minute (last interval)"),
     ("promotions_per_min", "Offloaded-to-resident switches per minute (last interval)"),
     ("switch_ms_max", "Longest host time one scheduler step spent switching modes (last interval), ms"),
+    ("step_host_ms", "Mean host time of HiSparse's bookkeeping per decode step (last interval), ms"),
+    ("step_host_ms_max", "Longest host time of HiSparse's bookkeeping in one decode step (last interval), ms"),
     ("device_rows_used", "GPU KV rows in use"),
     ("device_rows_total", "GPU KV rows in the pool"),
     ("host_rows_used", "Host KV rows in use"),
@@ -38,11 +40,11 @@ def report(coordinator, log: bool, prometheus_labels: dict | None) -> dict:
         logger.info(
             "HiSparse: hit rate %s, moved %.1f MiB, resident %d, offloaded %d (promoting %d), "
             "demotions %.1f/min, promotions %.1f/min, device rows %d/%d, host rows %d/%d, "
-            "switch work max %.2f ms/step",
+            "switch work max %.2f ms/step, step host work %.3f ms (max %.2f)",
             hit, values["bytes_moved"] / 2**20, values["resident"], values["offloaded"], values["promoting"],
             values["demotions_per_min"], values["promotions_per_min"], values["device_rows_used"],
             values["device_rows_total"], values["host_rows_used"], values["host_rows_total"],
-            values["switch_ms_max"],
+            values["switch_ms_max"], values["step_host_ms"], values["step_host_ms_max"],
         )
     if prometheus_labels is not None:
         _export(values, prometheus_labels)
