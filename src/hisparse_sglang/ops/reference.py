@@ -235,10 +235,11 @@ def backup_rows(
     """
     slots, positions, offloaded = plan.to(torch.int64)
     host_rows = req_to_token[slots, positions].to(torch.int64)
-    resident_rows = device_row_of_loc[host_rows].to(torch.int64)
-    buffer_ids = buffer_of_req[slots].to(torch.int64).clamp(min=0)
-    newest_rows = slot_rows[buffer_ids, buffer_size].to(torch.int64) if slot_rows.shape[0] else resident_rows
-    return torch.stack([torch.where(offloaded != 0, newest_rows, resident_rows), host_rows])
+    device_rows = device_row_of_loc[host_rows].to(torch.int64)
+    newest_rows = _newest_slot_rows(slots, buffer_of_req, slot_rows, buffer_size)
+    if newest_rows is not None:
+        device_rows = torch.where(offloaded != 0, newest_rows, device_rows)
+    return torch.stack([device_rows, host_rows])
 
 
 def bind_rows(
@@ -273,11 +274,21 @@ def bind_rows(
     slots, positions, kinds = plan.to(torch.int64)
     previous = req_to_token[slots, (positions - 1).clamp(min=0)].to(torch.int64)
     rows = device_row_of_loc[previous].to(torch.int64) + 1
-    if slot_rows.shape[0]:
-        buffer_ids = buffer_of_req[slots].to(torch.int64).clamp(min=0)
-        rows = torch.where(kinds == BIND_BUFFER_SLOT, slot_rows[buffer_ids, buffer_size].to(torch.int64), rows)
+    newest_rows = _newest_slot_rows(slots, buffer_of_req, slot_rows, buffer_size)
+    if newest_rows is not None:
+        rows = torch.where(kinds == BIND_BUFFER_SLOT, newest_rows, rows)
     if new_pages.numel():
         fresh = new_pages.to(torch.int64)[kinds.clamp(0, new_pages.numel() - 1)] * page_size
         rows = torch.where(kinds >= 0, fresh, rows)
     device_row_of_loc[new_locs.to(torch.int64)] = rows.to(device_row_of_loc.dtype)
 
+
+def _newest_slot_rows(
+    slots: torch.Tensor, buffer_of_req: torch.Tensor, slot_rows: torch.Tensor, buffer_size: int
+) -> torch.Tensor | None:
+    """Row of slot ``D`` (the newest token) of each request's buffer, int64; any row for a request
+    without a buffer; None when there are no buffers at all."""
+    if not slot_rows.shape[0]:
+        return None
+    buffer_ids = buffer_of_req[slots].to(torch.int64).clamp(min=0)
+    return slot_rows[buffer_ids, buffer_size].to(torch.int64)

@@ -182,18 +182,16 @@ def swap_in(
 
 
 def _pointers(layers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """uint64 table of the layers' base pointers on ``device`` (cached on a LayerSet)."""
+    """uint64 table of the layers' base pointers on ``device``: cached on a LayerSet, else by pointers."""
     tables = getattr(layers, "pointer_tables", None)
     if tables is not None:
-        pointers = tables.get(device)
-        if pointers is None:
-            pointers = tables[device] = torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64).to(device)
-        return pointers
-    key = tuple(t.data_ptr() for t in layers) + (device.index or 0,)
-    pointers = _layer_pointers.get(key)
+        key = device
+    else:
+        tables = _layer_pointers
+        key = tuple(t.data_ptr() for t in layers) + (device.index or 0,)
+    pointers = tables.get(key)
     if pointers is None:
-        pointers = torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64).to(device)
-        _layer_pointers[key] = pointers
+        pointers = tables[key] = torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64).to(device)
     return pointers
 
 
