@@ -1,9 +1,12 @@
 """Swap-in kernel benchmark: ours vs SGLang 0.5.17's in-tree kernel vs the PCIe gather floor.
 
 One run on a GPU prints, for every batch size x miss rate x row size, the median time per call of
-our kernel and of SGLang's kernel on identical inputs (best of --rounds rounds alternating the
-two), the floor (missed bytes / scattered zero-copy gather bandwidth measured in the same run)
-and both ratios; writes JSON and Markdown to --out (default $OUT or benchmarks/results).
+our kernel (with the hit/miss counters, as the coordinator calls it) and of SGLang's kernel on
+identical inputs (best of --rounds rounds alternating the two), the floor (missed bytes /
+scattered zero-copy gather bandwidth measured in the same run), the copy-only time (``copy_rows``
+of exactly the cell's missed rows, known in advance: the data movement alone at that size, launch
+included), the all-padding launch (``num_real_reqs`` = 0) and the ratios; writes JSON and
+Markdown to --out (default $OUT or benchmarks/results).
 
     python benchmarks/bench_swap_in.py                       # the full table (embedded defaults)
     python benchmarks/bench_swap_in.py --batch 1 8 --miss 20 --sweep   # try splits/threads variants
@@ -127,6 +130,15 @@ def memcpy_bandwidth(total_bytes: int = 1 << 30) -> float:
     return total_bytes / statistics.median(timings[1:]) / 1e9
 
 
+def unique_first(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct values and the index of each one's first occurrence."""
+    distinct, inverse = torch.unique(values, return_inverse=True)
+    order = torch.arange(values.numel(), device=values.device)
+    first = torch.full((distinct.numel(),), values.numel(), dtype=torch.int64, device=values.device)
+    first.scatter_reduce_(0, inverse, order, reduce="amin")
+    return distinct, first
+
+
 class Cell:
     """One (batch, miss rate, row size) case on the GPU, in both layouts."""
 
@@ -177,7 +189,37 @@ class Cell:
             table.copy_(saved)
 
     def run_ours(self, splits=None, threads=None) -> None:
-        ours.swap_in(*self.gpu.args(), out=self.out, splits=splits, threads=threads)
+        # With the hit/miss counters, as the coordinator calls it in production.
+        ours.swap_in(*self.gpu.args(), out=self.out, counters=self.counters, splits=splits, threads=threads)
+
+    def copy_only(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host and device rows of this cell's misses, from a call's outputs (run after one call).
+
+        Copying exactly these rows with ``copy_rows`` (rows known in advance, one launch) is what
+        the swap-in's data movement alone costs at this size: no lookups, no planning.
+        """
+        top_k = self.gpu.top_k.to(torch.int64)
+        seq = self.gpu.seq_lens.reshape(-1, 1).to(torch.int64)
+        slots = self.gpu.req_pool_indices.to(torch.int64)
+        buffers = self.gpu.buffer_of_req[slots].to(torch.int64)
+        token_slot0 = self.saved[2]
+        src, dst = [], []
+        for b in range(top_k.shape[0]):
+            if int(buffers[b]) < 0:
+                continue
+            entries = top_k[b]
+            valid = (entries >= 0) & (entries < seq[b] - 1)
+            positions = entries.clamp(min=0)
+            missed = valid & (token_slot0[buffers[b], positions] < 0)
+            index = torch.nonzero(missed).flatten()
+            tokens, first = unique_first(entries[index])
+            src.append(self.gpu.req_to_token[slots[b], tokens])
+            dst.append(self.out[b, index[first]])
+        src = torch.cat(src).to(torch.int64) if src else torch.empty(0, dtype=torch.int64, device=top_k.device)
+        dst = torch.cat(dst).to(torch.int64) if dst else torch.empty(0, dtype=torch.int64, device=top_k.device)
+        if src.numel() != self.misses:
+            raise AssertionError(f"copy-only rows {src.numel()} != the cell's misses {self.misses}")
+        return src, dst
 
     def reset_sglang(self) -> None:
         self.sg_tokens.copy_(self.sg_tokens0)
@@ -215,7 +257,14 @@ def main() -> int:
                         help="rounds alternating ours and SGLang's kernel; each reports its best round median")
     parser.add_argument("--sweep", action="store_true", help="also time splits/threads variants of our kernel")
     parser.add_argument("--out", default=os.environ.get("OUT", str(REPO / "benchmarks" / "results")))
+    parser.add_argument("--define", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="compile our kernel with these -D macros (variant experiments; a separate cache entry)")
+    parser.add_argument("--tag", default="", help="suffix of the output file names")
     args = parser.parse_args()
+    if args.define:
+        from hisparse_sglang.ops import jit
+
+        jit._NVCC_FLAGS = (*jit._NVCC_FLAGS, *(f"-D{d}" for d in args.define))
 
     torch.cuda.init()
     properties = torch.cuda.get_device_properties(0)
@@ -259,6 +308,16 @@ def main() -> int:
                             median_us(lambda: cell.run_sglang(kernel), cell.reset_sglang, args.reps)
                         )
                 ours_us = min(ours_rounds)
+                copy_us = None
+                if cell.misses:
+                    # Best over grid sizes and rounds, like the floor's bandwidth: the copy at its fastest.
+                    src, dst = cell.copy_only()
+                    sms = properties.multi_processor_count
+                    copy_us = min(
+                        median_us(lambda: ours.copy_rows([cell.gpu.host_kv], [cell.gpu.device_kv], src, dst,
+                                                         max_blocks=blocks), lambda: None, args.reps)
+                        for _ in range(args.rounds) for blocks in (sms // 2, sms, 4 * sms)
+                    )
                 record = {
                     "row_bytes": row_bytes, "batch": batch, "miss_percent": miss, "missed_rows": cell.misses,
                     "missed_bytes": cell.bytes, "ours_us": ours_us,
@@ -266,13 +325,15 @@ def main() -> int:
                     "floor_us": cell.bytes / (gather[row_bytes] * 1e9) * 1e6,
                     "ours_rounds_us": ours_rounds,
                 }
+                if copy_us is not None:
+                    record["copy_only_us"] = copy_us
                 if sglang_rounds:
                     record["sglang_us"] = min(sglang_rounds)
                     record["sglang_rounds_us"] = sglang_rounds
                 if args.sweep:
                     variants = {}
                     for threads in (512, 1024):
-                        for splits in sorted({1, 2, 3, 5, 9, 17, record["splits"]}):
+                        for splits in sorted({1, 2, 3, 5, 9, 17, 33, 65, record["splits"]}):
                             if batch * splits > properties.multi_processor_count:
                                 continue  # copiers wait for their planner: the grid must be co-resident
                             variants[f"t{threads}s{splits}"] = median_us(
@@ -280,6 +341,12 @@ def main() -> int:
                             )
                     record["variants_us"] = variants
                 if miss == 0:
+                    # The same launch with every row padding (num_real_reqs = 0): launch and prologue only.
+                    real = cell.gpu.num_real_reqs.clone()
+                    cell.gpu.num_real_reqs.zero_()
+                    record["ours_padding_us"] = min(median_us(cell.run_ours, lambda: None, args.reps)
+                                                    for _ in range(args.rounds))
+                    cell.gpu.num_real_reqs.copy_(real)
                     record["ours_host_us"] = host_us(cell.run_ours)
                     if kernel is not None:
                         record["sglang_host_us"] = host_us(lambda: cell.run_sglang(kernel))
@@ -294,9 +361,9 @@ def main() -> int:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    name = f"swap_in_{properties.name.replace(' ', '_')}_{stamp}"
+    name = f"swap_in_{properties.name.replace(' ', '_')}_{stamp}{args.tag}"
     (out_dir / f"{name}.json").write_text(json.dumps({
-        "gpu": properties.name, "date": stamp, "torch": torch.__version__, "memcpy_gbps": memcpy,
+        "gpu": properties.name, "date": stamp, "torch": torch.__version__, "defines": args.define, "memcpy_gbps": memcpy,
         "gather_gbps": gather, "top_k": TOP_K, "buffer": BUFFER, "seq_len": SEQ_LEN, "results": results,
     }, indent=1))
     (out_dir / f"{name}.md").write_text(table)
@@ -313,10 +380,13 @@ def format_row(r: dict) -> str:
     if "variants_us" in r:
         best = min(r["variants_us"], key=r["variants_us"].get)
         extra = f" best {best} {r['variants_us'][best]:.1f}"
+    if "ours_padding_us" in r:
+        extra += f" all-padding launch {r['ours_padding_us']:.1f} us"
+    copy = f"{r['copy_only_us']:8.1f} us ours/copy {r['ours_us'] / r['copy_only_us']:6.3f}" if "copy_only_us" in r else "       - us"
     extra += f" clock {r.get('sm_clock_mhz_after', '?')} MHz"
     return (f"row {r['row_bytes']:5d} bs {r['batch']:4d} miss {r['miss_percent']:5.1f}% | ours {r['ours_us']:8.1f} us "
-            f"(splits {r['splits']}) | sglang {sglang} us | floor {r['floor_us']:8.1f} us | ours/floor {floor} | "
-            f"ours/sglang {vs}{extra}")
+            f"(splits {r['splits']}) | sglang {sglang} us | copy-only {copy} | floor {r['floor_us']:8.1f} us | "
+            f"ours/floor {floor} | ours/sglang {vs}{extra}")
 
 
 def markdown(results: list, gpu: str, memcpy: float, gather: dict, rounds: int) -> str:
@@ -329,16 +399,27 @@ def markdown(results: list, gpu: str, memcpy: float, gather: dict, rounds: int) 
         f"measured in the same run ({', '.join(f'{k} B rows: {v:.1f} GB/s' for k, v in gather.items())}; "
         f"pinned H2D memcpy {memcpy:.1f} GB/s).",
         "",
-        "| row B | batch | miss % | ours µs | SGLang µs | floor µs | ours / floor | ours / SGLang |",
-        "|---|---|---|---|---|---|---|---|",
+        "Copy-only = `copy_rows` of exactly the cell's missed rows (host and device rows known in advance, one "
+        "launch, same timing, best of three grid sizes): the data movement alone at that size, launch included. "
+        "All-padding = our launch "
+        "with `num_real_reqs` = 0 (launch and prologue only), in the 0 % rows.",
+        "",
+        "| row B | batch | miss % | ours µs | SGLang µs | copy-only µs | floor µs | ours / copy-only | ours / floor "
+        "| ours / SGLang |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         sglang = f"{r['sglang_us']:.1f}" if "sglang_us" in r else "n/a"
         vs = f"{r['ours_us'] / r['sglang_us']:.2f}" if "sglang_us" in r else "n/a"
         floor = f"{r['ours_us'] / r['floor_us']:.3f}" if r["floor_us"] > 0 else "-"
+        if "copy_only_us" in r:
+            copy, vs_copy = f"{r['copy_only_us']:.1f}", f"{r['ours_us'] / r['copy_only_us']:.3f}"
+        else:
+            copy = f"all-padding {r['ours_padding_us']:.1f}" if "ours_padding_us" in r else "-"
+            vs_copy = "-"
         lines.append(
             f"| {r['row_bytes']} | {r['batch']} | {r['miss_percent']:g} | {r['ours_us']:.1f} | {sglang} | "
-            f"{r['floor_us']:.1f} | {floor} | {vs} |"
+            f"{copy} | {r['floor_us']:.1f} | {vs_copy} | {floor} | {vs} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -79,8 +79,9 @@ def main() -> int:
     parser.add_argument("--row", type=int, default=1152)
     parser.add_argument("--splits", type=int, default=None)
     parser.add_argument("--calls", type=int, default=9)
+    parser.add_argument("--define", nargs="*", default=[], metavar="NAME=VALUE", help="extra -D macros (variants)")
     args = parser.parse_args()
-    jit._NVCC_FLAGS = (*jit._NVCC_FLAGS, "-DHISPARSE_TRACE")
+    jit._NVCC_FLAGS = (*jit._NVCC_FLAGS, "-DHISPARSE_TRACE", *(f"-D{d}" for d in args.define))
     for spec in args.cells:
         batch, miss = (float(x) for x in spec.split(":"))
         batch = int(batch)

@@ -645,6 +645,10 @@ def prepare_pyext(state: Path, args) -> tuple[Path, Path, tuple[str, str]]:
     return common, plugin, ep
 
 
+# The DSA backend of each KV cache dtype whose decode path calls the HiSparse swap-in (SGLang 0.5.17).
+DSA_BACKEND_OF_KV_DTYPE = {"bfloat16": "flashmla_sparse", "fp8_e4m3": "flashmla_kv"}
+
+
 def hisparse_config_json(config: str, arm: str) -> str:
     """--hisparse-config of an arm: the common JSON plus the arm's overrides, compact (one argv element)."""
     merged = json.loads(config)
@@ -664,8 +668,9 @@ def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: i
            "--context-length", str(args.context_length),
            "--disable-radix-cache",
            "--attention-backend", "dsa",
-           "--dsa-prefill-backend", "flashmla_sparse", "--dsa-decode-backend", "flashmla_sparse",
-           "--kv-cache-dtype", "bfloat16",
+           "--dsa-prefill-backend", DSA_BACKEND_OF_KV_DTYPE[args.kv_cache_dtype],
+           "--dsa-decode-backend", DSA_BACKEND_OF_KV_DTYPE[args.kv_cache_dtype],
+           "--kv-cache-dtype", args.kv_cache_dtype,
            "--random-seed", str(args.random_seed)]
     if args.disable_cuda_graph:
         cmd.append("--disable-cuda-graph")
@@ -1320,7 +1325,8 @@ def render_markdown(data: dict) -> str:
     v = pf.get("versions") or {}
     lines.append("- versions: " + ", ".join(f"{k} {v[k]}" for k in sorted(v) if v[k]) + f"; python {pf.get('python', '?')}")
     a = meta.get("args", {})
-    lines.append(f"- server: dsa + flashmla_sparse prefill/decode, bf16 KV, CUDA graph "
+    kv_dtype = a.get("kv_cache_dtype", "bfloat16")
+    lines.append(f"- server: dsa + {DSA_BACKEND_OF_KV_DTYPE.get(kv_dtype, '?')} prefill/decode, {kv_dtype} KV, CUDA graph "
                  f"{'off' if a.get('disable_cuda_graph') else 'on'}, radix cache off, --max-total-tokens "
                  f"{a.get('max_total_tokens')}, --mem-fraction-static {a.get('mem_fraction_static')}, context "
                  f"{a.get('context_length')}; HiSparse config `{a.get('hisparse_config')}`; weights: dummy, "
@@ -1487,6 +1493,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--mem-fraction-static", type=float, default=0.5)
     g.add_argument("--context-length", type=int, default=65536)
     g.add_argument("--random-seed", type=int, default=1234)
+    g.add_argument("--kv-cache-dtype", choices=sorted(DSA_BACKEND_OF_KV_DTYPE), default="bfloat16",
+                   help="KV cache dtype of every arm; picks the DSA backend HiSparse supports for it "
+                        "(bfloat16: flashmla_sparse, 1152-B rows; fp8_e4m3: flashmla_kv, 656-B rows)")
     g.add_argument("--hisparse-config", default=DEFAULT_HISPARSE_CONFIG)
     g.add_argument("--disable-cuda-graph", action="store_true")
     g.add_argument("--dense-attn-threshold", type=int, default=0,

@@ -9,7 +9,8 @@ stack is deterministic (the same server decodes the same prompt identically twic
 decoded twice on each server, and the plugin's divergence from the baseline, measured up to the first
 differing token, must look like the servers' own run-to-run divergence. Runs
 benchmarks/e2e/run_e2e.py unless HISPARSE_E2E_RUN=0 (then it checks the results.json a harness run wrote
-in HISPARSE_E2E_STATE, default /tmp/hisparse_e2e).
+in HISPARSE_E2E_STATE, default /tmp/hisparse_e2e). HISPARSE_E2E_KV_DTYPE=fp8_e4m3 runs every arm with an
+fp8 KV cache (DSA decode backend flashmla_kv, 656-B rows) instead of bfloat16 (flashmla_sparse).
 """
 
 import json
@@ -32,9 +33,11 @@ def results() -> dict:
     state = pathlib.Path(os.environ.get("HISPARSE_E2E_STATE", "/tmp/hisparse_e2e"))
     if os.environ.get("HISPARSE_E2E_RUN", "1") == "1":
         arms = os.environ.get("HISPARSE_E2E_ARMS", "a,c,d")
+        kv_dtype = os.environ.get("HISPARSE_E2E_KV_DTYPE", "bfloat16")  # fp8_e4m3: the flashmla_kv path
         subprocess.run(
             [sys.executable, str(REPO / "benchmarks/e2e/run_e2e.py"), "--arms", arms,
-             "--phases", "preflight,correctness,report", "--corr-repeat", "8", "--state-dir", str(state)],
+             "--phases", "preflight,correctness,report", "--corr-repeat", "8", "--state-dir", str(state),
+             "--kv-cache-dtype", kv_dtype],
             check=False,
         )
     return json.loads((state / "results.json").read_text())

@@ -18,10 +18,12 @@ def main() -> int:
         out_of_range_fraction=0.01, resident_fraction=0.34, num_real=3, seed=42,
     )
     expected = case.clone()
-    expected_out = reference.swap_in(*expected.args())
+    expected_counters = torch.zeros(2, dtype=torch.int64)
+    expected_out = reference.swap_in(*expected.args(), counters=expected_counters)
     for splits, late_copiers_ns in ((1, 0), (4, 0), (17, 0), (4, 20_000)):
         actual = case.clone(device="cuda", pin_host=True)
-        out = ops.swap_in(*actual.args(), splits=splits, late_copiers_ns=late_copiers_ns)
+        counters = torch.zeros(2, dtype=torch.int64, device="cuda")
+        out = ops.swap_in(*actual.args(), counters=counters, splits=splits, late_copiers_ns=late_copiers_ns)
         host = [actual.host_kv]
         device = [actual.device_kv]
         rows = torch.arange(64, 96, device="cuda")
@@ -33,6 +35,7 @@ def main() -> int:
             ("slot_stamps", expected.slot_stamps, actual.slot_stamps),
             ("token_slot", expected.token_slot, actual.token_slot),
             ("device_kv", expected.device_kv, actual.device_kv),
+            ("counters", expected_counters, counters),
         ):
             if not torch.equal(want, got.cpu()):
                 print(f"MISMATCH splits={splits} late_copiers_ns={late_copiers_ns}: {name}")

@@ -94,6 +94,16 @@ def test_split_copies_match_reference(splits):
     check(case, splits=splits)
 
 
+@pytest.mark.parametrize("row_bytes,miss_rate", [(1152, 0.03), (1152, 0.3), (656, 0.1), (64, 1.0)])
+def test_planner_alone_matches_reference(row_bytes, miss_rate):
+    """One CTA per request (the large-batch path): the planner copies every missed row itself after
+    choosing the slots; few and many misses, duplicates, every row size; also under graph replay."""
+    case = make_case(4, 2048, 4096, row_bytes, miss_rate=miss_rate, duplicate_fraction=0.03, newest_count=1,
+                     seed=40 + int(miss_rate * 100))
+    check(case, splits=1)
+    check(case, splits=1, graph=True)
+
+
 @pytest.mark.parametrize("splits", [2, 5, 17])
 def test_planner_waits_for_late_copiers(splits):
     """Copiers held back 30 us look the entries up long after the planner reached its map update;

@@ -20,8 +20,8 @@ __all__ = [
 ]
 
 DEFAULT_THREADS = 1024
-MAX_SPLITS = 17
-TARGET_COPIERS = 16
+MAX_SPLITS = 65
+TARGET_COPIERS = 64
 
 class _Workspace:
     """Per-device scratch of the swap-in kernel: per batch row, the flag, done counter and lookup
@@ -95,12 +95,13 @@ def choose_splits(batch: int, top_k: int, buffer_size: int, threads: int, device
     """CTAs per request: a planner, plus copier CTAs while the batch is small and they fit.
 
     Copiers start reading a request's missed host rows at once, while its planner still chooses
-    the slots; without them the planner copies after planning. Measured on an H100
-    (benchmarks/results): the scattered gather from pinned memory peaks with about 16 copying CTAs
-    in all and falls with many more (41 against 48 GB/s with 128), so a small batch gets about 16
-    copiers in all, a larger one one copier per request. Every CTA of the grid must be
-    co-resident (copiers wait for their planner, the planner for its copiers), which caps the
-    split at large batches.
+    the slots; without them the planner copies after planning. About 64 copiers in all: bs 1 -> 65
+    CTAs, 8 -> 9, 32 -> 3, 64 -> 2, 128 -> 1 on an H100. Measured there with --sweep
+    (benchmarks/results/swap_in_sweep_H100_2026-11-23.md): at bs 8, 9 CTAs per request against 3
+    took 28.1 against 30.6 us at 5 % misses, 85.3 against 86.8 at 20 % and 379.4 against 382.2 at
+    100 %; at bs 1, 65 against 17 took 55.9 against 58.0 us at 100 %; with no miss every split was
+    within 0.2 us. Every CTA of the grid must be co-resident (copiers wait for their planner, the
+    planner for its copiers), which caps the split at large batches.
     """
     resident = resident_ctas(top_k, buffer_size, threads, device)
     batch = max(batch, 1)
