@@ -235,17 +235,27 @@ class Coordinator:
             raise HiSparseMemoryError(f"request slot {slot}: kv_len must be >= 1, got {kv_len}.")
         record = RequestRecord(slot, seq_len=kv_len, host_len=kv_len, mode=RESIDENT, mode_step=self.streams.step)
         locs = self.req_to_token[slot, :kv_len].to(torch.int64)
+        pages = self._alloc_pages_with_reclaim(self.direct_admission_pages(kv_len))
         if kv_len - 1 < self.buffer_size:
-            pages = self._alloc_pages_with_reclaim(-(-kv_len // self.page_size))
             rows = self.allocator.device_rows.page_rows(pages)[:kv_len]
             self.ops.copy_rows(self.host_layers, self.device_layers, locs, rows)
             self.allocator.map_(locs, rows)
         else:
-            pages = self._alloc_pages_with_reclaim(self.buffer_pages)
             self.buffers.acquire(slot, self.allocator.device_rows.page_rows(pages), first_token=None)
             self.allocator.unmap_(locs)
             record.mode = OFFLOADED
         self.requests[slot] = record
+
+    def direct_admission_pages(self, kv_len: int) -> int:
+        """Device pages :meth:`admit_direct` takes for a request of ``kv_len`` tokens: every page of
+        its KV when it fits a buffer (it becomes resident), else one buffer (it starts offloaded)."""
+        if kv_len - 1 < self.buffer_size:
+            return -(-kv_len // self.page_size)
+        return self.buffer_pages
+
+    def obtainable_pages(self) -> int:
+        """Device pages free now or freeable by :meth:`reclaim` (promotion cancels, demotions)."""
+        return self.allocator.device_rows.free_pages + self.reclaimable_pages()
 
     # ================================================================== decode step
     def prepare_decode(self, slots: Sequence[int], seq_lens: Sequence[int], new_locs: torch.Tensor) -> None:

@@ -151,15 +151,11 @@ def _start_process(mode: str, bootstrap_port: int, layout: Layout, env: dict[str
     os.environ["MC_TRANSFER_TIMEOUT"] = "5"
     os.environ.update(env)
 
-    import socket
-
-    from sglang.srt import runtime_context
+    from pd_decode_harness import init_single_rank_scheduler
     from sglang.srt.arg_groups.pd_disaggregation_hook import handle_pd_disaggregation
-    from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
         maybe_init_shared_mooncake_transfer_engine,
     )
-    from sglang.srt.layers import dp_attention
     from sglang.srt.server_args import ServerArgs
 
     server_args = ServerArgs(
@@ -175,18 +171,7 @@ def _start_process(mode: str, bootstrap_port: int, layout: Layout, env: dict[str
     # The dummy model skips __post_init__'s handlers; this one turns mooncake_tcp into mooncake +
     # MC_FORCE_TCP=1 (Mooncake's TCP transport, no RDMA device needed).
     handle_pd_disaggregation(server_args)
-    runtime_context.publish(server_args, role="scheduler")
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dist_port = sock.getsockname()[1]
-    parallel_state.init_distributed_environment(
-        world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{dist_port}"
-    )
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    # initialize_dp_attention reads these model-config fields only (DP attention is off).
-    model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(), hidden_size=16, dtype=torch.bfloat16)
-    dp_attention.initialize_dp_attention(server_args, model_config)
+    init_single_rank_scheduler(server_args)
     maybe_init_shared_mooncake_transfer_engine(server_args=server_args, gpu_id=0)
     return server_args
 

@@ -33,7 +33,9 @@ def token_values(uid: int, positions: torch.Tensor, layer: int):
 
 
 class Stack:
-    def __init__(self, resident_first=True, device_tokens=PAGE * 40, ratio=4, buffer_size=256, top_k=128):
+    def __init__(
+        self, resident_first=True, device_tokens=PAGE * 40, ratio=4, buffer_size=256, top_k=128, req_to_token_pool=None
+    ):
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from hisparse_sglang.config import HiSparseConfig
@@ -54,7 +56,10 @@ class Stack:
             device_tokens, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=self.pool,
             need_sort=False, host_to_device_ratio=ratio,
         )
-        self.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False)
+        # A PD decode test passes SGLang's DecodeReqToTokenPool.
+        self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(
+            size=8, max_context_len=4096, device="cpu", enable_memory_saver=False
+        )
         self.coordinator = SGLangHiSparseCoordinator(
             self.config, self.req_to_token_pool, self.allocator, self.pool, "cpu"
         )

@@ -184,6 +184,28 @@ class SGLangHiSparseCoordinator:
         self.core.admit_direct(slot, compat.req_kv_allocated_len(req))
         req.hisparse_staging = False
 
+    def admissible_now(self, kv_lens) -> int:
+        """How many of these requests, taken in order, :meth:`admit_request_direct` can admit now.
+
+        Each takes its device pages (all of its KV when it fits a buffer, else one buffer) from the
+        pages that are free or that demotions and promotion cancels could free. A request larger than
+        the whole device pool counts as admissible: waiting could never help it, and its admission
+        then fails with the pool's error instead of stalling the queue behind it.
+
+        Args:
+            kv_lens: each request's tokens with KV (its logical locations), in queue order.
+        """
+        budget = self.core.obtainable_pages()
+        capacity = self.allocator.rows.device_rows.capacity_pages
+        count = 0
+        for kv_len in kv_lens:
+            pages = self.core.direct_admission_pages(int(kv_len))
+            if budget < pages <= capacity:
+                break
+            budget -= pages
+            count += 1
+        return count
+
     def host_token_len(self, kv_allocated_len: int) -> int:
         return kv_allocated_len
 

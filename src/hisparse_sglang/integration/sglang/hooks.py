@@ -180,6 +180,153 @@ def _report_decode_stats_after(result, self, can_run_cuda_graph=False, running_b
     return result
 
 
+def _get_worker_info_after(result, self):
+    """AFTER TpModelWorker.get_worker_info: on a PD decode instance the request-length limits
+    (items 4 and 5: max_req_len, max_req_input_len) come from the logical pool, not the device
+    pool (item 0, kept: SGLang's invariant checks and metrics read it). Logs the limit once and
+    records it for the rejection message (both modes)."""
+    from hisparse_sglang.integration.sglang import limits
+
+    coordinator = limits.our_coordinator(getattr(self.model_runner, "hisparse_coordinator", None))
+    if coordinator is None:
+        return result
+    info = list(result)
+    max_req_len, max_req_input_len = info[4], info[5]
+    margin = max_req_len - max_req_input_len
+    context_limit = self.model_config.context_len - 1
+    device_tokens = self.model_runner.max_total_num_tokens
+    mode = getattr(self.server_args, "disaggregation_mode", "null")
+    log = getattr(self.ps, "tp_rank", 0) == 0
+    note = None
+    if mode == "decode":
+        from sglang.srt.runtime_context import get_disagg
+
+        reserved = get_disagg().num_reserved_decode_tokens
+        capacity = limits.decode_request_capacity(coordinator, reserved)
+        pool_limit = capacity * self.model_runner.dcp_size - 1
+        max_req_len = min(context_limit, pool_limit)
+        info[4], info[5] = max_req_len, max_req_len - margin
+        allocator = coordinator.allocator
+        if pool_limit < context_limit:
+            note = limits.decode_note(info[5], capacity, allocator.size, reserved, allocator.host_to_device_ratio)
+        if log:
+            logger.info(
+                "HiSparse PD decode: requests of up to %d tokens are admitted (prompts shorter than %d), set by %s. "
+                "The GPU KV pool (%d tokens) holds only device buffers and resident requests here; the prefill "
+                "instance's own KV pool still limits prompts there.",
+                max_req_len, info[5],
+                f"the logical (host) KV pool: {allocator.size} tokens less --num-reserved-decode-tokens {reserved}"
+                if note else f"the context length ({context_limit + 1})",
+                device_tokens,
+            )
+    elif mode == "null":
+        if max_req_len < context_limit:
+            note = limits.colocated_note(max_req_input_len, device_tokens)
+        if log and note:
+            logger.info(
+                "HiSparse co-located: prompts shorter than %d tokens are admitted, set by the GPU KV pool (%d tokens; "
+                "the prefill writes the whole prompt there). Longer prompts need PD disaggregation with "
+                "hisparse-sglang on the decode instance (docs/pd.md).",
+                max_req_input_len, device_tokens,
+            )
+        elif log:
+            logger.info(
+                "HiSparse co-located: prompts shorter than %d tokens are admitted, set by the context length (%d).",
+                max_req_input_len, context_limit + 1,
+            )
+    limits.record_limit(limits.RequestLengthLimit(info[5], note) if note else None)
+    return tuple(info)
+
+
+def _init_req_max_new_tokens(original, self, req):
+    """AROUND Scheduler.init_req_max_new_tokens: on a PD decode instance clamp max_new_tokens by the
+    logical-pool capacity instead of the device pool (which gives a long prompt 0 new tokens)."""
+    capacity = _decode_capacity(self)
+    if capacity is None:
+        return original(self, req)
+    device_tokens = self.max_total_num_tokens
+    self.max_total_num_tokens = capacity
+    try:
+        return original(self, req)
+    finally:
+        self.max_total_num_tokens = device_tokens
+
+
+def _validate_input_length_after(result, req, max_req_input_len, allow_auto_truncate=False):
+    """AFTER validate_input_length (as the scheduler calls it): a rejection set by a KV pool says
+    which pool and how to admit longer prompts."""
+    from hisparse_sglang.integration.sglang import limits
+
+    return limits.explain_rejection(result, max_req_input_len)
+
+
+def _decode_prealloc_queue_init_after(result, self, *args, **kwargs):
+    """AFTER DecodePreallocQueue.__init__: its max_total_num_tokens is read only by
+    _check_if_req_exceed_kv_capacity (every new and every retracted request); make it the
+    logical-pool capacity, which is what its preallocation budget uses."""
+    coordinator = _decode_coordinator(self.scheduler)
+    if coordinator is not None:
+        from hisparse_sglang.integration.sglang import limits
+
+        self.max_total_num_tokens = limits.decode_request_capacity(coordinator, self.num_reserved_decode_tokens)
+
+
+def _resume_retracted_reqs(original, self, rids_to_check=None):
+    """AROUND DecodePreallocQueue.resume_retracted_reqs: resume only the retracted requests (in queue
+    order) whose device pages the coordinator can provide now; the others stay retracted until
+    pages free. SGLang 0.5.17 checks only the logical budget, and the admission on load_kv_cache
+    raised PoolExhaustedError (a scheduler crash) when the device pool was short."""
+    coordinator = _decode_coordinator(self.scheduler)
+    if coordinator is None or not self.retracted_queue:
+        return original(self, rids_to_check)
+    candidates = [req for req in self.retracted_queue if rids_to_check is None or req.rid in rids_to_check]
+    count = coordinator.admissible_now(self._pre_alloc_fill_len(req) for req in candidates)
+    if count < len(candidates):
+        logger.debug("HiSparse: retracted request %s waits for device pages before it resumes.", candidates[count].rid)
+    return original(self, [req.rid for req in candidates[:count]])
+
+
+def _pop_transferred(original, self, rids_to_check=None):
+    """AROUND DecodeTransferQueue.pop_transferred: hand over (for admit_request_direct) only the
+    requests, in queue order, whose device pages the coordinator can provide now; the others stay
+    in the transfer queue. Device pages budgeted at preallocation can be taken by resident requests
+    growing while the transfer runs; SGLang 0.5.17 then admitted anyway, raising PoolExhaustedError."""
+    coordinator = _decode_coordinator(self.scheduler)
+    if coordinator is None or not self.queue:
+        return original(self, rids_to_check)
+    from hisparse_sglang.integration.sglang import compat
+
+    candidates = [entry.req for entry in self.queue if rids_to_check is None or entry.req.rid in rids_to_check]
+    count = coordinator.admissible_now(compat.req_kv_allocated_len(req) for req in candidates)
+    if count < len(candidates):
+        logger.debug("HiSparse: transferred request %s waits for device pages before admission.", candidates[count].rid)
+    return original(self, [req.rid for req in candidates[:count]])
+
+
+def _decode_coordinator(scheduler):
+    """hisparse-sglang's coordinator of a scheduler with HiSparse on, else None (the PD queues that
+    ask for it exist only on a decode instance)."""
+    if not getattr(scheduler, "enable_hisparse", False):
+        return None
+    from hisparse_sglang.integration.sglang import limits
+
+    return limits.our_coordinator(getattr(scheduler, "hisparse_coordinator", None))
+
+
+def _decode_capacity(scheduler) -> int | None:
+    """Logical-pool request capacity of a PD decode scheduler with hisparse-sglang, else None."""
+    if getattr(scheduler.server_args, "disaggregation_mode", "null") != "decode":
+        return None
+    coordinator = _decode_coordinator(scheduler)
+    if coordinator is None:
+        return None
+    from sglang.srt.runtime_context import get_disagg
+
+    from hisparse_sglang.integration.sglang import limits
+
+    return limits.decode_request_capacity(coordinator, get_disagg().num_reserved_decode_tokens)
+
+
 def _current_coordinator(tree_cache):
     """The coordinator of this scheduler process, found through the allocator the tree cache uses."""
     allocator = getattr(tree_cache, "token_to_kv_pool_allocator", None)
@@ -241,6 +388,40 @@ HOOKS: tuple[HookSpec, ...] = (
         "sglang.srt.managers.schedule_batch.Req.load_kv_cache", "AFTER", lambda: _load_kv_cache_after,
         why="PD decode resumes retracted requests without admit_request_direct; HiSparse must admit them",
         upstream="resume_retracted_reqs calling the coordinator's admit_request_direct",
+    ),
+    HookSpec(
+        "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info", "AFTER", lambda: _get_worker_info_after,
+        why="max_req_len / max_req_input_len come from the device pool; a HiSparse PD decode instance holds "
+        "requests in the logical (host) pool (SGLang issue #30401)",
+        upstream="request-length limits from the allocator's logical capacity (PRs #24764, #33876, #28753)",
+    ),
+    HookSpec(
+        "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens", "AROUND",
+        lambda: _init_req_max_new_tokens,
+        why="clamps max_new_tokens by the device pool: a PD decode request longer than it gets 0 new tokens",
+        upstream="the clamp using the decode instance's logical capacity (SGLang issue #30401)",
+    ),
+    HookSpec(
+        "sglang.srt.managers.scheduler.validate_input_length", "AFTER", lambda: _validate_input_length_after,
+        why="the rejection of a prompt longer than a KV pool does not say which pool or how to admit it",
+        upstream="a rejection message naming the limiting pool",
+    ),
+    HookSpec(
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue.__init__", "AFTER",
+        lambda: _decode_prealloc_queue_init_after,
+        why="_check_if_req_exceed_kv_capacity rejects new and retracted requests longer than the device pool",
+        upstream="the capacity check using the logical pool under HiSparse (SGLang issue #30401)",
+    ),
+    HookSpec(
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue.resume_retracted_reqs", "AROUND",
+        lambda: _resume_retracted_reqs,
+        why="resumes on the logical budget alone; admitting a resumed request without device pages crashed",
+        upstream="resume_retracted_reqs checking the HiSparse device budget, as pop_preallocated does",
+    ),
+    HookSpec(
+        "sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred", "AROUND", lambda: _pop_transferred,
+        why="transferred requests are admitted without a device check; resident requests may have taken the pages",
+        upstream="admission of transferred requests deferred while the HiSparse device budget is short",
     ),
     HookSpec(
         "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats",
