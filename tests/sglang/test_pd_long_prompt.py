@@ -143,12 +143,7 @@ def _retract_under_device_pressure(server_args, hooked: bool, long_len: int) -> 
             report["unhooked_resume"] = f"{type(exc).__name__}: {exc}"
         return report
 
-    waited = 0
-    while len(short.output_ids) < short.sampling_params.max_new_tokens:
-        assert decode.resume() == [], "L resumed without device pages"
-        waited += 1
-        assert decode.decode_step()
-    report["steps_waited"] = waited
+    report["steps_waited"] = _steps_waiting(decode, short, decode.resume, "resumed")
     decode.finish(short)
     report["resumed"] = [r.rid for r in decode.resume()]
     decode.run_waiting()
@@ -158,6 +153,17 @@ def _retract_under_device_pressure(server_args, hooked: bool, long_len: int) -> 
     report["aborted"] = dict(decode.streamer.aborted)
     report["leaks"] = decode.leaks()
     return report
+
+
+def _steps_waiting(decode, short, poll, what: str) -> int:
+    """Decode steps until S has all its tokens; before each, ``poll`` (resume or receive) must hand
+    nothing over: L waits for the device pages S holds."""
+    waited = 0
+    while len(short.output_ids) < short.sampling_params.max_new_tokens:
+        assert poll() == [], f"L {what} without device pages"
+        waited += 1
+        assert decode.decode_step()
+    return waited
 
 
 def _transfer_under_device_pressure(server_args, hooked: bool, long_len: int) -> dict:
@@ -184,12 +190,7 @@ def _transfer_under_device_pressure(server_args, hooked: bool, long_len: int) ->
             report["unhooked_admission"] = f"{type(exc).__name__}: {exc}"
         return report
 
-    waited = 0
-    while len(short.output_ids) < short.sampling_params.max_new_tokens:
-        assert decode.receive() == [], "L admitted without device pages"
-        waited += 1
-        assert decode.decode_step()
-    report["steps_waited"] = waited
+    report["steps_waited"] = _steps_waiting(decode, short, decode.receive, "admitted")
     report["still_in_transfer_queue"] = [d.req.rid for d in decode.transfer_queue.queue]
     decode.finish(short)
     report["received"] = [r.rid for r in decode.receive()]
