@@ -222,6 +222,29 @@ class Child:
     def stderr(self) -> str:
         return "".join(self.stderr_lines)[-2000:]
 
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP the peer and return once every one of its threads is stopped.
+
+        ``send_signal`` returns before the target's threads have taken the signal; a transfer
+        thread still running for that moment can finish a write the test expects to stall.
+        """
+        self.process.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        task_dir = f"/proc/{self.process.pid}/task"
+        while True:
+            states = []
+            for tid in os.listdir(task_dir):
+                try:
+                    with open(f"{task_dir}/{tid}/stat") as stat:
+                        states.append(stat.read().rsplit(")", 1)[1].split()[0])
+                except FileNotFoundError:  # the thread exited meanwhile
+                    continue
+            if states and all(state in ("T", "t") for state in states):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peer {self.process.pid} not stopped after {timeout_s} s: {states}")
+            time.sleep(0.005)
+
     def kill(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGCONT)

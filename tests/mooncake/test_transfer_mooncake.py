@@ -249,7 +249,7 @@ def test_stopped_decode_times_out_the_sender(cleanup):
     connection = sender.connect(address["control"])
     connection.send(connection.request("A", 300), src_pages["A"])
     grant_b = connection.request("B", 500)
-    decode.process.send_signal(signal.SIGSTOP)
+    decode.stop()
     started = time.monotonic()
     try:
         # write and done separately, so a failure says which of the two did not time out
