@@ -333,8 +333,9 @@ def main() -> int:
                 if args.sweep:
                     variants = {}
                     for threads in (512, 1024):
+                        resident = ours.resident_ctas(TOP_K, BUFFER, threads, torch.device("cuda"))
                         for splits in sorted({1, 2, 3, 5, 9, 17, 33, 65, record["splits"]}):
-                            if batch * splits > properties.multi_processor_count:
+                            if splits > 1 and batch * splits > resident:
                                 continue  # copiers wait for their planner: the grid must be co-resident
                             variants[f"t{threads}s{splits}"] = median_us(
                                 lambda: cell.run_ours(splits, threads), cell.reset_ours, args.reps
