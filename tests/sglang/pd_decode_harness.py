@@ -13,6 +13,8 @@ import logging
 import types
 from array import array
 
+from pd_peer import leak_report
+
 PAGE = 64
 DEVICE_TOKENS = PAGE * 8
 RATIO = 8
@@ -234,16 +236,7 @@ class DecodeQueues:
         return self.coordinator.core.requests[req.req_pool_idx].mode
 
     def leaks(self) -> dict:
-        rows = self.allocator.rows
-        return {
-            "logical_pages_in_use": rows.logical.capacity_pages - rows.logical.free_pages,
-            "device_pages_in_use": rows.device_rows.capacity_pages - rows.device_rows.free_pages,
-            "buffers_in_use": self.coordinator.buffers.used_buffers,
-            "coordinator_requests": len(self.coordinator.core.requests),
-            "preallocated_entries": len(self.coordinator.mem_pool_host.preallocated),
-            "request_slots_free": self.req_to_token_pool.available_size(),
-            "metadata_slots_free": self.metadata_allocator.available_size(),
-        }
+        return leak_report(self)
 
 
 def init_single_rank_scheduler(server_args) -> None:
@@ -268,13 +261,3 @@ def init_single_rank_scheduler(server_args) -> None:
     model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(), hidden_size=16, dtype=torch.bfloat16)
     dp_attention.initialize_dp_attention(server_args, model_config)
 
-
-NO_LEAKS = {
-    "logical_pages_in_use": 0,
-    "device_pages_in_use": 0,
-    "buffers_in_use": 0,
-    "coordinator_requests": 0,
-    "preallocated_entries": 0,
-    "request_slots_free": 16,  # DecodeReqToTokenPool: size 8 + pre_alloc_size 8
-    "metadata_slots_free": 8,
-}

@@ -540,7 +540,35 @@ def _wait_for(conn, word: str, deadline_s: float) -> None:
         raise TimeoutError(f"the test did not say '{word}' within {deadline_s} s")
 
 
-def _logical_pages_in_use(side: DecodeSide) -> int:
+# A decode side with nothing left to hold (request slots: DecodeReqToTokenPool size 8 + pre_alloc_size 8).
+NO_LEAKS = {
+    "logical_pages_in_use": 0,
+    "device_pages_in_use": 0,
+    "buffers_in_use": 0,
+    "coordinator_requests": 0,
+    "preallocated_entries": 0,
+    "metadata_slots_free": 8,
+    "request_slots_free": 16,
+}
+
+
+def leak_report(side) -> dict:
+    """What a decode side still holds, keyed as NO_LEAKS. ``side`` has the HiSparse ``allocator`` and
+    ``coordinator``, SGLang's ``req_to_token_pool`` and ``metadata_allocator`` (DecodeSide here, the
+    in-process DecodeQueues of pd_decode_harness)."""
+    rows = side.allocator.rows
+    return {
+        "logical_pages_in_use": _logical_pages_in_use(side),
+        "device_pages_in_use": rows.device_rows.capacity_pages - rows.device_rows.free_pages,
+        "buffers_in_use": side.coordinator.buffers.used_buffers,
+        "coordinator_requests": len(side.coordinator.core.requests),
+        "preallocated_entries": len(side.coordinator.mem_pool_host.preallocated),
+        "metadata_slots_free": side.metadata_allocator.available_size(),
+        "request_slots_free": side.req_to_token_pool.available_size(),
+    }
+
+
+def _logical_pages_in_use(side) -> int:
     # SGLang reads this budget every scheduling step; it also returns quarantined rows whose time is up
     side.allocator.logical_attn_allocator.available_size()
     logical = side.allocator.rows.logical
@@ -654,16 +682,7 @@ def run_decode(
         if loop.failed_at is not None:
             # rows of a failed transfer come back once the quarantine is over
             time.sleep(max(0.0, loop.failed_at + side.config.pd_quarantine_s - time.monotonic()) + 0.05)
-        rows = side.allocator.rows
-        report["leaks"] = {
-            "logical_pages_in_use": _logical_pages_in_use(side),
-            "device_pages_in_use": rows.device_rows.capacity_pages - rows.device_rows.free_pages,
-            "buffers_in_use": side.coordinator.buffers.used_buffers,
-            "coordinator_requests": len(side.coordinator.core.requests),
-            "preallocated_entries": len(side.coordinator.mem_pool_host.preallocated),
-            "metadata_slots_free": side.metadata_allocator.available_size(),
-            "request_slots_free": side.req_to_token_pool.available_size(),
-        }
+        report["leaks"] = leak_report(side)
         conn.send({"event": "done", "report": report})
     except BaseException:
         conn.send({"event": "error", "traceback": traceback.format_exc()})

@@ -34,7 +34,6 @@ from pd_decode_harness import (
     DEVICE_TOKENS,
     LOG,
     LONG,
-    NO_LEAKS,
     PAGE,
     RATIO,
     RESERVED,
@@ -42,6 +41,7 @@ from pd_decode_harness import (
     DecodeQueues,
     init_single_rank_scheduler,
 )
+from pd_peer import NO_LEAKS
 
 pytestmark = pytest.mark.sglang
 

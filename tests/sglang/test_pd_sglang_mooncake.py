@@ -31,7 +31,7 @@ import time
 
 import pytest
 
-from pd_peer import LAYERS, LAYOUTS, PAGE, RequestSpec, run_decode, run_prefill
+from pd_peer import LAYERS, LAYOUTS, NO_LEAKS, PAGE, RequestSpec, run_decode, run_prefill
 
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
 
@@ -47,15 +47,6 @@ SPECS = [
 ]
 # device_buffer_size is 256: a request whose KV fits a buffer becomes resident at admission
 EXPECTED_MODES = {"short": "resident", "mid": "resident", "long": "offloaded", "long2": "offloaded"}
-NO_LEAKS = {
-    "logical_pages_in_use": 0,
-    "device_pages_in_use": 0,
-    "buffers_in_use": 0,
-    "coordinator_requests": 0,
-    "preallocated_entries": 0,
-    "metadata_slots_free": 8,
-    "request_slots_free": 16,  # DecodeReqToTokenPool: size 8 + pre_alloc_size 8
-}
 PEER_DEADLINE_S = 45.0  # each peer gives up on its own after this
 TEST_DEADLINE_S = 75.0  # and the test kills both after this (a normal run takes 10-30 s on 2 cores)
 
