@@ -280,10 +280,8 @@ def _resume_retracted_reqs(original, self, rids_to_check=None):
     if coordinator is None or not self.retracted_queue:
         return original(self, rids_to_check)
     candidates = [req for req in self.retracted_queue if rids_to_check is None or req.rid in rids_to_check]
-    count = coordinator.admissible_now(self._pre_alloc_fill_len(req) for req in candidates)
-    if count < len(candidates):
-        logger.debug("HiSparse: retracted request %s waits for device pages before it resumes.", candidates[count].rid)
-    return original(self, [req.rid for req in candidates[:count]])
+    admissible = _admissible_rids(coordinator, candidates, self._pre_alloc_fill_len, "retracted", "it resumes")
+    return original(self, admissible)
 
 
 def _pop_transferred(original, self, rids_to_check=None):
@@ -297,10 +295,17 @@ def _pop_transferred(original, self, rids_to_check=None):
     from hisparse_sglang.integration.sglang import compat
 
     candidates = [entry.req for entry in self.queue if rids_to_check is None or entry.req.rid in rids_to_check]
-    count = coordinator.admissible_now(compat.req_kv_allocated_len(req) for req in candidates)
+    admissible = _admissible_rids(coordinator, candidates, compat.req_kv_allocated_len, "transferred", "admission")
+    return original(self, admissible)
+
+
+def _admissible_rids(coordinator, candidates, kv_len, kind: str, before: str) -> list:
+    """The rids of the longest queue-order prefix of ``candidates`` whose device pages the
+    coordinator can provide now (``kv_len(req)`` tokens each); the first left out is logged."""
+    count = coordinator.admissible_now(kv_len(req) for req in candidates)
     if count < len(candidates):
-        logger.debug("HiSparse: transferred request %s waits for device pages before admission.", candidates[count].rid)
-    return original(self, [req.rid for req in candidates[:count]])
+        logger.debug("HiSparse: %s request %s waits for device pages before %s.", kind, candidates[count].rid, before)
+    return [req.rid for req in candidates[:count]]
 
 
 def _decode_coordinator(scheduler):
