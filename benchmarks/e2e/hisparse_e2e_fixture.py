@@ -18,13 +18,21 @@ It wraps ``sglang.srt.model_loader.weight_utils.initialize_dummy_weights`` (used
 In both modes it prints one line ``[hisparse-e2e-fixture] weights ... fingerprint=...`` to stderr
 (the server log) after the init, so run_e2e.py can verify that all arms served identical weights.
 At plugin-load time it also prints which ``sglang.srt.plugins`` entry points are visible.
+
+With ``HISPARSE_E2E_SYNC_TRACE=<first>:<count>`` (profiling, any arm) it also finds every host wait of
+the scheduler's decode loop: from decode batch ``first`` on, for ``count`` decode batches, PyTorch's
+sync debug mode is on (``torch.cuda.set_sync_debug_mode("warn")``) and each synchronizing CUDA call is
+recorded with its Python stack; then one line ``[hisparse-e2e-fixture] sync-trace {json}`` gives the
+distinct stacks and how often each was hit.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
+import traceback
 import zlib
 
 PREFIX = "[hisparse-e2e-fixture]"
@@ -104,6 +112,66 @@ def _around_init(original, model, *args, **kwargs):
         _say(f"weights {desc} fingerprint=unavailable ({type(e).__name__}: {e})")
 
 
+class _SyncTrace:
+    """Counts synchronizing CUDA calls by Python stack over a window of decode batches."""
+
+    def __init__(self, spec: str) -> None:
+        first, count = spec.split(":")
+        self.first, self.last = int(first), int(first) + int(count)
+        self.decode_batches = 0
+        self.stacks: dict[str, int] = {}
+        self.active = False
+        self._saved_showwarning = None
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchronizing" not in str(message):
+            return self._saved_showwarning(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename]
+        key = " <- ".join(
+            f"{f.filename.split('site-packages/')[-1].split('/src/')[-1]}:{f.lineno}:{f.name}"
+            for f in reversed(frames[-14:])
+        )
+        self.stacks[key] = self.stacks.get(key, 0) + 1
+
+    def _start(self) -> None:
+        import warnings
+
+        import torch
+
+        self._saved_showwarning = warnings.showwarning
+        warnings.showwarning = self._record
+        self._filters = warnings.filters[:]
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        self.active = True
+
+    def _stop(self) -> None:
+        import warnings
+
+        import torch
+
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self._saved_showwarning
+        warnings.filters[:] = self._filters
+        self.active = False
+        ranked = sorted(self.stacks.items(), key=lambda kv: -kv[1])
+        _say("sync-trace " + json.dumps({
+            "decode_batches": self.last - self.first,
+            "syncs": sum(self.stacks.values()),
+            "stacks": [{"count": n, "stack": k} for k, n in ranked[:20]],
+        }))
+
+    def around_run_batch(self, original, scheduler, batch, *args, **kwargs):
+        is_decode = batch is not None and batch.forward_mode.is_decode()
+        if is_decode:
+            self.decode_batches += 1
+            if self.decode_batches == self.first and not self.active:
+                self._start()
+            elif self.decode_batches == self.last and self.active:
+                self._stop()
+        return original(scheduler, batch, *args, **kwargs)
+
+
 def register() -> None:
     """Entry point (group ``sglang.srt.plugins``), called by sglang.srt.plugins.load_plugins()."""
     try:
@@ -116,5 +184,12 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, _around_init, HookType.AROUND)
+    sync_trace = os.environ.get("HISPARSE_E2E_SYNC_TRACE")
+    if sync_trace:
+        HookRegistry.register(
+            "sglang.srt.managers.scheduler.Scheduler.run_batch", _SyncTrace(sync_trace).around_run_batch,
+            HookType.AROUND,
+        )
+        _say(f"sync trace on (HISPARSE_E2E_SYNC_TRACE={sync_trace})")
     _say(f"registered AROUND hook on {TARGET} "
          f"(HISPARSE_E2E_WEIGHT_INIT={os.environ.get('HISPARSE_E2E_WEIGHT_INIT', 'scaled')})")

@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Where the decode step's time goes at concurrency 1, per arm: host waits and host work.
+
+For each variant (an arm of run_e2e.py, optionally with extra server flags, e.g.
+``c+--disable-overlap-schedule``) this starts the server, warms it up and then
+
+1. decodes one long request (``--trace-out`` tokens) during which
+   * the fixture plugin records every synchronizing CUDA call of the scheduler process, with its
+     Python stack, over decode batches ``--sync-window`` (``HISPARSE_E2E_SYNC_TRACE``), and
+   * py-spy samples the scheduler process (``--idle``: waits count) for ``--spy-seconds``;
+2. decodes ``--repeats`` more requests without any instrumentation: time per output token.
+
+Everything goes to ``--out`` (``profile.json`` and ``profile.md``); py-spy is taken from
+``--py-spy`` (a wheel carried to the GPU machine, unpacked by this script) and skipped if absent.
+
+    python3 benchmarks/e2e/profile_decode.py --variants a,c,b,c+--disable-overlap-schedule --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import run_e2e as harness
+
+SYNC_LINE = "[hisparse-e2e-fixture] pid="
+
+
+def find_scheduler_pid(root_pid: int) -> int | None:
+    """The descendant of ``root_pid`` whose command line is SGLang's scheduler process title."""
+    children = collections.defaultdict(list)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children[ppid].append(int(entry.name))
+    stack, found = [root_pid], []
+    while stack:
+        pid = stack.pop()
+        for child in children.get(pid, []):
+            stack.append(child)
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "scheduler" in cmdline:
+                found.append(child)
+    return min(found) if found else None
+
+
+def unpack_py_spy(wheel: Path, dest: Path) -> Path | None:
+    if not wheel.exists():
+        return None
+    with zipfile.ZipFile(wheel) as archive:
+        name = next((n for n in archive.namelist() if n.endswith("/scripts/py-spy")), None)
+        if name is None:
+            return None
+        target = dest / "py-spy"
+        target.write_bytes(archive.read(name))
+    target.chmod(0o755)
+    return target
+
+
+def summarize_spy(raw: str, top: int = 30) -> dict:
+    """Inclusive and self sample shares per frame from py-spy's collapsed ``--format raw`` output."""
+    inclusive: collections.Counter = collections.Counter()
+    self_time: collections.Counter = collections.Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [f.strip() for f in stack.split(";") if f.strip()]
+        for frame in set(frames):
+            inclusive[frame] += n
+        if frames:
+            self_time[frames[-1]] += n
+    share = lambda c: [{"frame": f, "pct": round(100 * n / max(total, 1), 1)} for f, n in c.most_common(top)]
+    return {"samples": total, "inclusive": share(inclusive), "self": share(self_time)}
+
+
+def sync_traces(log_text: str) -> list[dict]:
+    traces = []
+    for line in log_text.splitlines():
+        if SYNC_LINE in line and " sync-trace " in line:
+            traces.append(json.loads(line.split(" sync-trace ", 1)[1]))
+    return traces
+
+
+def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: Path | None, log) -> dict:
+    arm, _, extra = variant.partition("+")
+    port = args.port_base
+    cmd, env = harness.arm_spec(arm, args, env0, common, plugin_dir, port)
+    cmd += shlex.split(extra.replace("+", " "))
+    env["HISPARSE_E2E_SYNC_TRACE"] = args.sync_window
+    name = variant.replace("+--", "-").replace("+", "-")
+    log_path = args.state_dir / f"server-profile-{name}.log"
+    server = harness.Server(f"profile-{name}", cmd, env, log_path, port, args.state_dir)
+    result = {"variant": variant, "cmd": shlex.join(cmd)}
+    try:
+        server.start()
+        result["startup_s"] = round(server.wait_healthy(args.health_timeout), 1)
+        harness.generate(port, harness.make_prompt(3, 4096, vocab), 16, timeout=300)
+        log(f"{variant}: healthy after {result['startup_s']} s")
+        prompt = harness.make_prompt(11, args.input_len, vocab)
+        traced: dict = {}
+        thread = threading.Thread(
+            target=lambda: traced.update(harness.generate_stream(port, prompt, args.trace_out, timeout=600))
+        )
+        thread.start()
+        if spy is not None:
+            time.sleep(args.spy_delay)
+            pid = find_scheduler_pid(server.proc.pid)
+            if pid is None:
+                result["spy_error"] = "no scheduler process found"
+            else:
+                raw_path = args.state_dir / f"spy-{name}.txt"
+                proc = subprocess.run(
+                    [str(spy), "record", "--pid", str(pid), "--duration", str(args.spy_seconds), "--rate",
+                     str(args.spy_rate), "--format", "raw", "--idle", "--nonblocking", "--output", str(raw_path)],
+                    capture_output=True, text=True, timeout=args.spy_seconds + 60,
+                )
+                if raw_path.exists():
+                    result["spy"] = summarize_spy(raw_path.read_text())
+                else:
+                    result["spy_error"] = (proc.stderr or proc.stdout)[-800:]
+        thread.join()
+        result["traced_request"] = {k: traced.get(k) for k in ("tokens", "tpot_s", "error")}
+        tpots = []
+        for repeat in range(args.repeats):
+            out = harness.generate_stream(port, harness.make_prompt(100 + repeat, args.input_len, vocab),
+                                          args.output_len, timeout=600)
+            if out.get("tpot_s"):
+                tpots.append(1e3 * out["tpot_s"])
+            else:
+                result.setdefault("errors", []).append(out.get("error"))
+        result["tpot_ms"] = [round(t, 3) for t in tpots]
+        if tpots:
+            result["tpot_ms_median"] = round(statistics.median(tpots), 3)
+        log(f"{variant}: TPOT ms {result['tpot_ms']}")
+    except Exception as exc:  # the other variants still run
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"{variant}: FAILED {result['error']}")
+    finally:
+        server.stop()
+        text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        result["sync_traces"] = sync_traces(text)
+        result["hisparse_log"] = harness.summarize_hisparse(text)
+    return result
+
+
+def render(results: list[dict]) -> str:
+    lines = ["| variant | TPOT ms (median of repeats) | repeats | syncs per decode batch |", "|---|---|---|---|"]
+    for r in results:
+        trace = (r.get("sync_traces") or [{}])[-1]
+        per_batch = trace.get("syncs", 0) / max(trace.get("decode_batches", 1), 1) if trace else None
+        lines.append(f"| {r['variant']} | {r.get('tpot_ms_median')} | {r.get('tpot_ms')} | "
+                     f"{per_batch if per_batch is None else round(per_batch, 2)} |")
+    for r in results:
+        lines.append(f"\n### {r['variant']}\n")
+        for trace in r.get("sync_traces", []):
+            for s in trace.get("stacks", [])[:8]:
+                lines.append(f"- {s['count']}x `{s['stack'][:600]}`")
+        spy = r.get("spy") or {}
+        if spy:
+            lines.append(f"\npy-spy ({spy['samples']} samples), inclusive:\n")
+            lines += [f"- {e['pct']} % {e['frame']}" for e in spy["inclusive"][:25]]
+            lines.append("\nself:\n")
+            lines += [f"- {e['pct']} % {e['frame']}" for e in spy["self"][:15]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="a,c")
+    parser.add_argument("--input-len", type=int, default=16384)
+    parser.add_argument("--output-len", type=int, default=1024)
+    parser.add_argument("--trace-out", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sync-window", default="100:300", help="first decode batch : number of batches")
+    parser.add_argument("--spy-delay", type=float, default=2.5, help="seconds after the traced request starts")
+    parser.add_argument("--spy-seconds", type=int, default=2)
+    parser.add_argument("--spy-rate", type=int, default=1000)
+    parser.add_argument("--py-spy", type=Path, default=harness.REPO / ".whl" / "py_spy-0.4.3-py2.py3-none-manylinux1_x86_64.manylinux_2_5_x86_64.whl")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/hisparse_profile")))
+    parser.add_argument("--port-base", type=int, default=31100)
+    parser.add_argument("--health-timeout", type=float, default=420)
+    # the server flags of run_e2e.py, with its defaults
+    harness_args = harness.parse_args([])
+    args = parser.parse_args(argv)
+    for key, value in vars(harness_args).items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    args.state_dir.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = harness.Log([args.out / "profile.log"])
+    harness.LOG = log
+    env0, _ = harness.base_env(args, args.state_dir)
+    common, plugin_dir, _ = harness.prepare_pyext(args.state_dir, args)
+    vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
+    spy = unpack_py_spy(args.py_spy, args.state_dir)
+    log(f"py-spy: {spy}")
+    results = []
+    for variant in args.variants.split(","):
+        results.append(run_variant(variant, args, env0, common, plugin_dir, vocab, spy, log))
+        (args.out / "profile.json").write_text(json.dumps(results, indent=1))
+        (args.out / "profile.md").write_text(render(results))
+    log(render(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
