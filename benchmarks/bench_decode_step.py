@@ -1,12 +1,14 @@
-"""Host time of HiSparse's per-step decode bookkeeping (``Coordinator.prepare_decode``).
+"""Host time of HiSparse's per-step decode bookkeeping on the scheduler's critical path.
 
-Every decode step the scheduler calls ``prepare_decode`` (SGLang's ``map_last_loc_to_buffer``):
-the eager backup of each request's previous token and the binding of each new token to a device
-row. It runs on the scheduler's thread, so its host time adds to every step unless the forward
-pass in flight is longer. This benchmark drives a simulated decode server on the GPU and prints,
-per batch size and mode mix, the median host time of ``prepare_decode`` with the CUDA row kernels
-(``backup_rows``/``bind_rows``, one launch each) and with their pure-torch twins (the reference
-ops, a dozen small launches each), measured in the same run, and the ratio.
+Every decode step the scheduler calls the allocator's ``alloc_decode`` (a logical location per new
+token) and the coordinator's ``prepare_decode`` (SGLang's ``map_last_loc_to_buffer``: binds new
+tokens that need it and switches modes). Both run on the scheduler's thread before the step is
+launched, so their host time adds to every step at low load. (The eager backup of each new token
+runs inside the forward, in ``swap_in``, and costs the host nothing under CUDA graphs.)
+
+This benchmark drives a simulated decode server on the GPU and prints, per batch size and mode mix,
+the median host time of ``prepare_decode`` and of ``alloc_decode`` with the CUDA bind kernel and
+with its pure-torch twin, measured in the same run. Target: the sum at most 50 us at bs 64.
 
     python benchmarks/bench_decode_step.py                 # bs 8/32/64 x resident/offloaded/mixed
     python benchmarks/bench_decode_step.py --batch 128 --steps 100
@@ -46,10 +48,10 @@ def op_sets():
     from hisparse_sglang.ops import swap_in as cuda
 
     kernels = types.SimpleNamespace(
-        swap_in=cuda.swap_in, copy_rows=cuda.copy_rows, backup_rows=cuda.backup_rows, bind_rows=cuda.bind_rows
+        swap_in=cuda.swap_in, copy_rows=cuda.copy_rows, backup_newest=cuda.backup_newest, bind_rows=cuda.bind_rows
     )
     twins = types.SimpleNamespace(
-        swap_in=cuda.swap_in, copy_rows=cuda.copy_rows, backup_rows=reference.backup_rows, bind_rows=reference.bind_rows
+        swap_in=cuda.swap_in, copy_rows=cuda.copy_rows, backup_newest=cuda.backup_newest, bind_rows=reference.bind_rows
     )
     return {"kernels": kernels, "torch twins": twins}
 
@@ -78,29 +80,41 @@ def build(batch: int, mode: str, ops) -> SimulatedServer:
     return server
 
 
-def time_prepare(server: SimulatedServer, steps: int, profiler=None) -> tuple[float, dict]:
-    coordinator = server.coordinator
-    original = coordinator.prepare_decode
-    spent: list[float] = []
+def time_step_work(server: SimulatedServer, steps: int, profiler=None) -> tuple[float, float, dict]:
+    """Median host time (us) of prepare_decode and of alloc_decode over ``steps`` decode steps."""
+    coordinator, allocator = server.coordinator, server.allocator
+    spent: dict[str, list[float]] = {"prepare_decode": [], "alloc_decode": []}
 
-    def timed(*args, **kwargs):
-        if profiler is not None:
-            profiler.enable()
-        started = time.perf_counter()
-        original(*args, **kwargs)
-        spent.append(time.perf_counter() - started)
-        if profiler is not None:
-            profiler.disable()
+    def timed(owner, name):
+        original = getattr(owner, name)
 
-    coordinator.prepare_decode = timed
+        def wrapper(*args, **kwargs):
+            if profiler is not None:
+                profiler.enable()
+            started = time.perf_counter()
+            result = original(*args, **kwargs)
+            spent[name].append(time.perf_counter() - started)
+            if profiler is not None:
+                profiler.disable()
+            return result
+
+        setattr(owner, name, wrapper)
+        return original
+
+    originals = {"prepare_decode": timed(coordinator, "prepare_decode"), "alloc_decode": timed(allocator, "alloc_decode")}
     try:
         for _ in range(steps):
             server.step()
     finally:
-        coordinator.prepare_decode = original
+        coordinator.prepare_decode = originals["prepare_decode"]
+        allocator.alloc_decode = originals["alloc_decode"]
     torch.cuda.synchronize()
     modes = [record.mode for record in coordinator.requests.values()]
-    return 1e6 * statistics.median(spent), {"resident": modes.count(RESIDENT), "offloaded": modes.count(OFFLOADED)}
+    return (
+        1e6 * statistics.median(spent["prepare_decode"]),
+        1e6 * statistics.median(spent["alloc_decode"]),
+        {"resident": modes.count(RESIDENT), "offloaded": modes.count(OFFLOADED)},
+    )
 
 
 def main() -> None:
@@ -117,32 +131,34 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     sets = op_sets()
     rows = []
-    print(f"{gpu}: host time of prepare_decode per step (median of {args.steps}), microseconds")
-    print(f"{'bs':>4} {'mode':>9} {'resident/offloaded':>18} {'torch twins':>12} {'kernels':>9} {'kernels/twins':>14}")
+    print(f"{gpu}: host time per decode step (median of {args.steps}), microseconds")
+    print(f"{'bs':>4} {'mode':>9} {'resident/offloaded':>18} {'prepare (twins)':>15} {'prepare':>8} "
+          f"{'alloc_decode':>12} {'prepare + alloc':>15}")
     for batch in args.batch:
         for mode in args.modes:
             cell = {"batch": batch, "mode": mode}
             for name, ops in sets.items():
                 server = build(batch, mode, ops)
-                time_prepare(server, 5)  # warm-up: compile, allocator caches
-                cell[name], cell["modes"] = time_prepare(server, args.steps)
+                time_step_work(server, 5)  # warm-up: compile, allocator caches
+                cell[name], cell[f"alloc_decode ({name})"], cell["modes"] = time_step_work(server, args.steps)
                 del server
                 torch.cuda.empty_cache()
-            cell["ratio"] = cell["kernels"] / cell["torch twins"]
+            cell["alloc_decode"] = cell["alloc_decode (kernels)"]
+            cell["step_work"] = cell["kernels"] + cell["alloc_decode"]
             if args.profile and len(rows) == 0:
                 import cProfile
                 import pstats
 
                 profiler = cProfile.Profile()
                 server = build(batch, mode, sets["kernels"])
-                time_prepare(server, 5)
-                time_prepare(server, args.steps, profiler)
+                time_step_work(server, 5)
+                time_step_work(server, args.steps, profiler)
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
                 del server
             rows.append(cell)
             split = f"{cell['modes']['resident']}/{cell['modes']['offloaded']}"
-            print(f"{batch:>4} {mode:>9} {split:>18} {cell['torch twins']:>12.1f} {cell['kernels']:>9.1f} "
-                  f"{cell['ratio']:>14.2f}")
+            print(f"{batch:>4} {mode:>9} {split:>18} {cell['torch twins']:>15.1f} {cell['kernels']:>8.1f} "
+                  f"{cell['alloc_decode']:>12.1f} {cell['step_work']:>15.1f}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.date.today().isoformat()
@@ -150,11 +166,13 @@ def main() -> None:
     meta = {"gpu": gpu, "date": stamp, "torch": torch.__version__, "steps": args.steps, "layers": LAYERS,
             "prompt": PROMPT, "page_size": PAGE}
     (out / f"decode_step_{tag}_{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# prepare_decode host time per step ({gpu}, {stamp})", "",
-             "| bs | mode | resident / offloaded | torch twins (us) | kernels (us) | kernels / twins |", "|---|---|---|---|---|---|"]
+    lines = [f"# HiSparse host work per decode step ({gpu}, {stamp})", "",
+             "| bs | mode | resident / offloaded | prepare_decode, torch twin (us) | prepare_decode (us) | "
+             "alloc_decode (us) | prepare + alloc (us) |", "|---|---|---|---|---|---|---|"]
     for cell in rows:
         lines.append(f"| {cell['batch']} | {cell['mode']} | {cell['modes']['resident']} / {cell['modes']['offloaded']} | "
-                     f"{cell['torch twins']:.1f} | {cell['kernels']:.1f} | {cell['ratio']:.2f} |")
+                     f"{cell['torch twins']:.1f} | {cell['kernels']:.1f} | {cell['alloc_decode']:.1f} | "
+                     f"{cell['step_work']:.1f} |")
     (out / f"decode_step_{tag}_{stamp}.md").write_text("\n".join(lines) + "\n")
 
 

@@ -6,6 +6,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include <sstream>
 #include <string>
 
@@ -245,29 +247,6 @@ void hisparse_copy_rows(
 namespace {
 
 // The tables of the decode-row kernels; slot_rows may have no buffer yet (then no entry reads it).
-hisparse::DecodeTables decode_tables(
-    TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
-    int64_t buffer_size) {
-  require(on_cuda(req_to_token) && req_to_token.ndim() == 2 && is_int(req_to_token, 32) && req_to_token.stride(1) == 1,
-          "req_to_token must be int32 [R, C] on CUDA, rows contiguous");
-  require(on_cuda(device_row_of_loc) && device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32),
-          "device_row_of_loc must be int32 [N + 1] on CUDA");
-  require(on_cuda(buffer_of_req) && buffer_of_req.ndim() == 1 && is_int(buffer_of_req, 32),
-          "buffer_of_req must be int32 [R] on CUDA");
-  require(on_cuda(slot_rows) && slot_rows.ndim() == 2 && is_int(slot_rows, 32) && slot_rows.stride(1) == 1 &&
-              slot_rows.size(1) > buffer_size && buffer_size >= 0,
-          "slot_rows must be int32 [NB, D + page] on CUDA with D = buffer_size");
-  hisparse::DecodeTables t{};
-  t.req_to_token = data_of<int32_t>(req_to_token);
-  t.req_to_token_stride = req_to_token.stride(0);
-  t.device_row_of_loc = data_of<int32_t>(device_row_of_loc);
-  t.buffer_of_req = data_of<int32_t>(buffer_of_req);
-  t.slot_rows = data_of<int32_t>(slot_rows);
-  t.slot_rows_stride = slot_rows.stride(0);
-  t.buffer_size = static_cast<int>(buffer_size);
-  return t;
-}
-
 void require_plan(const TensorView& plan, const char* name) {
   require(on_cuda(plan) && plan.ndim() == 2 && plan.size(0) == 3 && is_int(plan, 64) &&
               (plan.size(1) == 0 || (plan.stride(1) == 1 && plan.stride(0) == plan.size(1))),
@@ -275,49 +254,96 @@ void require_plan(const TensorView& plan, const char* name) {
 }
 
 constexpr int kDecodeRowThreads = 128;
+constexpr int kBackupNewestThreads = 128;  // four batch rows (one warp each) per block
 
 int decode_row_blocks(int64_t count) { return static_cast<int>((count + kDecodeRowThreads - 1) / kDecodeRowThreads); }
 
 }  // namespace
 
-// rows[:, i] = (device row, host row) of position plan[1, i] of request slot plan[0, i]; the
-// device row is the buffer's slot D when plan[2, i] (offloaded), else the token's resident row.
-void hisparse_backup_rows(
-    TensorView plan, TensorView rows, TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req,
-    TensorView slot_rows, int64_t buffer_size, int64_t stream) {
-  require_plan(plan, "plan");
-  const int64_t count = plan.size(1);
-  require(on_cuda(rows) && rows.ndim() == 2 && rows.size(0) == 2 && rows.size(1) == count && is_int(rows, 64) &&
-              (count == 0 || (rows.stride(1) == 1 && rows.stride(0) == count)),
-          "rows must be a contiguous int64 [2, n] tensor on CUDA, n = plan's columns");
-  hisparse::BackupRowsParams p{};
-  p.tables = decode_tables(req_to_token, device_row_of_loc, buffer_of_req, slot_rows, buffer_size);
-  if (count == 0) return;
-  p.plan = data_of<int64_t>(plan);
-  p.rows = data_of<int64_t>(rows);
-  p.count = count;
-  hisparse::backup_rows_kernel<<<decode_row_blocks(count), kDecodeRowThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p);
-  check_cuda(cudaGetLastError(), "backup_rows launch");
+// Copies each real batch row's newest token (position seq_lens[b] - 1 of request slot
+// req_pool_indices[b]) of one layer from its device row to its host row (its logical location).
+void hisparse_backup_newest(
+    TensorView req_pool_indices, TensorView seq_lens, TensorView num_real_reqs, TensorView req_to_token,
+    TensorView device_row_of_loc, TensorView device_kv, TensorView host_kv, int64_t stream) {
+  const int64_t batch = req_pool_indices.ndim() == 1 ? req_pool_indices.size(0) : -1;
+  require(on_cuda(req_pool_indices) && batch >= 0 && (is_int(req_pool_indices, 32) || is_int(req_pool_indices, 64)) &&
+              (batch == 0 || req_pool_indices.stride(0) == 1),
+          "backup_newest: req_pool_indices must be a contiguous int32/int64 [B] tensor on CUDA");
+  require(on_cuda(seq_lens) && seq_lens.ndim() == 1 && seq_lens.size(0) == batch &&
+              (is_int(seq_lens, 32) || is_int(seq_lens, 64)) && (batch == 0 || seq_lens.stride(0) == 1),
+          "backup_newest: seq_lens must be a contiguous int32/int64 [B] tensor on CUDA, B = " + std::to_string(batch));
+  require(on_cuda(num_real_reqs) && num_real_reqs.numel() == 1 && is_int(num_real_reqs, 32),
+          "backup_newest: num_real_reqs must be an int32 [1] tensor on CUDA");
+  require(on_cuda(req_to_token) && req_to_token.ndim() == 2 && is_int(req_to_token, 32) && req_to_token.stride(1) == 1,
+          "backup_newest: req_to_token must be int32 [R, C] on CUDA, rows contiguous");
+  require(on_cuda(device_row_of_loc) && device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32),
+          "backup_newest: device_row_of_loc must be int32 [N + 1] on CUDA");
+  require(on_cuda(device_kv) && host_accessible(host_kv) && !on_cuda(host_kv),
+          "backup_newest: device_kv must be on CUDA and host_kv in pinned host memory");
+  cudaPointerAttributes host_attributes{};
+  const cudaError_t host_query = cudaPointerGetAttributes(&host_attributes, data_of<char>(host_kv));
+  if (host_query != cudaSuccess) cudaGetLastError();  // a failed query must not leak into later calls
+  require(host_query == cudaSuccess && host_attributes.type == cudaMemoryTypeHost,
+          "backup_newest: host_kv is not pinned (page-locked) host memory; the kernel writes it directly");
+  const int64_t row_bytes = row_bytes_of(device_kv);
+  require(row_bytes_of(host_kv) == row_bytes,
+          "backup_newest: device rows of " + std::to_string(row_bytes) + " bytes but host rows of " +
+              std::to_string(row_bytes_of(host_kv)) + " bytes");
+  require(row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(data_of<char>(device_kv)) % 16 == 0 &&
+              reinterpret_cast<uintptr_t>(data_of<char>(host_kv)) % 16 == 0,
+          "backup_newest: rows must be 16-byte aligned multiples of 16 bytes, got " + std::to_string(row_bytes) +
+              "-byte rows");
+  if (batch == 0) return;
+  hisparse::BackupNewestParams p{};
+  p.req_to_token = data_of<int32_t>(req_to_token);
+  p.req_to_token_stride = req_to_token.stride(0);
+  p.device_row_of_loc = data_of<int32_t>(device_row_of_loc);
+  p.req_pool_indices = data_of<void>(req_pool_indices);
+  p.req_pool_indices_is_64 = is_int(req_pool_indices, 64);
+  p.seq_lens = data_of<void>(seq_lens);
+  p.seq_lens_is_64 = is_int(seq_lens, 64);
+  p.num_real_reqs = data_of<int32_t>(num_real_reqs);
+  p.device_kv = data_of<uint4>(device_kv);
+  p.host_kv = data_of<uint4>(host_kv);
+  p.batch = batch;
+  p.row_words = row_bytes / 16;
+  const int64_t rows_per_block = kBackupNewestThreads / 32;
+  const int blocks = static_cast<int>((batch + rows_per_block - 1) / rows_per_block);
+  hisparse::backup_newest_kernel<<<blocks, kBackupNewestThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p);
+  check_cuda(cudaGetLastError(), "backup_newest launch");
 }
 
-// device_row_of_loc[new_locs[i]] = the row the new token at position plan[1, i] of request slot
-// plan[0, i] is written to: new_pages[plan[2, i]] * page_size, the row after its previous token's
-// (kBindContinue) or its buffer's slot D (kBindBufferSlot).
+// Binds the new token of batch row plan[0, i] (request slot plan[1, i], location new_locs[row]):
+// kind kBindBufferSlot maps the location to the slot's buffer slot D; kind k >= 0 maps the
+// page_size locations from it (a page start) to the rows of device page new_pages[k].
 void hisparse_bind_rows(
-    TensorView plan, TensorView new_locs, TensorView new_pages, TensorView req_to_token, TensorView device_row_of_loc,
-    TensorView buffer_of_req, TensorView slot_rows, int64_t buffer_size, int64_t page_size, int64_t stream) {
+    TensorView plan, TensorView new_locs, TensorView new_pages, TensorView device_row_of_loc, TensorView buffer_of_req,
+    TensorView slot_rows, int64_t buffer_size, int64_t page_size, int64_t stream) {
   require_plan(plan, "plan");
   const int64_t count = plan.size(1);
-  require(on_cuda(new_locs) && new_locs.ndim() == 1 && new_locs.size(0) == count && is_int(new_locs, 64) &&
-              (count == 0 || new_locs.stride(0) == 1),
-          "new_locs must be a contiguous int64 [n] tensor on CUDA, n = plan's columns");
+  require(on_cuda(new_locs) && new_locs.ndim() == 1 && new_locs.size(0) >= count && is_int(new_locs, 64) &&
+              (new_locs.size(0) == 0 || new_locs.stride(0) == 1),
+          "bind_rows: new_locs must be a contiguous int64 [B] tensor on CUDA with B >= the plan's " +
+              std::to_string(count) + " entries");
   require(on_cuda(new_pages) && new_pages.ndim() == 1 && is_int(new_pages, 64) &&
               (new_pages.numel() == 0 || new_pages.stride(0) == 1),
-          "new_pages must be a contiguous int64 [pages] tensor on CUDA");
-  require(page_size >= 1, "page_size must be >= 1");
-  hisparse::BindRowsParams p{};
-  p.tables = decode_tables(req_to_token, device_row_of_loc, buffer_of_req, slot_rows, buffer_size);
+          "bind_rows: new_pages must be a contiguous int64 [pages] tensor on CUDA");
+  require(on_cuda(device_row_of_loc) && device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32),
+          "bind_rows: device_row_of_loc must be int32 [N + 1] on CUDA");
+  require(on_cuda(buffer_of_req) && buffer_of_req.ndim() == 1 && is_int(buffer_of_req, 32),
+          "bind_rows: buffer_of_req must be int32 [R] on CUDA");
+  require(on_cuda(slot_rows) && slot_rows.ndim() == 2 && is_int(slot_rows, 32) && slot_rows.stride(1) == 1 &&
+              slot_rows.size(1) > buffer_size && buffer_size >= 0,
+          "bind_rows: slot_rows must be int32 [NB, D + page] on CUDA with D = buffer_size (" +
+              std::to_string(buffer_size) + ")");
+  require(page_size >= 1, "bind_rows: page_size must be >= 1, got " + std::to_string(page_size));
   if (count == 0) return;
+  hisparse::BindRowsParams p{};
+  p.device_row_of_loc = data_of<int32_t>(device_row_of_loc);
+  p.buffer_of_req = data_of<int32_t>(buffer_of_req);
+  p.slot_rows = data_of<int32_t>(slot_rows);
+  p.slot_rows_stride = slot_rows.stride(0);
+  p.buffer_size = buffer_size;
   p.plan = data_of<int64_t>(plan);
   p.new_locs = data_of<int64_t>(new_locs);
   p.new_pages = new_pages.numel() ? data_of<int64_t>(new_pages) : nullptr;
@@ -330,5 +356,5 @@ void hisparse_bind_rows(
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in, hisparse_swap_in);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in_occupancy, hisparse_swap_in_occupancy);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(copy_rows, hisparse_copy_rows);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(backup_rows, hisparse_backup_rows);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(backup_newest, hisparse_backup_newest);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bind_rows, hisparse_bind_rows);

@@ -15,7 +15,7 @@ def recording_ops(calls: list):
         return reference.swap_in(*args, **kwargs)
 
     return types.SimpleNamespace(
-        swap_in=swap_in, copy_rows=reference.copy_rows, backup_rows=reference.backup_rows, bind_rows=reference.bind_rows
+        swap_in=swap_in, copy_rows=reference.copy_rows, backup_newest=reference.backup_newest, bind_rows=reference.bind_rows
     )
 
 

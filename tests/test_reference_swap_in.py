@@ -164,37 +164,55 @@ def test_mixed_batch_resident_and_offloaded():
     assert out.tolist() == [[52, 60, -1, 50], [300, 301, 302, 303]]
 
 
-def test_copy_rows_and_eager_backup_cover_every_layer():
+def test_copy_rows_covers_every_layer():
     device_layers = [torch.arange(80, dtype=torch.int32).reshape(20, 4) + 100 * layer for layer in range(3)]
     host_layers = [torch.full((30, 4), -7, dtype=torch.int32) for _ in range(3)]
-    reference.eager_backup(device_layers, host_layers, torch.tensor([4, 9]), torch.tensor([25, 3]))
+    reference.copy_rows(device_layers, host_layers, torch.tensor([4, 9]), torch.tensor([25, 3]))
     for layer in range(3):
         assert torch.equal(host_layers[layer][25], device_layers[layer][4])
         assert torch.equal(host_layers[layer][3], device_layers[layer][9])
         assert int((host_layers[layer] == -7).all(dim=1).sum()) == 28
 
 
-def test_backup_rows_reads_resident_rows_and_the_buffer_slot():
+def test_backup_newest_copies_each_real_rows_newest_token_only():
     case = Case()
-    # request 0 is offloaded (buffer 0, slot D -> row 60), request 1 is resident (rows 300 + pos)
-    plan = torch.tensor([[0, 1, 1], [39, 5, 6], [1, 0, 0]])
-    rows = reference.backup_rows(plan, case.req_to_token, case.device_row_of_loc, case.buffer_of_req, case.slot_rows, D)
-    assert rows.dtype == torch.int64
-    assert rows.tolist() == [[60, 305, 306], [1039, 2005, 2006]]
+    case.device = torch.arange(400 * ITEM, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(400, ITEM)
+    case.device_row_of_loc[1039] = 60  # the offloaded request's newest token sits in slot D
+    host = torch.full((3001, ITEM), 0xCD, dtype=torch.uint8)  # poison
+    # rows: offloaded request (newest position 39), resident request (newest 5), a padding row
+    reference.backup_newest(
+        torch.tensor([0, 1, 2]), torch.tensor([40, 6, 9]), torch.tensor([2], dtype=torch.int32),
+        case.req_to_token, case.device_row_of_loc, case.device, host,
+    )
+    assert torch.equal(host[1039], case.device[60])
+    assert torch.equal(host[2005], case.device[305])
+    untouched = torch.ones(3001, dtype=torch.bool)
+    untouched[[1039, 2005]] = False
+    assert bool((host[untouched] == 0xCD).all()), "only the real rows' newest tokens are written"
+
+
+def test_backup_newest_skips_tokens_without_a_device_row():
+    case = Case()
+    host = torch.full((3001, ITEM), 0xCD, dtype=torch.uint8)
+    # position 20 of the offloaded request is not on the GPU (device_row_of_loc 0)
+    reference.backup_newest(
+        torch.tensor([0]), torch.tensor([21]), torch.tensor([1], dtype=torch.int32),
+        case.req_to_token, case.device_row_of_loc, case.device, host,
+    )
+    assert bool((host == 0xCD).all())
 
 
 def test_bind_rows_by_kind():
     case = Case()
-    new_locs = torch.tensor([1040, 2030, 2031], dtype=torch.int64)
-    # offloaded -> slot D of its buffer; resident continuing position 30 -> row of position 29 + 1;
-    # resident starting a page -> first row of new_pages[1]
-    plan = torch.tensor([[0, 1, 1], [40, 30, 31], [reference.BIND_BUFFER_SLOT, reference.BIND_CONTINUE, 1]])
-    case.device_row_of_loc[2030:2032] = 0  # the new locations are not mapped yet
+    new_locs = torch.tensor([1040, 2030, 2032], dtype=torch.int64)
+    # batch row 0: offloaded -> slot D of its buffer; batch row 2: a resident request starting a
+    # page at location 2032 -> the whole logical page maps to device page new_pages[1]; batch row 1
+    # (a resident request continuing its page) needs no entry
+    plan = torch.tensor([[0, 2], [0, 1], [reference.BIND_BUFFER_SLOT, 1]])
+    case.device_row_of_loc[2032:2036] = 0  # the new page is not mapped yet
     table = case.device_row_of_loc.clone()
-    reference.bind_rows(plan, new_locs, torch.tensor([7, 9]), case.req_to_token, table, case.buffer_of_req,
-                        case.slot_rows, D, P)
+    reference.bind_rows(plan, new_locs, torch.tensor([7, 9]), table, case.buffer_of_req, case.slot_rows, D, P)
     assert table[1040].item() == 60
-    assert table[2030].item() == 329 + 1
-    assert table[2031].item() == 9 * P
+    assert table[2032:2036].tolist() == [9 * P, 9 * P + 1, 9 * P + 2, 9 * P + 3]
     changed = (table != case.device_row_of_loc).nonzero().flatten().tolist()
-    assert changed == [1040, 2030, 2031]
+    assert changed == [1040, 2032, 2033, 2034, 2035]

@@ -74,14 +74,16 @@ def unpack_py_spy(wheel: Path, dest: Path) -> Path | None:
     return target
 
 
-def summarize_spy(raw: str, top: int = 30) -> dict:
-    """Inclusive and self sample shares per frame from py-spy's collapsed ``--format raw`` output."""
+def summarize_spy(raw: str, top: int = 60, within: str = "Scheduler.event_loop") -> dict:
+    """Inclusive and self sample shares per frame from py-spy's collapsed ``--format raw`` output,
+    over the stacks that pass through a frame containing ``within`` (the scheduler's event loop:
+    its thread's time, idle waits included)."""
     inclusive: collections.Counter = collections.Counter()
     self_time: collections.Counter = collections.Counter()
     total = 0
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
+        if not stack or not count.isdigit() or within not in stack:
             continue
         n = int(count)
         total += n
@@ -179,9 +181,9 @@ def render(results: list[dict]) -> str:
         spy = r.get("spy") or {}
         if spy:
             lines.append(f"\npy-spy ({spy['samples']} samples), inclusive:\n")
-            lines += [f"- {e['pct']} % {e['frame']}" for e in spy["inclusive"][:25]]
+            lines += [f"- {e['pct']} % {e['frame']}" for e in spy["inclusive"][:40]]
             lines.append("\nself:\n")
-            lines += [f"- {e['pct']} % {e['frame']}" for e in spy["self"][:15]]
+            lines += [f"- {e['pct']} % {e['frame']}" for e in spy["self"][:25]]
     return "\n".join(lines) + "\n"
 
 

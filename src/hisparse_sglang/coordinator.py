@@ -7,7 +7,7 @@ Modes of a decoding request:
 
 * **resident**: every token has a device row (``KVAllocator.device_row_of_loc``); the swap-in op
   only translates positions to rows. Its KV is written through to the host pool (staging after
-  prefill, then one token per decode step), so it can be demoted at any step.
+  prefill, then each new token by the forward that writes it), so it can be demoted at any step.
 * **offloaded**: the request owns a device buffer (``DeviceBufferPool``) of ``D`` LRU slots plus a
   page whose first slot holds the newest token; the swap-in op copies missed tokens from host.
 
@@ -26,6 +26,14 @@ Policy (see docs/resident-first.md):
 
 Demotion needs no copy: the request keeps ``D`` of its resident rows (the most recent whole pages)
 as LRU slots and the page of its newest token as the reserved page; the other pages are freed.
+
+Host work per decode step (``prepare_decode``, on the scheduler's critical path): none for a
+resident request whose new token continues a page (its page was mapped whole when it started);
+one entry of one bind launch for a resident request starting a page and for every offloaded
+request (its new token goes to slot ``D``). The eager backup of every new token runs inside the
+forward: the swap-in of each layer first copies each request's newest token, which the layer
+has just written, to its host row (``backup_newest``), so it is CUDA-graph captured and costs the
+host nothing.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from hisparse_sglang.memory.host_pool import HostKVPool
 from hisparse_sglang.memory.paged import upload_ints
 from hisparse_sglang.ops import reference
 from hisparse_sglang.ops.layers import LayerSet
-from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT, BIND_CONTINUE
+from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT
 from hisparse_sglang.streams import CopyEvent, StreamSet
 
 __all__ = ["Coordinator", "RequestRecord", "RESIDENT", "OFFLOADED", "CoordinatorStats"]
@@ -73,8 +81,8 @@ class RequestRecord:
     Attributes:
         slot: SGLang request-pool slot.
         seq_len: positions ``[0, seq_len)`` have KV (the last one may be written by the forward in
-            flight).
-        host_len: positions ``[0, host_len)`` are on the host or being copied there.
+            flight). All of them are on the host once the prefill's staging copy and the forward
+            that wrote the newest one are done.
         mode: RESIDENT or OFFLOADED.
         staging: copy of the prefill KV to the host, while it may be in flight.
         promotion: an offloaded request's promotion in flight.
@@ -83,7 +91,6 @@ class RequestRecord:
 
     slot: int
     seq_len: int
-    host_len: int
     mode: str
     staging: CopyEvent | None = None
     promotion: _Promotion | None = None
@@ -115,8 +122,8 @@ class Coordinator:
         device_layers: one device KV tensor per layer, rows along dim 0.
         req_to_token: int32 ``[R, C]`` logical location of each position of each request slot
             (SGLang's ``ReqToTokenPool.req_to_token``).
-        ops: module with ``swap_in``, ``copy_rows``, ``backup_rows`` and ``bind_rows`` (the CUDA ops or
-            their reference twins).
+        ops: module with ``swap_in``, ``copy_rows``, ``backup_newest`` and ``bind_rows`` (the CUDA ops
+            or their reference twins).
         streams: side streams and events (CPU stand-in by default).
         agree: makes event-dependent decisions identical across TP ranks (all-reduce MIN of a
             list of booleans); identity on one rank.
@@ -166,10 +173,13 @@ class Coordinator:
         )
         self.swap_counters = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._no_pages = torch.zeros(0, dtype=torch.int64, device=self.device)
-        # The last copy enqueued on the backup stream (frees of device rows are ordered after it)
-        # and the one the next forward must wait for (only when it overwrites a row being copied).
+        # The last copy enqueued on the backup stream (the tail of a completed promotion): frees
+        # of device rows are ordered after it.
         self._last_backup: CopyEvent | None = None
-        self._forward_must_wait: CopyEvent | None = None
+        # Slots with a promotion in flight, and the number of offloaded requests: the common decode
+        # step (nothing to promote, nothing promoting) skips the mode-switch scans.
+        self._promoting: set[int] = set()
+        self._num_offloaded = 0
         self._counter_mirror = torch.zeros(2, dtype=torch.int64, pin_memory=self.streams.is_cuda)
         self._counter_event: CopyEvent | None = None
         self._counter_values = [0, 0]
@@ -184,8 +194,7 @@ class Coordinator:
     def admit_prefilled(self, slot: int, prefill_len: int) -> None:
         """A request finished prefill: its ``prefill_len`` tokens are resident; stage them to host."""
         self._check_new(slot)
-        if prefill_len < 1:
-            raise HiSparseMemoryError(f"request slot {slot}: prefill_len must be >= 1, got {prefill_len}.")
+        self._check_length(slot, prefill_len, "prefill_len")
         locs = self.req_to_token[slot, :prefill_len].to(torch.int64)
         rows = self.allocator.translate(locs)
         with self.streams.on(self.streams.staging):
@@ -194,8 +203,7 @@ class Coordinator:
             self.streams.keep_alive(locs, self.streams.staging)
             self.streams.keep_alive(rows, self.streams.staging)
         self.requests[slot] = RequestRecord(
-            slot, seq_len=prefill_len, host_len=prefill_len, mode=RESIDENT, staging=staging,
-            mode_step=self.streams.step,
+            slot, seq_len=prefill_len, mode=RESIDENT, staging=staging, mode_step=self.streams.step
         )
         self.pending.append(slot)
 
@@ -231,19 +239,19 @@ class Coordinator:
         misses) and may be promoted later.
         """
         self._check_new(slot)
-        if kv_len < 1:
-            raise HiSparseMemoryError(f"request slot {slot}: kv_len must be >= 1, got {kv_len}.")
-        record = RequestRecord(slot, seq_len=kv_len, host_len=kv_len, mode=RESIDENT, mode_step=self.streams.step)
+        self._check_length(slot, kv_len, "kv_len")
+        record = RequestRecord(slot, seq_len=kv_len, mode=RESIDENT, mode_step=self.streams.step)
         locs = self.req_to_token[slot, :kv_len].to(torch.int64)
         pages = self._alloc_pages_with_reclaim(self.direct_admission_pages(kv_len))
         if kv_len - 1 < self.buffer_size:
             rows = self.allocator.device_rows.page_rows(pages)[:kv_len]
             self.ops.copy_rows(self.host_layers, self.device_layers, locs, rows)
-            self.allocator.map_(locs, rows)
+            self.allocator.map_request_pages_(locs, pages)
         else:
             self.buffers.acquire(slot, self.allocator.device_rows.page_rows(pages), first_token=None)
             self.allocator.unmap_(locs)
             record.mode = OFFLOADED
+            self._num_offloaded += 1
         self.requests[slot] = record
 
     def direct_admission_pages(self, kv_len: int) -> int:
@@ -262,41 +270,63 @@ class Coordinator:
         """Bind the new token of every request of a decode batch to a device row.
 
         Args:
-            slots: request slots of the batch.
-            seq_lens: lengths including the new token (its position is ``seq_len - 1``).
+            slots: request slots of the batch, distinct.
+            seq_lens: lengths including the new token (its position is ``seq_len - 1``), one per slot.
             new_locs: int64 ``[B]`` on ``device``: logical location of each new token.
+
+        Raises:
+            HiSparseMemoryError: a slot is unknown, still staging or repeated, the lengths do not
+                match the slots, or a request would advance by other than one token.
         """
         entered = time.perf_counter()
+        records = self._decode_records(slots, seq_lens, new_locs)
         self.streams.step += 1
+        switched = False
+        if self._promoting or self._num_offloaded or not self.config.resident_first or self._short_of_pages(records):
+            before = self._switch_counts()
+            started = time.perf_counter()
+            self._marks = [("start", started)]
+            self._switch_modes(records)
+            switched = self._switch_counts() != before
+            if switched:
+                self._note_switch_time("decode step", time.perf_counter() - started, before)
+        self._assign_new_rows(records, new_locs)
+        for record in records:
+            record.seq_len += 1
+        if switched:
+            # Rows freed this step may still be read by copies in flight: order everything later
+            # (every forward waits for the schedule stream) after them.
+            self._fence_copies()
+        spent = time.perf_counter() - entered
+        self._step_host = (self._step_host[0] + spent, max(self._step_host[1], spent), self._step_host[2] + 1)
+
+    def _decode_records(self, slots: Sequence[int], seq_lens: Sequence[int], new_locs: torch.Tensor) -> list:
+        """The records of a decode batch, after checking the call (cheap: Python ints only)."""
+        if len(seq_lens) != len(slots) or new_locs.shape[0] != len(slots):
+            raise HiSparseMemoryError(
+                f"decode step of {len(slots)} request slots with {len(seq_lens)} seq_lens and "
+                f"{new_locs.shape[0]} new locations; pass one of each per slot."
+            )
         records = [self._record(slot) for slot in slots]
+        if len(set(slots)) != len(slots):
+            repeated = sorted({slot for slot in slots if list(slots).count(slot) > 1})
+            raise HiSparseMemoryError(
+                f"decode step lists request slot(s) {repeated[:8]} more than once; each request decodes one "
+                f"token per step."
+            )
         for record, seq_len in zip(records, seq_lens):
             if seq_len != record.seq_len + 1:
                 raise HiSparseMemoryError(
                     f"request slot {record.slot}: decode step to length {seq_len} but the coordinator has "
                     f"{record.seq_len} tokens (one step at a time)."
                 )
-        self._backup_previous_tokens(records)
-        before = self._switch_counts()
-        started = time.perf_counter()
-        self._marks = [("start", started)]
-        self._switch_modes(records)
-        switched = self._switch_counts() != before
-        if switched:
-            self._note_switch_time("decode step", time.perf_counter() - started, before)
-        self._assign_new_rows(records, new_locs)
-        for record in records:
-            record.seq_len += 1
-        self._last_backup = self.streams.record(self.streams.backup)
-        if switched:
-            # Rows freed this step may still be read by this step's copies: order everything later
-            # (every forward waits for the schedule stream) after them.
-            self._fence_copies()
-        # An offloaded request writes its new token over the row whose old token is being backed
-        # up; a resident request writes a fresh row, so its forward need not wait for the copy.
-        if switched or any(record.mode == OFFLOADED for record in records):
-            self._forward_must_wait = self._last_backup
-        spent = time.perf_counter() - entered
-        self._step_host = (self._step_host[0] + spent, max(self._step_host[1], spent), self._step_host[2] + 1)
+        return records
+
+    def _short_of_pages(self, records: list[RequestRecord]) -> bool:
+        """Whether the resident requests starting a page this step need more pages than are free."""
+        free = self.allocator.device_rows.free_pages
+        page = self.page_size
+        return free < len(records) and sum(1 for r in records if r.mode == RESIDENT and r.seq_len % page == 0) > free
 
     def swap_in(
         self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, layer_id: int
@@ -304,6 +334,16 @@ class Coordinator:
         """Device rows of one layer's top-k tokens (int32 ``[B, K]``, -1 for padding)."""
         batch = top_k.shape[0]
         out = self.top_k_rows[:batch]
+        # The layer's new KV is written: back it up before this layer's swap-in reuses any row.
+        self.ops.backup_newest(
+            req_pool_indices,
+            seq_lens,
+            self.num_real_reqs,
+            self.req_to_token,
+            self.allocator.device_row_of_loc,
+            self.device_layers[layer_id],
+            self.host_layers[layer_id],
+        )
         return self.ops.swap_in(
             top_k,
             seq_lens,
@@ -324,10 +364,9 @@ class Coordinator:
         )
 
     def wait_for_pending_backup(self) -> None:
-        """Order the current stream (the forward) after this step's copies when it overwrites their rows."""
-        if self._forward_must_wait is not None:
-            self._forward_must_wait.wait_on_current_stream()
-            self._forward_must_wait = None
+        """SGLang calls this before each decode forward. Nothing to wait for: the forward backs up
+        its own new tokens (``backup_newest``), so no copy of an earlier step is in flight that
+        the forward could overwrite."""
 
     def _fence_copies(self) -> None:
         """Order later work of the current stream (and every forward) after the copies in flight,
@@ -373,20 +412,17 @@ class Coordinator:
         if record.promotion is not None:
             self._cancel_promotion(record)
         if record.mode == OFFLOADED:
+            self._num_offloaded -= 1
             self._free_buffer(slot)
             self.allocator.unmap_(self.req_to_token[slot, : record.seq_len])
 
     def retract(self, slot: int) -> None:
         """End a request whose KV the scheduler keeps to resume it later (PD decode retraction).
 
-        The token decoded last is backed up only at the next step otherwise; this copies it to
-        the host and waits, so that the host rows hold positions ``[0, seq_len)`` when the
-        scheduler reads them, then releases the request like :meth:`finish`.
+        Its host rows hold positions ``[0, seq_len)`` once the forward that wrote the newest token
+        is done (it backs the token up itself); SGLang reads them after synchronizing the device
+        (``HiSparseTokenAllocator.get_cpu_copy``). Released like :meth:`finish`.
         """
-        record = self.requests.get(slot)
-        if record is not None and slot not in self.pending and record.host_len < record.seq_len:
-            self._backup_previous_tokens([record])
-            self.streams.record(self.streams.backup).synchronize()
         self.finish(slot)
 
     # ================================================================== capacity
@@ -407,9 +443,11 @@ class Coordinator:
         page when its new token starts one, unless it can be demoted instead. The scheduler
         retracts requests while this is False (SGLang's ``check_decode_mem``).
         """
-        records = [self.requests[slot] for slot in slots]
-        needing = [r for r in records if self._starts_page(r)]
         free = self.allocator.device_rows.free_pages
+        if len(slots) <= free:  # even if every request started a page (the common case: no scan)
+            return True
+        records = [self._record(slot) for slot in slots]
+        needing = [r for r in records if self._starts_page(r)]
         if len(needing) <= free:
             return True
         return sum(not self._demotable(r) for r in needing) <= free + self.reclaimable_pages()
@@ -499,44 +537,12 @@ class Coordinator:
         )
 
     # ================================================================== internals: decode step
-    def _backup_previous_tokens(self, records: list[RequestRecord]) -> None:
-        """Copy each request's tokens not yet on host (the previous token after a decode step) to
-        host, on the backup stream; the rows are looked up now, before any mode switch."""
-        slots, positions, offloaded = [], [], []
-        for record in records:
-            if record.host_len == record.seq_len:
-                continue
-            is_offloaded = record.mode == OFFLOADED
-            if is_offloaded and record.host_len != record.seq_len - 1:
-                raise HiSparseMemoryError(
-                    f"request slot {record.slot}: offloaded with positions {record.host_len}.."
-                    f"{record.seq_len - 1} not on host; only the newest may be missing."
-                )
-            for position in range(record.host_len, record.seq_len):
-                slots.append(record.slot)
-                positions.append(position)
-                offloaded.append(int(is_offloaded))
-            record.host_len = record.seq_len
-        if not slots:
-            return
-        rows = self.ops.backup_rows(
-            upload_ints([slots, positions, offloaded], self.device),
-            self.req_to_token,
-            self.allocator.device_row_of_loc,
-            self.buffers.buffer_of_req,
-            self.buffers.slot_rows,
-            self.buffer_size,
-        )
-        with self.streams.on(self.streams.backup):
-            self.ops.copy_rows(self.device_layers, self.host_layers, rows[0], rows[1])
-            self.streams.keep_alive(rows, self.streams.backup)
-
     def _switch_modes(self, records: list[RequestRecord]) -> None:
         """Finish promotions, force or relieve demotions, start promotions (bounded per step)."""
         step = self.streams.step
         switching = False
 
-        promoting = [r for r in self.requests.values() if r.promotion is not None]
+        promoting = [self.requests[slot] for slot in sorted(self._promoting)]
         done = self.agree([r.promotion.event.query() for r in promoting]) if promoting else []
         for record, finished in zip(promoting, done):
             if finished:
@@ -556,7 +562,7 @@ class Coordinator:
 
         needed = self._relieve_pressure(records)
 
-        if self.config.resident_first:
+        if self.config.resident_first and self._num_offloaded:
             self._start_promotions(needed, step)
 
     def _relieve_pressure(self, records: list[RequestRecord]) -> int:
@@ -573,8 +579,8 @@ class Coordinator:
                 self.streams.wait_for_producer()
                 self._fence_copies()
                 synced = True
-            promoting = [r for r in self.requests.values() if r.promotion is not None]
-            if promoting:
+            if self._promoting:
+                promoting = [self.requests[slot] for slot in sorted(self._promoting)]
                 self._cancel_promotion(max(promoting, key=lambda r: r.promotion.pages.numel()))
                 continue
             needing = {r.slot for r in records if self._starts_page(r)}
@@ -596,20 +602,23 @@ class Coordinator:
         return sum(1 for r in records if self._starts_page(r))
 
     def _assign_new_rows(self, records: list[RequestRecord], new_locs: torch.Tensor) -> None:
-        """Bind every new token to its device row (one launch): a resident request's continues its
-        page or starts a new one, an offloaded request's is its buffer's slot ``D``."""
-        slots, positions, kinds = [], [], []
+        """Bind the new tokens that need it, in one launch: an offloaded request's goes to its
+        buffer's slot ``D``; a resident request starting a page gets a fresh device page, mapped
+        whole. A resident request continuing its page needs nothing (the page was mapped whole)."""
+        batch_rows, slots, kinds = [], [], []
         num_pages = 0
-        for record in records:
-            slots.append(record.slot)
-            positions.append(record.seq_len)
+        for row, record in enumerate(records):
             if record.mode == OFFLOADED:
                 kinds.append(BIND_BUFFER_SLOT)
             elif record.seq_len % self.page_size == 0:
                 kinds.append(num_pages)
                 num_pages += 1
             else:
-                kinds.append(BIND_CONTINUE)
+                continue
+            batch_rows.append(row)
+            slots.append(record.slot)
+        if not slots:
+            return
         if num_pages > self.allocator.device_rows.free_pages:
             raise PoolExhaustedError(
                 f"device KV pool exhausted while binding new tokens: {num_pages} resident request(s) start a "
@@ -617,10 +626,9 @@ class Coordinator:
             )
         pages = self.allocator.device_rows.alloc_pages(num_pages) if num_pages else self._no_pages
         self.ops.bind_rows(
-            upload_ints([slots, positions, kinds], self.device),
+            upload_ints([batch_rows, slots, kinds], self.device),
             new_locs.to(torch.int64),
             pages,
-            self.req_to_token,
             self.allocator.device_row_of_loc,
             self.buffers.buffer_of_req,
             self.buffers.slot_rows,
@@ -708,6 +716,7 @@ class Coordinator:
         self._mark("buffer")
         record.mode = OFFLOADED
         record.mode_step = self.streams.step
+        self._num_offloaded += 1
         self.demotions += 1
 
     def _start_promotions(self, pages_reserved: int, step: int) -> None:
@@ -737,15 +746,15 @@ class Coordinator:
             pages = self.allocator.device_rows.alloc_pages(pages_needed)
             locs = self.req_to_token[record.slot, :covered].to(torch.int64)
             rows = self.allocator.device_rows.page_rows(pages)[:covered]
+            # Positions up to the newest are on the host once the forward in flight (the producer,
+            # which backs its new tokens up) is done: streams.on orders the copy after it.
             with self.streams.on(self.streams.promotion):
-                if self.streams.backup is not None:
-                    # This step's backup of the previous token runs on the backup stream.
-                    self.streams.promotion.wait_stream(self.streams.backup)
                 self.ops.copy_rows(self.host_layers, self.device_layers, locs, rows)
                 event = self.streams.record(self.streams.promotion)
                 self.streams.keep_alive(locs, self.streams.promotion)
                 self.streams.keep_alive(rows, self.streams.promotion)
             record.promotion = _Promotion(pages=pages, covered=covered, event=event)
+            self._promoting.add(record.slot)
             started += 1
 
     def _complete_promotion(self, record: RequestRecord) -> None:
@@ -763,17 +772,21 @@ class Coordinator:
         rows = self.allocator.device_rows.page_rows(pages)[:total]
         locs = self.req_to_token[record.slot, :total].to(torch.int64)
         if total > promotion.covered:
-            # Tokens decoded while the promotion copy ran; same stream as this step's backups.
+            # Tokens decoded while the promotion copy ran (on the host once the forward in flight
+            # is done: streams.on orders the copy after it).
             with self.streams.on(self.streams.backup):
                 self.ops.copy_rows(
                     self.host_layers, self.device_layers, locs[promotion.covered :], rows[promotion.covered :]
                 )
+                self._last_backup = self.streams.record(self.streams.backup)
                 self.streams.keep_alive(locs, self.streams.backup)
                 self.streams.keep_alive(rows, self.streams.backup)
         self._free_buffer(record.slot)
-        self.allocator.map_(locs, rows)
+        self.allocator.map_request_pages_(locs, pages)
         record.mode = RESIDENT
         record.promotion = None
+        self._promoting.discard(record.slot)
+        self._num_offloaded -= 1
         record.mode_step = self.streams.step
         self.promotions += 1
 
@@ -782,6 +795,7 @@ class Coordinator:
         promotion.event.wait_on_current_stream()
         self.allocator.device_rows.free_pages_(promotion.pages)
         record.promotion = None
+        self._promoting.discard(record.slot)
         self.promotion_cancels += 1
 
     def _alloc_pages_with_reclaim(self, count: int) -> torch.Tensor:
@@ -806,3 +820,11 @@ class Coordinator:
             raise HiSparseMemoryError(f"request slot {slot} is already admitted.")
         if not 0 <= slot < self.buffers.num_req_slots:
             raise HiSparseMemoryError(f"request slot {slot} is outside [0, {self.buffers.num_req_slots}).")
+
+    def _check_length(self, slot: int, length: int, name: str) -> None:
+        """A new request's KV length: at least one token, within its slot's context."""
+        context = self.req_to_token.shape[1]
+        if not 1 <= length <= context:
+            raise HiSparseMemoryError(
+                f"request slot {slot}: {name} must be in [1, {context}] (the request slot's context), got {length}."
+            )

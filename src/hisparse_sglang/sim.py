@@ -273,8 +273,10 @@ class SimulatedServer:
                 self._check_buffer(request, buffer_id)
                 if record.promotion is not None:
                     owned_rows.append(self.allocator.device_rows.page_rows(record.promotion.pages))
-            host = self.host_pool.layers[0][locs[: record.host_len].cpu()]
-            expected = token_rows(request.uid, torch.arange(record.host_len), 0, self.item_bytes)
+            # Between steps every token is on the host: the prefill's by the staging copy, each
+            # decoded one by the swap-in of the step that wrote it (backup_newest).
+            host = self.host_pool.layers[0][locs.cpu()]
+            expected = token_rows(request.uid, torch.arange(request.seq_len), 0, self.item_bytes)
             assert torch.equal(host, expected), f"host rows of request {request.uid} are wrong"
         assert self.allocator.logical.used_pages == logical_pages, (
             f"host rows leaked: {self.allocator.logical.used_pages} pages allocated, {logical_pages} owned"

@@ -47,30 +47,34 @@ def main() -> int:
 
 
 def decode_rows_match(case) -> bool:
-    """backup_rows and bind_rows on the case's tables: every request, both kinds of row."""
+    """backup_newest and bind_rows on the case's tables: every request, both kinds of binding."""
     slots = case.req_pool_indices.to(torch.int64)
-    offloaded = (case.buffer_of_req[slots] >= 0).to(torch.int64)
-    backup_plan = torch.stack([slots, case.seq_lens.to(torch.int64) - 1, offloaded])
-    kinds = torch.where(offloaded > 0, reference.BIND_BUFFER_SLOT, reference.BIND_CONTINUE).to(torch.int64)
-    kinds[0] = 0  # the first request starts a page
-    bind_plan = torch.stack([slots, case.seq_lens.to(torch.int64), kinds])
-    # new locations past every token's (the kernel may not read what another thread writes)
+    num_real = torch.tensor([slots.numel()], dtype=torch.int32)
+    want_host = case.host_kv.clone()
+    reference.backup_newest(slots, case.seq_lens, num_real, case.req_to_token, case.device_row_of_loc, case.device_kv,
+                            want_host)
+    got_host = case.host_kv.clone().pin_memory()
+    ops.backup_newest(slots.cuda(), case.seq_lens.cuda(), num_real.cuda(), case.req_to_token.cuda(),
+                      case.device_row_of_loc.cuda(), case.device_kv.cuda(), got_host)
+    offloaded = case.buffer_of_req[slots] >= 0
+    kinds = torch.where(offloaded, reference.BIND_BUFFER_SLOT, 0).to(torch.int64)
+    bind_plan = torch.stack([torch.arange(slots.numel()), slots, kinds])
+    # new page starts past every token's location (the kernel may not read what another thread writes)
     num_locs = case.device_row_of_loc.numel() - 1
-    new_locs = torch.arange(num_locs, num_locs + slots.numel(), dtype=torch.int64)
-    row_of_loc = torch.cat([case.device_row_of_loc[:-1], torch.zeros(slots.numel() + 1, dtype=torch.int32)])
+    first = -(-num_locs // 64) * 64
+    new_locs = first + 64 * torch.arange(slots.numel(), dtype=torch.int64)
+    row_of_loc = torch.cat([case.device_row_of_loc[:-1], torch.zeros(first - num_locs + 64 * slots.numel() + 1,
+                                                                     dtype=torch.int32)])
     row_of_loc[-1] = -1
     pages = torch.tensor([7], dtype=torch.int64)
-    tables = (case.req_to_token, row_of_loc, case.buffer_of_req, case.slot_rows)
-    want_rows = reference.backup_rows(backup_plan, *tables, case.slot_tokens.shape[1])
     want_map = row_of_loc.clone()
-    reference.bind_rows(bind_plan, new_locs, pages, case.req_to_token, want_map, case.buffer_of_req, case.slot_rows,
+    reference.bind_rows(bind_plan, new_locs, pages, want_map, case.buffer_of_req, case.slot_rows,
                         case.slot_tokens.shape[1], 64)
-    gpu = [t.cuda() for t in tables]
-    got_rows = ops.backup_rows(backup_plan.cuda(), *gpu, case.slot_tokens.shape[1])
-    ops.bind_rows(bind_plan.cuda(), new_locs.cuda(), pages.cuda(), gpu[0], gpu[1], gpu[2], gpu[3],
-                  case.slot_tokens.shape[1], 64)
+    got_map = row_of_loc.cuda()
+    ops.bind_rows(bind_plan.cuda(), new_locs.cuda(), pages.cuda(), got_map, case.buffer_of_req.cuda(),
+                  case.slot_rows.cuda(), case.slot_tokens.shape[1], 64)
     torch.cuda.synchronize()
-    if not torch.equal(want_rows, got_rows.cpu()) or not torch.equal(want_map, gpu[1].cpu()):
+    if not torch.equal(want_host, got_host) or not torch.equal(want_map, got_map.cpu()):
         print("MISMATCH decode rows")
         return False
     return True

@@ -229,7 +229,7 @@ def test_copy_rows_every_layer_both_directions(row_bytes, index_dtype):
     dst = torch.randperm(200)[:97]
     ops.copy_rows(host, device, src.to("cuda", index_dtype), dst.to("cuda", index_dtype))
     back = [torch.zeros((300, row_bytes), dtype=torch.uint8).pin_memory() for _ in range(layers)]
-    ops.eager_backup(device, back, dst.to("cuda", index_dtype), src.to("cuda", index_dtype))
+    ops.copy_rows(device, back, dst.to("cuda", index_dtype), src.to("cuda", index_dtype))
     torch.cuda.synchronize()
     for layer in range(layers):
         expected = torch.full((200, row_bytes), POISON, dtype=torch.uint8)

@@ -6,8 +6,10 @@
   extra trailing entry equal to -1, so translating location -1 (a padded top-k entry) gives -1.
 
 Device rows are paged like logical locations: while a request is resident, each of its logical
-pages maps onto one device page with the same in-page offsets, so a continuing token's row is
-the previous row plus one and a request frees whole device pages.
+pages maps onto one device page with the same in-page offsets, and the whole page is mapped at
+once when it is allocated (also its locations the request has not reached yet), so a decode token
+that continues a page needs no binding. Pages are freed whole: freeing a location frees its
+logical page, unmaps every location of it, and frees the device page it maps to.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hisparse_sglang.errors import HiSparseMemoryError
-from hisparse_sglang.memory.paged import PagedAllocator
+from hisparse_sglang.memory.paged import PagedAllocator, extend_layout, upload
 
 __all__ = ["KVAllocator", "PoolStats"]
 
@@ -87,6 +89,24 @@ class KVAllocator:
     def map_(self, locs: torch.Tensor, rows: torch.Tensor) -> None:
         self.device_row_of_loc[locs.to(torch.int64)] = rows.to(torch.int32)
 
+    def map_pages_(self, first_locs: torch.Tensor, first_rows: torch.Tensor) -> None:
+        """Map whole pages: ``first_locs[i] + j`` to ``first_rows[i] + j`` for ``j < page_size``
+        (both page starts, on ``device``)."""
+        offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        locs = (first_locs.reshape(-1, 1).to(torch.int64) + offsets).reshape(-1)
+        rows = (first_rows.reshape(-1, 1).to(torch.int64) + offsets).reshape(-1)
+        self.map_(locs, rows)
+
+    def map_request_pages_(self, locs: torch.Tensor, pages: torch.Tensor) -> None:
+        """Map a request's logical pages onto device ``pages`` whole.
+
+        Args:
+            locs: its locations in position order from position 0 (``req_to_token`` row), so that
+                every ``page_size``-th one is the start of its next logical page.
+            pages: device page ids, one per logical page, in order.
+        """
+        self.map_pages_(locs[:: self.page_size], pages.to(torch.int64) * self.page_size)
+
     def unmap_(self, locs: torch.Tensor) -> None:
         # `t[idx] = 0` made demotions wait 16-22 ms behind a running prefill on an H100 (the scalar
         # travels to the GPU as a CPU tensor); index_fill_ passes it as a kernel argument.
@@ -117,7 +137,12 @@ class KVAllocator:
         if rows is None:  # cannot happen after the check above; keep both spaces consistent anyway
             self.logical.free_locs(locs)
             return None
-        self.map_(locs, rows)
+        # Tokens that continue a page were mapped with it; every new page is mapped whole.
+        _, _, new_page_slot, _ = extend_layout(prefix_lens_cpu, seq_lens_cpu, self.page_size)
+        starts = torch.nonzero((new_page_slot >= 0) & (new_page_slot % self.page_size == 0)).reshape(-1)
+        if starts.numel():
+            starts = upload(starts, self.device)
+            self.map_pages_(locs[starts], rows[starts])
         return locs
 
     def alloc_decode(self, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
@@ -125,16 +150,20 @@ class KVAllocator:
         return self.logical.alloc_decode(seq_lens_cpu, last_loc)
 
     def free(self, locs: torch.Tensor) -> None:
-        """Free the logical pages of ``locs`` and the device pages they map to."""
+        """Free the logical pages of ``locs`` whole: unmap all their locations and free the device
+        pages they map to (a resident request's page start maps to its device page's start)."""
         locs = locs.reshape(-1).to(torch.int64)
         if locs.numel() == 0:
             return
-        rows = self.translate(locs)
+        pages = torch.unique(locs // self.page_size)
+        starts = pages * self.page_size
+        rows = self.translate(starts)
         mapped = rows[rows > 0].to(torch.int64)
         if mapped.numel():
-            self.device_rows.free_pages_(torch.unique(mapped // self.page_size))
-        self.unmap_(locs)
-        self.logical.free_locs(locs)
+            self.device_rows.free_pages_(mapped // self.page_size)
+        offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        self.unmap_((starts.reshape(-1, 1) + offsets).reshape(-1))
+        self.logical.free_pages_(pages)
 
     def free_device_pages(self, pages: torch.Tensor) -> None:
         """Free distinct device pages (ids, not rows) without waiting for the GPU: the count is

@@ -13,16 +13,11 @@ from typing import Sequence
 
 import torch
 
-__all__ = [
-    "swap_in", "copy_rows", "eager_backup", "backup_rows", "bind_rows", "AGE_CAP", "BIND_CONTINUE", "BIND_BUFFER_SLOT",
-]
+__all__ = ["swap_in", "copy_rows", "backup_newest", "bind_rows", "AGE_CAP", "BIND_BUFFER_SLOT"]
 
 
 AGE_CAP = 32767
 """Ages (steps since a slot's last use) are capped here: older slots count as this old."""
-
-BIND_CONTINUE = -1
-"""Bind kind of a resident request's new token that continues its page: the previous token's row + 1."""
 
 BIND_BUFFER_SLOT = -2
 """Bind kind of an offloaded request's new token: slot ``D`` of its buffer."""
@@ -203,84 +198,90 @@ def copy_rows(
         dst[dst_index] = src[src_index].to(dst.device)
 
 
-def eager_backup(
-    device_layers: Sequence[torch.Tensor],
-    host_layers: Sequence[torch.Tensor],
-    device_rows: torch.Tensor,
-    host_rows: torch.Tensor,
-) -> None:
-    """Copy the given device rows of every layer to the given host rows (the newest tokens' KV)."""
-    copy_rows(device_layers, host_layers, device_rows, host_rows)
-
-
-def backup_rows(
-    plan: torch.Tensor,
+def backup_newest(
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_real_reqs: torch.Tensor,
     req_to_token: torch.Tensor,
     device_row_of_loc: torch.Tensor,
-    buffer_of_req: torch.Tensor,
-    slot_rows: torch.Tensor,
-    buffer_size: int,
-) -> torch.Tensor:
-    """Source and destination rows of the eager backup of a decode step.
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+) -> None:
+    """Back up one layer's newest token of every request: ``host_kv[loc] = device_kv[row]``.
+
+    For each real batch row ``b`` (``b < num_real_reqs[0]``) the newest token is at position
+    ``seq_lens[b] - 1`` of request slot ``req_pool_indices[b]``; its host row is its logical
+    location ``loc = req_to_token[slot, position]`` and its device row ``device_row_of_loc[loc]``.
+    Tokens without a device row (0) are skipped. The forward calls this per layer after it wrote
+    the layer's new KV, so the host pool holds every token a step has written once the step ends.
 
     Args:
-        plan: int64 ``[3, n]``: request slot, token position, and 1 if the request is offloaded
-            (its token is the newest one, held in slot ``D`` of its buffer) or 0 if it is
-            resident (the token's row is ``device_row_of_loc`` of its location).
-        req_to_token, device_row_of_loc, buffer_of_req, slot_rows: as in :func:`swap_in`.
-        buffer_size: ``D``.
-
-    Returns:
-        int64 ``[2, n]``: the device row and the host row (= logical location) of each token.
+        req_pool_indices: int64 ``[B]``.
+        seq_lens: int64 ``[B]``, lengths including the newest token.
+        num_real_reqs: int32 ``[1]``.
+        req_to_token, device_row_of_loc: as in :func:`swap_in`.
+        device_kv: ``[rows, ...]`` one layer's device KV rows.
+        host_kv: ``[N, ...]`` the same layer's host rows, same row layout.
     """
-    slots, positions, offloaded = plan.to(torch.int64)
-    host_rows = req_to_token[slots, positions].to(torch.int64)
-    device_rows = device_row_of_loc[host_rows].to(torch.int64)
-    newest_rows = _newest_slot_rows(slots, buffer_of_req, slot_rows, buffer_size)
-    if newest_rows is not None:
-        device_rows = torch.where(offloaded != 0, newest_rows, device_rows)
-    return torch.stack([device_rows, host_rows])
+    real = min(int(num_real_reqs.reshape(-1)[0]), req_pool_indices.numel())
+    if real <= 0:
+        return
+    slots = req_pool_indices[:real].to(torch.int64)
+    positions = seq_lens[:real].to(torch.int64) - 1
+    valid = positions >= 0
+    locs = req_to_token[slots[valid], positions[valid]].to(torch.int64)
+    rows = device_row_of_loc[locs].to(torch.int64)
+    on_device = rows > 0
+    locs, rows = locs[on_device], rows[on_device]
+    host_kv[locs.to(host_kv.device)] = device_kv[rows.to(device_kv.device)].to(host_kv.device)
 
 
 def bind_rows(
     plan: torch.Tensor,
     new_locs: torch.Tensor,
     new_pages: torch.Tensor,
-    req_to_token: torch.Tensor,
     device_row_of_loc: torch.Tensor,
     buffer_of_req: torch.Tensor,
     slot_rows: torch.Tensor,
     buffer_size: int,
     page_size: int,
 ) -> None:
-    """Bind each new token of a decode step to the device row its KV is written to.
+    """Bind the new tokens of a decode step that need it to the device rows their KV goes to.
 
-    Sets ``device_row_of_loc[new_locs[i]]`` to, by kind ``plan[2, i]``:
+    Entry ``i`` is the new token of batch row ``b = plan[0, i]`` (request slot ``plan[1, i]``),
+    at location ``loc = new_locs[b]``. By kind ``plan[2, i]``:
 
-    * ``k >= 0``: the first row of device page ``new_pages[k]`` (a resident request whose new
-      token starts a page);
-    * :data:`BIND_CONTINUE`: the row after the row of the previous position (a resident request
-      continuing its page);
-    * :data:`BIND_BUFFER_SLOT`: slot ``D`` of the request's buffer (an offloaded request).
+    * ``k >= 0``: the new token starts a page of a resident request: every location of its
+      logical page, ``loc + j`` for ``j < page_size``, is mapped to row ``j`` of device page
+      ``new_pages[k]``, so the page's later tokens need no binding;
+    * :data:`BIND_BUFFER_SLOT`: ``device_row_of_loc[loc]`` becomes slot ``D`` of the request's
+      buffer (an offloaded request).
+
+    A resident request's token that continues its page is not in the plan: its location was
+    mapped when the page started (or when the request became resident).
 
     Args:
-        plan: int64 ``[3, n]``: request slot, position of the new token, kind.
-        new_locs: int64 ``[n]``, distinct logical locations of the new tokens.
+        plan: int64 ``[3, n]``: batch row, request slot, kind; batch rows distinct.
+        new_locs: int64 ``[B]``, the logical location of each batch row's new token; page starts
+            for the rows of kind ``>= 0``.
         new_pages: int64 ``[pages]``, device page ids the kinds ``>= 0`` index.
-        req_to_token, device_row_of_loc, buffer_of_req, slot_rows: as in :func:`swap_in`.
+        device_row_of_loc, buffer_of_req, slot_rows: as in :func:`swap_in`.
         buffer_size: ``D``.
         page_size: ``P``.
     """
-    slots, positions, kinds = plan.to(torch.int64)
-    previous = req_to_token[slots, (positions - 1).clamp(min=0)].to(torch.int64)
-    rows = device_row_of_loc[previous].to(torch.int64) + 1
-    newest_rows = _newest_slot_rows(slots, buffer_of_req, slot_rows, buffer_size)
-    if newest_rows is not None:
-        rows = torch.where(kinds == BIND_BUFFER_SLOT, newest_rows, rows)
-    if new_pages.numel():
-        fresh = new_pages.to(torch.int64)[kinds.clamp(0, new_pages.numel() - 1)] * page_size
-        rows = torch.where(kinds >= 0, fresh, rows)
-    device_row_of_loc[new_locs.to(torch.int64)] = rows.to(device_row_of_loc.dtype)
+    batch_rows, slots, kinds = plan.to(torch.int64)
+    locs = new_locs.to(torch.int64)[batch_rows]
+    on_buffer = kinds == BIND_BUFFER_SLOT
+    if bool(on_buffer.any()):
+        newest_rows = _newest_slot_rows(slots[on_buffer], buffer_of_req, slot_rows, buffer_size)
+        device_row_of_loc[locs[on_buffer]] = newest_rows.to(device_row_of_loc.dtype)
+    starts = kinds >= 0
+    if bool(starts.any()):
+        offsets = torch.arange(page_size, dtype=torch.int64, device=locs.device)
+        page_locs = (locs[starts].reshape(-1, 1) + offsets).reshape(-1)
+        first_rows = new_pages.to(torch.int64)[kinds[starts]] * page_size
+        page_rows = (first_rows.reshape(-1, 1) + offsets).reshape(-1)
+        device_row_of_loc[page_locs] = page_rows.to(device_row_of_loc.dtype)
 
 
 def _newest_slot_rows(

@@ -12,11 +12,11 @@ import torch
 
 from hisparse_sglang.errors import HiSparseError
 from hisparse_sglang.ops.jit import load_module
-from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT, BIND_CONTINUE
+from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT
 
 __all__ = [
-    "swap_in", "copy_rows", "eager_backup", "backup_rows", "bind_rows", "reserve", "choose_splits", "resident_ctas",
-    "DEFAULT_THREADS", "BIND_CONTINUE", "BIND_BUFFER_SLOT",
+    "swap_in", "copy_rows", "backup_newest", "bind_rows", "reserve", "choose_splits", "resident_ctas",
+    "DEFAULT_THREADS", "BIND_BUFFER_SLOT",
 ]
 
 DEFAULT_THREADS = 1024
@@ -225,38 +225,27 @@ def copy_rows(
     )
 
 
-def eager_backup(
-    device_layers: Sequence[torch.Tensor],
-    host_layers: Sequence[torch.Tensor],
-    device_rows: torch.Tensor,
-    host_rows: torch.Tensor,
-) -> None:
-    """Copy the given device rows of every layer to the given host rows, in one launch."""
-    copy_rows(device_layers, host_layers, device_rows, host_rows)
-
-
-def backup_rows(
-    plan: torch.Tensor,
+def backup_newest(
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_real_reqs: torch.Tensor,
     req_to_token: torch.Tensor,
     device_row_of_loc: torch.Tensor,
-    buffer_of_req: torch.Tensor,
-    slot_rows: torch.Tensor,
-    buffer_size: int,
-) -> torch.Tensor:
-    """CUDA twin of :func:`hisparse_sglang.ops.reference.backup_rows` (one launch)."""
-    rows = torch.empty((2, plan.shape[1]), dtype=torch.int64, device=plan.device)
-    load_module().backup_rows(
-        plan, rows, req_to_token, device_row_of_loc, buffer_of_req, slot_rows, buffer_size,
-        torch.cuda.current_stream(plan.device).cuda_stream,
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+) -> None:
+    """CUDA twin of :func:`hisparse_sglang.ops.reference.backup_newest` (one launch, no host
+    work beyond it: CUDA-graph capturable). ``host_kv`` must be pinned."""
+    load_module().backup_newest(
+        req_pool_indices, seq_lens, num_real_reqs, req_to_token, device_row_of_loc, device_kv, host_kv,
+        torch.cuda.current_stream(req_pool_indices.device).cuda_stream,
     )
-    return rows
 
 
 def bind_rows(
     plan: torch.Tensor,
     new_locs: torch.Tensor,
     new_pages: torch.Tensor,
-    req_to_token: torch.Tensor,
     device_row_of_loc: torch.Tensor,
     buffer_of_req: torch.Tensor,
     slot_rows: torch.Tensor,
@@ -265,7 +254,6 @@ def bind_rows(
 ) -> None:
     """CUDA twin of :func:`hisparse_sglang.ops.reference.bind_rows` (one launch)."""
     load_module().bind_rows(
-        plan, new_locs, new_pages, req_to_token, device_row_of_loc, buffer_of_req, slot_rows, buffer_size, page_size,
+        plan, new_locs, new_pages, device_row_of_loc, buffer_of_req, slot_rows, buffer_size, page_size,
         torch.cuda.current_stream(plan.device).cuda_stream,
     )
-
