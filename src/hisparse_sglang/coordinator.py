@@ -43,6 +43,7 @@ import logging
 import time
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from hisparse_sglang.config import HiSparseConfig
@@ -50,7 +51,7 @@ from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
 from hisparse_sglang.memory.allocator import KVAllocator, PoolStats
 from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 from hisparse_sglang.memory.host_pool import HostKVPool
-from hisparse_sglang.memory.paged import upload_ints
+from hisparse_sglang.memory.paged import upload
 from hisparse_sglang.ops import reference
 from hisparse_sglang.ops.layers import LayerSet
 from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT
@@ -74,9 +75,29 @@ class _Promotion:
     event: CopyEvent
 
 
-@dataclasses.dataclass
+class SlotTable:
+    """What the decode step reads and writes of every request, as host arrays indexed by request slot.
+
+    A decode step touches each request of the batch; numpy operations over these arrays cost the
+    same few microseconds at batch size 1 and 64, where per-request Python would not.
+
+    Attributes:
+        seq_len: int64 ``[R]``, the length of each admitted request.
+        offloaded: bool ``[R]``, whether it is offloaded.
+        decoding: bool ``[R]``, admitted and released for decoding (not staging).
+        num_offloaded: how many requests are offloaded.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.seq_len = np.zeros(num_slots, dtype=np.int64)
+        self.offloaded = np.zeros(num_slots, dtype=np.bool_)
+        self.decoding = np.zeros(num_slots, dtype=np.bool_)
+        self.num_offloaded = 0
+
+
 class RequestRecord:
-    """The coordinator's view of one request (CPU only).
+    """The coordinator's view of one request (CPU only); its length and mode live in the
+    coordinator's :class:`SlotTable`.
 
     Attributes:
         slot: SGLang request-pool slot.
@@ -89,12 +110,40 @@ class RequestRecord:
         mode_step: coordinator step of the last mode switch.
     """
 
-    slot: int
-    seq_len: int
-    mode: str
-    staging: CopyEvent | None = None
-    promotion: _Promotion | None = None
-    mode_step: int = 0
+    __slots__ = ("slot", "staging", "promotion", "mode_step", "_table")
+
+    def __init__(self, table: SlotTable, slot: int, seq_len: int, mode: str = RESIDENT,
+                 staging: CopyEvent | None = None, mode_step: int = 0) -> None:
+        self._table = table
+        self.slot = slot
+        self.staging = staging
+        self.promotion: _Promotion | None = None
+        self.mode_step = mode_step
+        table.seq_len[slot] = seq_len
+        table.offloaded[slot] = False
+        self.mode = mode
+
+    @property
+    def seq_len(self) -> int:
+        return int(self._table.seq_len[self.slot])
+
+    @seq_len.setter
+    def seq_len(self, value: int) -> None:
+        self._table.seq_len[self.slot] = value
+
+    @property
+    def mode(self) -> str:
+        return OFFLOADED if self._table.offloaded[self.slot] else RESIDENT
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        offloaded = value == OFFLOADED
+        if bool(self._table.offloaded[self.slot]) != offloaded:
+            self._table.offloaded[self.slot] = offloaded
+            self._table.num_offloaded += 1 if offloaded else -1
+
+    def __repr__(self) -> str:
+        return f"RequestRecord(slot={self.slot}, seq_len={self.seq_len}, mode={self.mode})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,10 +225,10 @@ class Coordinator:
         # The last copy enqueued on the backup stream (the tail of a completed promotion): frees
         # of device rows are ordered after it.
         self._last_backup: CopyEvent | None = None
-        # Slots with a promotion in flight, and the number of offloaded requests: the common decode
-        # step (nothing to promote, nothing promoting) skips the mode-switch scans.
+        self.slots = SlotTable(buffers.num_req_slots)
+        # Slots with a promotion in flight: with none, and no offloaded request, the common decode
+        # step skips the mode-switch scans.
         self._promoting: set[int] = set()
-        self._num_offloaded = 0
         self._counter_mirror = torch.zeros(2, dtype=torch.int64, pin_memory=self.streams.is_cuda)
         self._counter_event: CopyEvent | None = None
         self._counter_values = [0, 0]
@@ -203,7 +252,7 @@ class Coordinator:
             self.streams.keep_alive(locs, self.streams.staging)
             self.streams.keep_alive(rows, self.streams.staging)
         self.requests[slot] = RequestRecord(
-            slot, seq_len=prefill_len, mode=RESIDENT, staging=staging, mode_step=self.streams.step
+            self.slots, slot, prefill_len, RESIDENT, staging=staging, mode_step=self.streams.step
         )
         self.pending.append(slot)
 
@@ -226,6 +275,7 @@ class Coordinator:
         while count < len(flags) and flags[count]:
             count += 1
         ready, self.pending = self.pending[:count], self.pending[count:]
+        self.slots.decoding[ready] = True
         return ready
 
     def has_pending(self) -> bool:
@@ -240,7 +290,7 @@ class Coordinator:
         """
         self._check_new(slot)
         self._check_length(slot, kv_len, "kv_len")
-        record = RequestRecord(slot, seq_len=kv_len, mode=RESIDENT, mode_step=self.streams.step)
+        record = RequestRecord(self.slots, slot, kv_len, RESIDENT, mode_step=self.streams.step)
         locs = self.req_to_token[slot, :kv_len].to(torch.int64)
         pages = self._alloc_pages_with_reclaim(self.direct_admission_pages(kv_len))
         if kv_len - 1 < self.buffer_size:
@@ -251,8 +301,8 @@ class Coordinator:
             self.buffers.acquire(slot, self.allocator.device_rows.page_rows(pages), first_token=None)
             self.allocator.unmap_(locs)
             record.mode = OFFLOADED
-            self._num_offloaded += 1
         self.requests[slot] = record
+        self.slots.decoding[slot] = True
 
     def direct_admission_pages(self, kv_len: int) -> int:
         """Device pages :meth:`admit_direct` takes for a request of ``kv_len`` tokens: every page of
@@ -266,12 +316,15 @@ class Coordinator:
         return self.allocator.device_rows.free_pages + self.reclaimable_pages()
 
     # ================================================================== decode step
-    def prepare_decode(self, slots: Sequence[int], seq_lens: Sequence[int], new_locs: torch.Tensor) -> None:
+    def prepare_decode(self, slots, seq_lens, new_locs: torch.Tensor) -> None:
         """Bind the new token of every request of a decode batch to a device row.
 
+        The common step (every request resident, none starting a page) costs a few numpy
+        operations and launches nothing.
+
         Args:
-            slots: request slots of the batch, distinct.
-            seq_lens: lengths including the new token (its position is ``seq_len - 1``), one per slot.
+            slots: int ``[B]`` request slots of the batch, distinct (a sequence or a numpy array).
+            seq_lens: int ``[B]`` lengths including the new token (its position is ``seq_len - 1``).
             new_locs: int64 ``[B]`` on ``device``: logical location of each new token.
 
         Raises:
@@ -279,20 +332,24 @@ class Coordinator:
                 match the slots, or a request would advance by other than one token.
         """
         entered = time.perf_counter()
-        records = self._decode_records(slots, seq_lens, new_locs)
+        slots = np.asarray(slots, dtype=np.int64)
+        seq_lens = np.asarray(seq_lens, dtype=np.int64)
+        self._check_decode_batch(slots, seq_lens, new_locs)
         self.streams.step += 1
         switched = False
-        if self._promoting or self._num_offloaded or not self.config.resident_first or self._short_of_pages(records):
+        if (
+            self._promoting or self.slots.num_offloaded or not self.config.resident_first
+            or self._short_of_pages(slots, seq_lens)
+        ):
             before = self._switch_counts()
             started = time.perf_counter()
             self._marks = [("start", started)]
-            self._switch_modes(records)
+            self._switch_modes([self.requests[int(slot)] for slot in slots])
             switched = self._switch_counts() != before
             if switched:
                 self._note_switch_time("decode step", time.perf_counter() - started, before)
-        self._assign_new_rows(records, new_locs)
-        for record in records:
-            record.seq_len += 1
+        self._assign_new_rows(slots, seq_lens, new_locs)
+        self.slots.seq_len[slots] = seq_lens
         if switched:
             # Rows freed this step may still be read by copies in flight: order everything later
             # (every forward waits for the schedule stream) after them.
@@ -300,33 +357,44 @@ class Coordinator:
         spent = time.perf_counter() - entered
         self._step_host = (self._step_host[0] + spent, max(self._step_host[1], spent), self._step_host[2] + 1)
 
-    def _decode_records(self, slots: Sequence[int], seq_lens: Sequence[int], new_locs: torch.Tensor) -> list:
-        """The records of a decode batch, after checking the call (cheap: Python ints only)."""
-        if len(seq_lens) != len(slots) or new_locs.shape[0] != len(slots):
+    def _check_decode_batch(self, slots: np.ndarray, seq_lens: np.ndarray, new_locs: torch.Tensor) -> None:
+        """Typed errors for a decode call that does not describe one step of admitted requests."""
+        count = slots.shape[0] if slots.ndim == 1 else -1
+        if count < 0 or seq_lens.shape != slots.shape or new_locs.shape[0] != count:
             raise HiSparseMemoryError(
-                f"decode step of {len(slots)} request slots with {len(seq_lens)} seq_lens and "
+                f"decode step of {slots.size} request slots with {seq_lens.size} seq_lens and "
                 f"{new_locs.shape[0]} new locations; pass one of each per slot."
             )
-        records = [self._record(slot) for slot in slots]
-        if len(set(slots)) != len(slots):
-            repeated = sorted({slot for slot in slots if list(slots).count(slot) > 1})
+        if count == 0:
+            return
+        table = self.slots
+        in_range = (slots >= 0) & (slots < table.decoding.shape[0])
+        if not in_range.all() or not table.decoding[slots[in_range]].all():
+            for slot in slots.tolist():
+                self._record(slot)  # raises, naming the first unknown or staging slot
+        ordered = np.sort(slots)
+        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+        if repeated.size:
             raise HiSparseMemoryError(
-                f"decode step lists request slot(s) {repeated[:8]} more than once; each request decodes one "
-                f"token per step."
+                f"decode step lists request slot(s) {sorted(set(repeated.tolist()))[:8]} more than once; each "
+                f"request decodes one token per step."
             )
-        for record, seq_len in zip(records, seq_lens):
-            if seq_len != record.seq_len + 1:
-                raise HiSparseMemoryError(
-                    f"request slot {record.slot}: decode step to length {seq_len} but the coordinator has "
-                    f"{record.seq_len} tokens (one step at a time)."
-                )
-        return records
+        wrong = np.flatnonzero(table.seq_len[slots] + 1 != seq_lens)
+        if wrong.size:
+            slot, seq_len = int(slots[wrong[0]]), int(seq_lens[wrong[0]])
+            raise HiSparseMemoryError(
+                f"request slot {slot}: decode step to length {seq_len} but the coordinator has "
+                f"{int(table.seq_len[slot])} tokens (one step at a time)."
+            )
 
-    def _short_of_pages(self, records: list[RequestRecord]) -> bool:
+    def _page_starts(self, slots: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+        """bool ``[B]``: resident requests whose new token (position ``seq_len - 1``) starts a page."""
+        return ~self.slots.offloaded[slots] & ((seq_lens - 1) % self.page_size == 0)
+
+    def _short_of_pages(self, slots: np.ndarray, seq_lens: np.ndarray) -> bool:
         """Whether the resident requests starting a page this step need more pages than are free."""
         free = self.allocator.device_rows.free_pages
-        page = self.page_size
-        return free < len(records) and sum(1 for r in records if r.mode == RESIDENT and r.seq_len % page == 0) > free
+        return free < slots.shape[0] and int(np.count_nonzero(self._page_starts(slots, seq_lens))) > free
 
     def swap_in(
         self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, layer_id: int
@@ -412,9 +480,10 @@ class Coordinator:
         if record.promotion is not None:
             self._cancel_promotion(record)
         if record.mode == OFFLOADED:
-            self._num_offloaded -= 1
             self._free_buffer(slot)
             self.allocator.unmap_(self.req_to_token[slot, : record.seq_len])
+        record.mode = RESIDENT  # keeps SlotTable.num_offloaded exact
+        self.slots.decoding[slot] = False
 
     def retract(self, slot: int) -> None:
         """End a request whose KV the scheduler keeps to resume it later (PD decode retraction).
@@ -562,7 +631,7 @@ class Coordinator:
 
         needed = self._relieve_pressure(records)
 
-        if self.config.resident_first and self._num_offloaded:
+        if self.config.resident_first and self.slots.num_offloaded:
             self._start_promotions(needed, step)
 
     def _relieve_pressure(self, records: list[RequestRecord]) -> int:
@@ -601,32 +670,26 @@ class Coordinator:
     def _pages_needed_for_new_tokens(self, records: list[RequestRecord]) -> int:
         return sum(1 for r in records if self._starts_page(r))
 
-    def _assign_new_rows(self, records: list[RequestRecord], new_locs: torch.Tensor) -> None:
+    def _assign_new_rows(self, slots: np.ndarray, seq_lens: np.ndarray, new_locs: torch.Tensor) -> None:
         """Bind the new tokens that need it, in one launch: an offloaded request's goes to its
         buffer's slot ``D``; a resident request starting a page gets a fresh device page, mapped
         whole. A resident request continuing its page needs nothing (the page was mapped whole)."""
-        batch_rows, slots, kinds = [], [], []
-        num_pages = 0
-        for row, record in enumerate(records):
-            if record.mode == OFFLOADED:
-                kinds.append(BIND_BUFFER_SLOT)
-            elif record.seq_len % self.page_size == 0:
-                kinds.append(num_pages)
-                num_pages += 1
-            else:
-                continue
-            batch_rows.append(row)
-            slots.append(record.slot)
-        if not slots:
+        offloaded = self.slots.offloaded[slots]
+        starts = self._page_starts(slots, seq_lens)
+        rows = np.flatnonzero(offloaded | starts)
+        if not rows.size:
             return
+        num_pages = int(np.count_nonzero(starts))
         if num_pages > self.allocator.device_rows.free_pages:
             raise PoolExhaustedError(
                 f"device KV pool exhausted while binding new tokens: {num_pages} resident request(s) start a "
                 f"page, {self.allocator.device_rows.free_pages} page(s) free."
             )
         pages = self.allocator.device_rows.alloc_pages(num_pages) if num_pages else self._no_pages
+        kinds = np.where(offloaded[rows], BIND_BUFFER_SLOT, np.cumsum(starts[rows]) - 1)
+        plan = np.stack([rows, slots[rows], kinds]).astype(np.int64)
         self.ops.bind_rows(
-            upload_ints([batch_rows, slots, kinds], self.device),
+            upload(torch.from_numpy(plan), self.device),
             new_locs.to(torch.int64),
             pages,
             self.allocator.device_row_of_loc,
@@ -716,7 +779,6 @@ class Coordinator:
         self._mark("buffer")
         record.mode = OFFLOADED
         record.mode_step = self.streams.step
-        self._num_offloaded += 1
         self.demotions += 1
 
     def _start_promotions(self, pages_reserved: int, step: int) -> None:
@@ -786,7 +848,6 @@ class Coordinator:
         record.mode = RESIDENT
         record.promotion = None
         self._promoting.discard(record.slot)
-        self._num_offloaded -= 1
         record.mode_step = self.streams.step
         self.promotions += 1
 

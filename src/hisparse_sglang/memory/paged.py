@@ -11,6 +11,7 @@ The API follows SGLang's paged-allocator semantics so that the SGLang adapter ca
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
@@ -264,22 +265,22 @@ class PagedAllocator:
     def alloc_decode(self, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
         """One row per request for the token at position ``seq_lens[b] - 1``.
 
+        Runs on every decode step before the step is launched: with no new page (the common case)
+        it is one launch; the page decisions are made on the CPU in numpy.
+
         Args:
-            seq_lens_cpu: int64 ``[B]`` on the CPU, lengths including the new token.
-            last_loc: int64 ``[B]`` on ``device``, the row of position ``seq_lens[b] - 2``.
+            seq_lens_cpu: int ``[B]`` on the CPU, lengths including the new token.
+            last_loc: int32/int64 ``[B]`` on ``device``, the row of position ``seq_lens[b] - 2``.
 
         Returns:
             int64 ``[B]`` rows on ``device``, or None if there are not enough free pages.
         """
-        seq_lens_cpu = seq_lens_cpu.to(device="cpu", dtype=torch.int64).reshape(-1)
-        needs_page = (seq_lens_cpu - 1) % self.page_size == 0
-        num_new_pages = int(needs_page.sum())
-        if num_new_pages > self._num_free:
+        lens = seq_lens_cpu.reshape(-1).numpy() if isinstance(seq_lens_cpu, torch.Tensor) else np.asarray(seq_lens_cpu)
+        starts = np.flatnonzero((lens - 1) % self.page_size == 0)
+        if starts.size > self._num_free:
             return None
-        pages = self.alloc_pages(num_new_pages)
-        if num_new_pages == 0:
-            return last_loc.to(torch.int64) + 1
-        ordinal = (torch.cumsum(needs_page.to(torch.int64), 0) - 1).clamp(min=0)
-        plan = upload(torch.stack([needs_page.to(torch.int64), ordinal]), self.device)
-        fresh = pages[plan[1]] * self.page_size
-        return torch.where(plan[0] > 0, fresh, last_loc.to(torch.int64) + 1)
+        rows = torch.add(last_loc.reshape(-1), 1, out=torch.empty(lens.shape[0], dtype=torch.int64, device=self.device))
+        if starts.size:
+            pages = self.alloc_pages(int(starts.size))
+            rows.index_copy_(0, upload(torch.from_numpy(starts.astype(np.int64)), self.device), pages * self.page_size)
+        return rows
