@@ -64,7 +64,7 @@ def build(batch: int, mode: str, ops) -> SimulatedServer:
     pages_per_request = -(-(PROMPT + 400) // PAGE)
     server = SimulatedServer(
         config, layer_num=LAYERS, item_bytes=ITEM_BYTES, device_pages=batch * pages_per_request + 64,
-        max_reqs=batch + 1, max_context=PROMPT + 512, verify=False, ops=ops, device="cuda",
+        max_reqs=batch + 1, max_context=PROMPT + 512, verify=False, ops=ops, device="cuda", checked=False,
     )
     for _ in range(batch):
         if server.add_request(PROMPT, 400) is None:

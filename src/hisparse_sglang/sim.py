@@ -78,6 +78,8 @@ class SimulatedServer:
         cpu_event_delay_steps: steps before a CPU copy reports completion (exercises in-flight states).
         verify: check every returned row against the token it must hold.
         ops: the op module (reference by default).
+        device: where the device pools and tables live.
+        checked: verify every free against an ownership table (a host sync per call on a GPU).
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class SimulatedServer:
         verify: bool = True,
         ops=reference,
         device: str = "cpu",
+        checked: bool = True,
     ) -> None:
         self.config = config
         self.layer_num = layer_num
@@ -105,7 +108,9 @@ class SimulatedServer:
         self.rng = random.Random(seed)
         self.torch_rng = torch.Generator().manual_seed(seed)
         host_pages = device_pages * config.host_to_device_ratio
-        self.allocator = KVAllocator(host_pages, device_pages, config.page_size, device, checked=True)
+        # checked: every free is verified against an ownership table (a host sync per call on a GPU);
+        # benchmarks of the decode step's host time turn it off.
+        self.allocator = KVAllocator(host_pages, device_pages, config.page_size, device, checked=checked)
         num_buffers = (device_pages - 1) * config.page_size // config.padded_buffer_size
         self.buffers = DeviceBufferPool(
             layer_num, max_reqs, max(num_buffers, 1), config.device_buffer_size, config.page_size, max_context, device
