@@ -78,21 +78,75 @@ class _Promotion:
 class SlotTable:
     """What the decode step reads and writes of every request, as host arrays indexed by request slot.
 
-    A decode step touches each request of the batch; numpy operations over these arrays cost the
-    same few microseconds at batch size 1 and 64, where per-request Python would not.
+    A decode step touches each request of the batch; a handful of numpy operations over these
+    arrays costs the same few microseconds at batch size 1 and 64, where per-request Python would
+    not. The arrays are kept so that the common step (every request continues its page) needs one
+    comparison for its checks and one for "nothing to bind".
 
     Attributes:
         seq_len: int64 ``[R]``, the length of each admitted request.
-        offloaded: bool ``[R]``, whether it is offloaded.
-        decoding: bool ``[R]``, admitted and released for decoding (not staging).
+        next_len: int64 ``[R]``, ``seq_len + 1`` for a request released for decoding, else
+            :data:`NOT_DECODING` (an unknown, staging or finished slot), so that one comparison
+            with a batch's lengths checks both.
+        bind_at: int64 ``[R]``, the smallest length at which a request's new token must be bound:
+            0 for an offloaded request (every step, to slot ``D``), the length whose new token starts
+            the request's next page for a resident one.
+        offloaded: bool ``[R]``.
         num_offloaded: how many requests are offloaded.
     """
 
-    def __init__(self, num_slots: int) -> None:
+    NOT_DECODING = -(1 << 40)
+
+    def __init__(self, num_slots: int, page_size: int) -> None:
+        self.page_size = page_size
         self.seq_len = np.zeros(num_slots, dtype=np.int64)
+        self.next_len = np.full(num_slots, self.NOT_DECODING, dtype=np.int64)
+        self.bind_at = np.zeros(num_slots, dtype=np.int64)
         self.offloaded = np.zeros(num_slots, dtype=np.bool_)
-        self.decoding = np.zeros(num_slots, dtype=np.bool_)
         self.num_offloaded = 0
+
+    def admit(self, slot: int, seq_len: int, decoding: bool) -> None:
+        self.set_offloaded(slot, False)
+        self.seq_len[slot] = seq_len
+        self.next_len[slot] = seq_len + 1 if decoding else self.NOT_DECODING
+        self._update_bind_at(slot)
+
+    def release_for_decoding(self, slots: list[int]) -> None:
+        self.next_len[slots] = self.seq_len[slots] + 1
+
+    def forget(self, slot: int) -> None:
+        self.set_offloaded(slot, False)
+        self.next_len[slot] = self.NOT_DECODING
+
+    def set_len(self, slot: int, seq_len: int) -> None:
+        self.seq_len[slot] = seq_len
+        if self.next_len[slot] != self.NOT_DECODING:
+            self.next_len[slot] = seq_len + 1
+        self._update_bind_at(slot)
+
+    def set_offloaded(self, slot: int, offloaded: bool) -> None:
+        if bool(self.offloaded[slot]) != offloaded:
+            self.offloaded[slot] = offloaded
+            self.num_offloaded += 1 if offloaded else -1
+            self._update_bind_at(slot)
+
+    def advance(self, slots: np.ndarray, seq_lens: np.ndarray, bound: np.ndarray) -> None:
+        """A decode step took ``slots`` to ``seq_lens``; ``bound`` marks the rows whose new token
+        was bound (their next binding moves on)."""
+        self.seq_len[slots] = seq_lens
+        self.next_len[slots] = seq_lens + 1
+        if bound.size:
+            rows = slots[bound]
+            resident = ~self.offloaded[rows]
+            self.bind_at[rows[resident]] = self._next_page_start_len(seq_lens[bound][resident])
+
+    def _update_bind_at(self, slot: int) -> None:
+        self.bind_at[slot] = 0 if self.offloaded[slot] else self._next_page_start_len(self.seq_len[slot])
+
+    def _next_page_start_len(self, seq_len):
+        """The length at which the next new token (position >= seq_len) starts a page."""
+        page = self.page_size
+        return -(-seq_len // page) * page + 1
 
 
 class RequestRecord:
@@ -112,16 +166,14 @@ class RequestRecord:
 
     __slots__ = ("slot", "staging", "promotion", "mode_step", "_table")
 
-    def __init__(self, table: SlotTable, slot: int, seq_len: int, mode: str = RESIDENT,
+    def __init__(self, table: SlotTable, slot: int, seq_len: int, decoding: bool,
                  staging: CopyEvent | None = None, mode_step: int = 0) -> None:
         self._table = table
         self.slot = slot
         self.staging = staging
         self.promotion: _Promotion | None = None
         self.mode_step = mode_step
-        table.seq_len[slot] = seq_len
-        table.offloaded[slot] = False
-        self.mode = mode
+        table.admit(slot, seq_len, decoding)
 
     @property
     def seq_len(self) -> int:
@@ -129,7 +181,7 @@ class RequestRecord:
 
     @seq_len.setter
     def seq_len(self, value: int) -> None:
-        self._table.seq_len[self.slot] = value
+        self._table.set_len(self.slot, value)
 
     @property
     def mode(self) -> str:
@@ -137,10 +189,7 @@ class RequestRecord:
 
     @mode.setter
     def mode(self, value: str) -> None:
-        offloaded = value == OFFLOADED
-        if bool(self._table.offloaded[self.slot]) != offloaded:
-            self._table.offloaded[self.slot] = offloaded
-            self._table.num_offloaded += 1 if offloaded else -1
+        self._table.set_offloaded(self.slot, value == OFFLOADED)
 
     def __repr__(self) -> str:
         return f"RequestRecord(slot={self.slot}, seq_len={self.seq_len}, mode={self.mode})"
@@ -225,7 +274,7 @@ class Coordinator:
         # The last copy enqueued on the backup stream (the tail of a completed promotion): frees
         # of device rows are ordered after it.
         self._last_backup: CopyEvent | None = None
-        self.slots = SlotTable(buffers.num_req_slots)
+        self.slots = SlotTable(buffers.num_req_slots, config.page_size)
         # Slots with a promotion in flight: with none, and no offloaded request, the common decode
         # step skips the mode-switch scans.
         self._promoting: set[int] = set()
@@ -252,7 +301,7 @@ class Coordinator:
             self.streams.keep_alive(locs, self.streams.staging)
             self.streams.keep_alive(rows, self.streams.staging)
         self.requests[slot] = RequestRecord(
-            self.slots, slot, prefill_len, RESIDENT, staging=staging, mode_step=self.streams.step
+            self.slots, slot, prefill_len, decoding=False, staging=staging, mode_step=self.streams.step
         )
         self.pending.append(slot)
 
@@ -275,7 +324,7 @@ class Coordinator:
         while count < len(flags) and flags[count]:
             count += 1
         ready, self.pending = self.pending[:count], self.pending[count:]
-        self.slots.decoding[ready] = True
+        self.slots.release_for_decoding(ready)
         return ready
 
     def has_pending(self) -> bool:
@@ -290,7 +339,7 @@ class Coordinator:
         """
         self._check_new(slot)
         self._check_length(slot, kv_len, "kv_len")
-        record = RequestRecord(self.slots, slot, kv_len, RESIDENT, mode_step=self.streams.step)
+        record = RequestRecord(self.slots, slot, kv_len, decoding=True, mode_step=self.streams.step)
         locs = self.req_to_token[slot, :kv_len].to(torch.int64)
         pages = self._alloc_pages_with_reclaim(self.direct_admission_pages(kv_len))
         if kv_len - 1 < self.buffer_size:
@@ -302,7 +351,6 @@ class Coordinator:
             self.allocator.unmap_(locs)
             record.mode = OFFLOADED
         self.requests[slot] = record
-        self.slots.decoding[slot] = True
 
     def direct_admission_pages(self, kv_len: int) -> int:
         """Device pages :meth:`admit_direct` takes for a request of ``kv_len`` tokens: every page of
@@ -348,8 +396,8 @@ class Coordinator:
             switched = self._switch_counts() != before
             if switched:
                 self._note_switch_time("decode step", time.perf_counter() - started, before)
-        self._assign_new_rows(slots, seq_lens, new_locs)
-        self.slots.seq_len[slots] = seq_lens
+        bound = self._assign_new_rows(slots, seq_lens, new_locs)
+        self.slots.advance(slots, seq_lens, bound)
         if switched:
             # Rows freed this step may still be read by copies in flight: order everything later
             # (every forward waits for the schedule stream) after them.
@@ -358,43 +406,43 @@ class Coordinator:
         self._step_host = (self._step_host[0] + spent, max(self._step_host[1], spent), self._step_host[2] + 1)
 
     def _check_decode_batch(self, slots: np.ndarray, seq_lens: np.ndarray, new_locs: torch.Tensor) -> None:
-        """Typed errors for a decode call that does not describe one step of admitted requests."""
+        """Typed errors for a decode call that does not describe one step of admitted requests.
+
+        One comparison covers the common case: ``SlotTable.next_len`` holds ``seq_len + 1`` for
+        exactly the requests released for decoding (negative slots index from the end in numpy, so
+        they are viewed as huge unsigned indices, which raise)."""
         count = slots.shape[0] if slots.ndim == 1 else -1
         if count < 0 or seq_lens.shape != slots.shape or new_locs.shape[0] != count:
             raise HiSparseMemoryError(
                 f"decode step of {slots.size} request slots with {seq_lens.size} seq_lens and "
                 f"{new_locs.shape[0]} new locations; pass one of each per slot."
             )
-        if count == 0:
-            return
-        table = self.slots
-        in_range = (slots >= 0) & (slots < table.decoding.shape[0])
-        if not in_range.all() or not table.decoding[slots[in_range]].all():
-            for slot in slots.tolist():
-                self._record(slot)  # raises, naming the first unknown or staging slot
-        ordered = np.sort(slots)
-        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-        if repeated.size:
+        try:
+            expected = self.slots.next_len[slots.view(np.uint64)]
+        except IndexError:
+            expected = None
+        if expected is None or not np.array_equal(expected, seq_lens):
+            for slot, seq_len in zip(slots.tolist(), seq_lens.tolist()):
+                record = self._record(slot)  # raises for an unknown or staging slot
+                if seq_len != record.seq_len + 1:
+                    raise HiSparseMemoryError(
+                        f"request slot {slot}: decode step to length {seq_len} but the coordinator has "
+                        f"{record.seq_len} tokens (one step at a time)."
+                    )
+        if count > 1 and len(set(slots.tolist())) != count:
+            repeated = sorted({slot for slot in slots.tolist() if int(np.count_nonzero(slots == slot)) > 1})
             raise HiSparseMemoryError(
-                f"decode step lists request slot(s) {sorted(set(repeated.tolist()))[:8]} more than once; each "
-                f"request decodes one token per step."
+                f"decode step lists request slot(s) {repeated[:8]} more than once; each request decodes one "
+                f"token per step."
             )
-        wrong = np.flatnonzero(table.seq_len[slots] + 1 != seq_lens)
-        if wrong.size:
-            slot, seq_len = int(slots[wrong[0]]), int(seq_lens[wrong[0]])
-            raise HiSparseMemoryError(
-                f"request slot {slot}: decode step to length {seq_len} but the coordinator has "
-                f"{int(table.seq_len[slot])} tokens (one step at a time)."
-            )
-
-    def _page_starts(self, slots: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
-        """bool ``[B]``: resident requests whose new token (position ``seq_len - 1``) starts a page."""
-        return ~self.slots.offloaded[slots] & ((seq_lens - 1) % self.page_size == 0)
 
     def _short_of_pages(self, slots: np.ndarray, seq_lens: np.ndarray) -> bool:
         """Whether the resident requests starting a page this step need more pages than are free."""
         free = self.allocator.device_rows.free_pages
-        return free < slots.shape[0] and int(np.count_nonzero(self._page_starts(slots, seq_lens))) > free
+        if free >= slots.shape[0]:
+            return False
+        starts = (seq_lens >= self.slots.bind_at[slots]) & ~self.slots.offloaded[slots]
+        return int(np.count_nonzero(starts)) > free
 
     def swap_in(
         self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, layer_id: int
@@ -482,8 +530,7 @@ class Coordinator:
         if record.mode == OFFLOADED:
             self._free_buffer(slot)
             self.allocator.unmap_(self.req_to_token[slot, : record.seq_len])
-        record.mode = RESIDENT  # keeps SlotTable.num_offloaded exact
-        self.slots.decoding[slot] = False
+        self.slots.forget(slot)
 
     def retract(self, slot: int) -> None:
         """End a request whose KV the scheduler keeps to resume it later (PD decode retraction).
@@ -670,23 +717,27 @@ class Coordinator:
     def _pages_needed_for_new_tokens(self, records: list[RequestRecord]) -> int:
         return sum(1 for r in records if self._starts_page(r))
 
-    def _assign_new_rows(self, slots: np.ndarray, seq_lens: np.ndarray, new_locs: torch.Tensor) -> None:
+    def _assign_new_rows(self, slots: np.ndarray, seq_lens: np.ndarray, new_locs: torch.Tensor) -> np.ndarray:
         """Bind the new tokens that need it, in one launch: an offloaded request's goes to its
         buffer's slot ``D``; a resident request starting a page gets a fresh device page, mapped
-        whole. A resident request continuing its page needs nothing (the page was mapped whole)."""
-        offloaded = self.slots.offloaded[slots]
-        starts = self._page_starts(slots, seq_lens)
-        rows = np.flatnonzero(offloaded | starts)
-        if not rows.size:
-            return
-        num_pages = int(np.count_nonzero(starts))
+        whole. A resident request continuing its page needs nothing (the page was mapped whole).
+
+        Returns:
+            bool ``[B]``: the rows bound.
+        """
+        bound = seq_lens >= self.slots.bind_at[slots]
+        if not bound.any():
+            return bound
+        rows = np.flatnonzero(bound)
+        offloaded = self.slots.offloaded[slots[rows]]
+        num_pages = int(rows.size - np.count_nonzero(offloaded))
         if num_pages > self.allocator.device_rows.free_pages:
             raise PoolExhaustedError(
                 f"device KV pool exhausted while binding new tokens: {num_pages} resident request(s) start a "
                 f"page, {self.allocator.device_rows.free_pages} page(s) free."
             )
         pages = self.allocator.device_rows.alloc_pages(num_pages) if num_pages else self._no_pages
-        kinds = np.where(offloaded[rows], BIND_BUFFER_SLOT, np.cumsum(starts[rows]) - 1)
+        kinds = np.where(offloaded, BIND_BUFFER_SLOT, np.cumsum(~offloaded) - 1)
         plan = np.stack([rows, slots[rows], kinds]).astype(np.int64)
         self.ops.bind_rows(
             upload(torch.from_numpy(plan), self.device),
@@ -698,6 +749,7 @@ class Coordinator:
             self.buffer_size,
             self.page_size,
         )
+        return bound
 
     # ================================================================== internals: transitions
     def _pages_held(self, record: RequestRecord) -> int:
