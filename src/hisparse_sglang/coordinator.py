@@ -43,7 +43,6 @@ import logging
 import time
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
 from hisparse_sglang.config import HiSparseConfig
@@ -51,7 +50,7 @@ from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
 from hisparse_sglang.memory.allocator import KVAllocator, PoolStats
 from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 from hisparse_sglang.memory.host_pool import HostKVPool
-from hisparse_sglang.memory.paged import upload
+from hisparse_sglang.memory.paged import upload_ints
 from hisparse_sglang.ops import reference
 from hisparse_sglang.ops.layers import LayerSet
 from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT
@@ -76,33 +75,33 @@ class _Promotion:
 
 
 class SlotTable:
-    """What the decode step reads and writes of every request, as host arrays indexed by request slot.
+    """What the decode step reads and writes of every request, in lists indexed by request slot.
 
-    A decode step touches each request of the batch; a handful of numpy operations over these
-    arrays costs the same few microseconds at batch size 1 and 64, where per-request Python would
-    not. The arrays are kept so that the common step (every request continues its page) needs one
-    comparison for its checks and one for "nothing to bind".
+    The decode step checks and advances each request of the batch with two list loads and a
+    compare (no dict lookup, no attribute access, no numpy call: in the scheduler's loop, between
+    the model's launches, numpy's per-call overhead measured several times that of these loops).
 
     Attributes:
-        seq_len: int64 ``[R]``, the length of each admitted request.
-        next_len: int64 ``[R]``, ``seq_len + 1`` for a request released for decoding, else
-            :data:`NOT_DECODING` (an unknown, staging or finished slot), so that one comparison
-            with a batch's lengths checks both.
-        bind_at: int64 ``[R]``, the smallest length at which a request's new token must be bound:
-            0 for an offloaded request (every step, to slot ``D``), the length whose new token starts
-            the request's next page for a resident one.
-        offloaded: bool ``[R]``.
-        num_offloaded: how many requests are offloaded.
+        seq_len: the length of each admitted request.
+        next_len: ``seq_len + 1`` for a request released for decoding, else :data:`NOT_DECODING`
+            (unknown, staging or finished), so that one comparison with a batch's length checks
+            both. Twice as long as the slots: a negative slot (Python indexes from the end) lands
+            in the second half, which is never decoding.
+        bind_at: the smallest length at which a request's new token must be bound: 0 for an
+            offloaded request (every step, to slot ``D``), the length whose new token starts its
+            next page for a resident one.
+        offloaded: whether each request is offloaded.
+        num_offloaded: how many are.
     """
 
-    NOT_DECODING = -(1 << 40)
+    NOT_DECODING = -1
 
     def __init__(self, num_slots: int, page_size: int) -> None:
         self.page_size = page_size
-        self.seq_len = np.zeros(num_slots, dtype=np.int64)
-        self.next_len = np.full(num_slots, self.NOT_DECODING, dtype=np.int64)
-        self.bind_at = np.zeros(num_slots, dtype=np.int64)
-        self.offloaded = np.zeros(num_slots, dtype=np.bool_)
+        self.seq_len = [0] * num_slots
+        self.next_len = [self.NOT_DECODING] * (2 * num_slots)
+        self.bind_at = [0] * num_slots
+        self.offloaded = [False] * num_slots
         self.num_offloaded = 0
 
     def admit(self, slot: int, seq_len: int, decoding: bool) -> None:
@@ -112,7 +111,8 @@ class SlotTable:
         self._update_bind_at(slot)
 
     def release_for_decoding(self, slots: list[int]) -> None:
-        self.next_len[slots] = self.seq_len[slots] + 1
+        for slot in slots:
+            self.next_len[slot] = self.seq_len[slot] + 1
 
     def forget(self, slot: int) -> None:
         self.set_offloaded(slot, False)
@@ -125,28 +125,17 @@ class SlotTable:
         self._update_bind_at(slot)
 
     def set_offloaded(self, slot: int, offloaded: bool) -> None:
-        if bool(self.offloaded[slot]) != offloaded:
+        if self.offloaded[slot] != offloaded:
             self.offloaded[slot] = offloaded
             self.num_offloaded += 1 if offloaded else -1
             self._update_bind_at(slot)
 
-    def advance(self, slots: np.ndarray, seq_lens: np.ndarray, bound: np.ndarray) -> None:
-        """A decode step took ``slots`` to ``seq_lens``; ``bound`` marks the rows whose new token
-        was bound (their next binding moves on)."""
-        self.seq_len[slots] = seq_lens
-        self.next_len[slots] = seq_lens + 1
-        if bound.size:
-            rows = slots[bound]
-            resident = ~self.offloaded[rows]
-            self.bind_at[rows[resident]] = self._next_page_start_len(seq_lens[bound][resident])
+    def next_page_start_len(self, seq_len: int) -> int:
+        """The length at which a resident request's next new token (position >= seq_len) starts a page."""
+        return -(-seq_len // self.page_size) * self.page_size + 1
 
     def _update_bind_at(self, slot: int) -> None:
-        self.bind_at[slot] = 0 if self.offloaded[slot] else self._next_page_start_len(self.seq_len[slot])
-
-    def _next_page_start_len(self, seq_len):
-        """The length at which the next new token (position >= seq_len) starts a page."""
-        page = self.page_size
-        return -(-seq_len // page) * page + 1
+        self.bind_at[slot] = 0 if self.offloaded[slot] else self.next_page_start_len(self.seq_len[slot])
 
 
 class RequestRecord:
@@ -177,7 +166,7 @@ class RequestRecord:
 
     @property
     def seq_len(self) -> int:
-        return int(self._table.seq_len[self.slot])
+        return self._table.seq_len[self.slot]
 
     @seq_len.setter
     def seq_len(self, value: int) -> None:
@@ -364,15 +353,15 @@ class Coordinator:
         return self.allocator.device_rows.free_pages + self.reclaimable_pages()
 
     # ================================================================== decode step
-    def prepare_decode(self, slots, seq_lens, new_locs: torch.Tensor) -> None:
+    def prepare_decode(self, slots: Sequence[int], seq_lens: Sequence[int], new_locs: torch.Tensor) -> None:
         """Bind the new token of every request of a decode batch to a device row.
 
-        The common step (every request resident, none starting a page) costs a few numpy
-        operations and launches nothing.
+        The common step (every request resident, none starting a page) checks and advances the
+        batch in two short loops over Python lists and launches nothing.
 
         Args:
-            slots: int ``[B]`` request slots of the batch, distinct (a sequence or a numpy array).
-            seq_lens: int ``[B]`` lengths including the new token (its position is ``seq_len - 1``).
+            slots: request slots of the batch (Python ints), distinct.
+            seq_lens: lengths including the new token (its position is ``seq_len - 1``), one per slot.
             new_locs: int64 ``[B]`` on ``device``: logical location of each new token.
 
         Raises:
@@ -380,24 +369,23 @@ class Coordinator:
                 match the slots, or a request would advance by other than one token.
         """
         entered = time.perf_counter()
-        slots = np.asarray(slots, dtype=np.int64)
-        seq_lens = np.asarray(seq_lens, dtype=np.int64)
-        self._check_decode_batch(slots, seq_lens, new_locs)
+        bound = self._check_decode_batch(slots, seq_lens, new_locs)
         self.streams.step += 1
         switched = False
-        if (
-            self._promoting or self.slots.num_offloaded or not self.config.resident_first
-            or self._short_of_pages(slots, seq_lens)
+        if self._promoting or self.slots.num_offloaded or not self.config.resident_first or (
+            len(bound) > self.allocator.device_rows.free_pages
         ):
             before = self._switch_counts()
             started = time.perf_counter()
             self._marks = [("start", started)]
-            self._switch_modes([self.requests[int(slot)] for slot in slots])
+            self._switch_modes([self.requests[slot] for slot in slots])
             switched = self._switch_counts() != before
             if switched:
                 self._note_switch_time("decode step", time.perf_counter() - started, before)
-        bound = self._assign_new_rows(slots, seq_lens, new_locs)
-        self.slots.advance(slots, seq_lens, bound)
+                bind_at = self.slots.bind_at
+                bound = [row for row, (slot, length) in enumerate(zip(slots, seq_lens)) if length >= bind_at[slot]]
+        self._assign_new_rows(slots, bound, new_locs)
+        self._advance(slots, seq_lens, bound)
         if switched:
             # Rows freed this step may still be read by copies in flight: order everything later
             # (every forward waits for the schedule stream) after them.
@@ -405,44 +393,54 @@ class Coordinator:
         spent = time.perf_counter() - entered
         self._step_host = (self._step_host[0] + spent, max(self._step_host[1], spent), self._step_host[2] + 1)
 
-    def _check_decode_batch(self, slots: np.ndarray, seq_lens: np.ndarray, new_locs: torch.Tensor) -> None:
-        """Typed errors for a decode call that does not describe one step of admitted requests.
+    def _check_decode_batch(self, slots: Sequence[int], seq_lens: Sequence[int], new_locs: torch.Tensor) -> list[int]:
+        """Typed errors for a decode call that does not describe one step of admitted requests;
+        returns the batch rows whose new token needs binding (``SlotTable.bind_at``).
 
-        One comparison covers the common case: ``SlotTable.next_len`` holds ``seq_len + 1`` for
-        exactly the requests released for decoding (negative slots index from the end in numpy, so
-        they are viewed as huge unsigned indices, which raise)."""
-        count = slots.shape[0] if slots.ndim == 1 else -1
-        if count < 0 or seq_lens.shape != slots.shape or new_locs.shape[0] != count:
+        One comparison per request covers the common case: ``SlotTable.next_len`` holds
+        ``seq_len + 1`` for exactly the requests released for decoding."""
+        count = len(slots)
+        if len(seq_lens) != count or new_locs.shape[0] != count:
             raise HiSparseMemoryError(
-                f"decode step of {slots.size} request slots with {seq_lens.size} seq_lens and "
+                f"decode step of {count} request slots with {len(seq_lens)} seq_lens and "
                 f"{new_locs.shape[0]} new locations; pass one of each per slot."
             )
+        next_len, bind_at = self.slots.next_len, self.slots.bind_at
+        bound = []
         try:
-            expected = self.slots.next_len[slots.view(np.uint64)]
-        except IndexError:
-            expected = None
-        if expected is None or not np.array_equal(expected, seq_lens):
-            for slot, seq_len in zip(slots.tolist(), seq_lens.tolist()):
+            for row, (slot, length) in enumerate(zip(slots, seq_lens)):
+                if next_len[slot] != length:
+                    raise LookupError
+                if length >= bind_at[slot]:
+                    bound.append(row)
+        except (LookupError, TypeError):
+            for slot, length in zip(slots, seq_lens):
                 record = self._record(slot)  # raises for an unknown or staging slot
-                if seq_len != record.seq_len + 1:
+                if length != record.seq_len + 1:
                     raise HiSparseMemoryError(
-                        f"request slot {slot}: decode step to length {seq_len} but the coordinator has "
+                        f"request slot {slot}: decode step to length {length} but the coordinator has "
                         f"{record.seq_len} tokens (one step at a time)."
-                    )
-        if count > 1 and len(set(slots.tolist())) != count:
-            repeated = sorted({slot for slot in slots.tolist() if int(np.count_nonzero(slots == slot)) > 1})
+                    ) from None
+        if count > 1 and len(set(slots)) != count:
+            repeated = sorted({slot for slot in slots if list(slots).count(slot) > 1})
             raise HiSparseMemoryError(
                 f"decode step lists request slot(s) {repeated[:8]} more than once; each request decodes one "
                 f"token per step."
             )
+        return bound
 
-    def _short_of_pages(self, slots: np.ndarray, seq_lens: np.ndarray) -> bool:
-        """Whether the resident requests starting a page this step need more pages than are free."""
-        free = self.allocator.device_rows.free_pages
-        if free >= slots.shape[0]:
-            return False
-        starts = (seq_lens >= self.slots.bind_at[slots]) & ~self.slots.offloaded[slots]
-        return int(np.count_nonzero(starts)) > free
+    def _advance(self, slots: Sequence[int], seq_lens: Sequence[int], bound: list[int]) -> None:
+        """The batch now has ``seq_lens``; a resident request that started a page binds next at
+        its next page start."""
+        table = self.slots
+        seq_len, next_len = table.seq_len, table.next_len
+        for slot, length in zip(slots, seq_lens):
+            seq_len[slot] = length
+            next_len[slot] = length + 1
+        for row in bound:
+            slot = slots[row]
+            if not table.offloaded[slot]:
+                table.bind_at[slot] = table.next_page_start_len(seq_lens[row])
 
     def swap_in(
         self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, layer_id: int
@@ -717,30 +715,32 @@ class Coordinator:
     def _pages_needed_for_new_tokens(self, records: list[RequestRecord]) -> int:
         return sum(1 for r in records if self._starts_page(r))
 
-    def _assign_new_rows(self, slots: np.ndarray, seq_lens: np.ndarray, new_locs: torch.Tensor) -> np.ndarray:
-        """Bind the new tokens that need it, in one launch: an offloaded request's goes to its
-        buffer's slot ``D``; a resident request starting a page gets a fresh device page, mapped
-        whole. A resident request continuing its page needs nothing (the page was mapped whole).
-
-        Returns:
-            bool ``[B]``: the rows bound.
-        """
-        bound = seq_lens >= self.slots.bind_at[slots]
-        if not bound.any():
-            return bound
-        rows = np.flatnonzero(bound)
-        offloaded = self.slots.offloaded[slots[rows]]
-        num_pages = int(rows.size - np.count_nonzero(offloaded))
+    def _assign_new_rows(self, slots: Sequence[int], bound: list[int], new_locs: torch.Tensor) -> None:
+        """Bind the new tokens of the ``bound`` batch rows, in one launch: an offloaded request's
+        goes to its buffer's slot ``D``; a resident request starting a page gets a fresh device
+        page, mapped whole. (A resident request continuing its page is not bound: the page was
+        mapped whole.)"""
+        if not bound:
+            return
+        offloaded = self.slots.offloaded
+        bound_slots, kinds = [], []
+        num_pages = 0
+        for row in bound:
+            slot = slots[row]
+            bound_slots.append(slot)
+            if offloaded[slot]:
+                kinds.append(BIND_BUFFER_SLOT)
+            else:
+                kinds.append(num_pages)
+                num_pages += 1
         if num_pages > self.allocator.device_rows.free_pages:
             raise PoolExhaustedError(
                 f"device KV pool exhausted while binding new tokens: {num_pages} resident request(s) start a "
                 f"page, {self.allocator.device_rows.free_pages} page(s) free."
             )
         pages = self.allocator.device_rows.alloc_pages(num_pages) if num_pages else self._no_pages
-        kinds = np.where(offloaded, BIND_BUFFER_SLOT, np.cumsum(~offloaded) - 1)
-        plan = np.stack([rows, slots[rows], kinds]).astype(np.int64)
         self.ops.bind_rows(
-            upload(torch.from_numpy(plan), self.device),
+            upload_ints([bound, bound_slots, kinds], self.device),
             new_locs.to(torch.int64),
             pages,
             self.allocator.device_row_of_loc,
@@ -749,7 +749,6 @@ class Coordinator:
             self.buffer_size,
             self.page_size,
         )
-        return bound
 
     # ================================================================== internals: transitions
     def _pages_held(self, record: RequestRecord) -> int:

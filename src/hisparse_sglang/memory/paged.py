@@ -11,7 +11,6 @@ The API follows SGLang's paged-allocator semantics so that the SGLang adapter ca
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
@@ -266,7 +265,7 @@ class PagedAllocator:
         """One row per request for the token at position ``seq_lens[b] - 1``.
 
         Runs on every decode step before the step is launched: with no new page (the common case)
-        it is one launch; the page decisions are made on the CPU in numpy.
+        it is one launch; the page decisions are made on the CPU.
 
         Args:
             seq_lens_cpu: int ``[B]`` on the CPU, lengths including the new token.
@@ -275,12 +274,13 @@ class PagedAllocator:
         Returns:
             int64 ``[B]`` rows on ``device``, or None if there are not enough free pages.
         """
-        lens = seq_lens_cpu.reshape(-1).numpy() if isinstance(seq_lens_cpu, torch.Tensor) else np.asarray(seq_lens_cpu)
-        starts = np.flatnonzero((lens - 1) % self.page_size == 0)
-        if starts.size > self._num_free:
+        lens = seq_lens_cpu.reshape(-1).tolist() if isinstance(seq_lens_cpu, torch.Tensor) else list(seq_lens_cpu)
+        page = self.page_size
+        starts = [row for row, length in enumerate(lens) if (length - 1) % page == 0]
+        if len(starts) > self._num_free:
             return None
-        rows = torch.add(last_loc.reshape(-1), 1, out=torch.empty(lens.shape[0], dtype=torch.int64, device=self.device))
-        if starts.size:
-            pages = self.alloc_pages(int(starts.size))
-            rows.index_copy_(0, upload(torch.from_numpy(starts.astype(np.int64)), self.device), pages * self.page_size)
+        rows = torch.add(last_loc.reshape(-1), 1, out=torch.empty(len(lens), dtype=torch.int64, device=self.device))
+        if starts:
+            pages = self.alloc_pages(len(starts))
+            rows.index_copy_(0, upload(torch.tensor(starts, dtype=torch.int64), self.device), pages * page)
         return rows

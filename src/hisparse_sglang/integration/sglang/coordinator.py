@@ -214,7 +214,7 @@ class SGLangHiSparseCoordinator:
 
     # ------------------------------------------------------------------ decode step
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu):
-        self.core.prepare_decode(req_pool_indices_cpu.numpy(), seq_lens_cpu.numpy(), out_cache_loc)
+        self.core.prepare_decode(req_pool_indices_cpu.tolist(), seq_lens_cpu.tolist(), out_cache_loc)
 
     def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id):
         return self.core.swap_in(req_pool_indices, seq_lens, top_k_result, layer_id - self.start_layer)
