@@ -57,9 +57,11 @@ def atomic_write(path: Path, text: str) -> None:
 
 @dataclasses.dataclass
 class Run:
-    """What every phase of one invocation needs: the options, the model's vocabulary, the deadline, the log."""
+    """What every phase of one invocation needs: the options, the model's vocabulary, the deadline, the
+    log, and when the invocation started (ISO time; it tells results of one invocation apart)."""
 
     args: object
     vocab: int
     deadline: Deadline
     log: Log
+    started: str = ""

@@ -38,6 +38,8 @@ HISPARSE_FIELDS = (
     ("promoting", re.compile(r"\(promoting (\d+)\)"), int),
     ("demotions_per_min", re.compile(r"demotions ([0-9.]+)/min"), float),
     ("promotions_per_min", re.compile(r"promotions ([0-9.]+)/min"), float),
+    ("device_rows_used", re.compile(r"device rows (\d+)/"), int),
+    ("host_rows_used", re.compile(r"host rows (\d+)/"), int),
     ("switch_work_max_ms", re.compile(r"switch work max ([0-9.]+) ms/step"), float),
     ("step_host_ms", re.compile(r"step host work ([0-9.]+) ms"), float),
 )
@@ -81,7 +83,10 @@ def parse_hisparse_lines(text: str) -> list[dict]:
 
 
 def summarize_hisparse(text: str) -> dict | None:
-    """Maxima over the plugin's `HiSparse:` lines of a log segment; None if there are none."""
+    """Maxima over the plugin's `HiSparse:` lines of a log segment; None if there are none.
+
+    all_resident: every line that counts a running request counts none offloaded (None when no line
+    counts a request): no request of the segment decoded from a GPU buffer."""
     rows = parse_hisparse_lines(text)
     if not rows:
         return None
@@ -90,11 +95,14 @@ def summarize_hisparse(text: str) -> dict | None:
         vals = [r[key] for r in rows if key in r]
         return fn(vals) if vals else None
 
+    busy = [r for r in rows if r.get("resident", 0) + r.get("offloaded", 0) > 0]
     return {"lines": len(rows), "switch_work_max_ms": top("switch_work_max_ms"),
             "demotions_per_min_max": top("demotions_per_min"), "promotions_per_min_max": top("promotions_per_min"),
             "offloaded_max": top("offloaded"), "resident_max": top("resident"),
             "hit_rate_pct_min": top("hit_rate_pct", min),
-            "step_host_ms_median": top("step_host_ms", statistics.median)}
+            "step_host_ms_median": top("step_host_ms", statistics.median),
+            "device_rows_used_max": top("device_rows_used"), "host_rows_used_max": top("host_rows_used"),
+            "all_resident": all(r.get("offloaded", 0) == 0 for r in busy) if busy else None}
 
 
 def summarize_log(text: str) -> dict:

@@ -15,8 +15,8 @@ from arms import ALL_ARMS, DEFAULT_HISPARSE_CONFIG, DEFAULT_MODEL, DSA_BACKEND_O
 from common import REPO
 from storm import STORM_TPOT_FROM
 
-ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "storm", "report")
-ARM_PHASES = ("correctness", "capacity", "throughput", "storm")  # phases that need the arm's server
+ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "lowload", "storm", "report")
+ARM_PHASES = ("correctness", "capacity", "throughput", "lowload", "storm")  # phases that need the arm's server
 DEFAULT_PHASES = "preflight,correctness,capacity,throughput,report"
 HELP = """End-to-end benchmark of HiSparse on SGLang 0.5.17 with a tiny DeepSeek-V3.2 (DSA) model.
 
@@ -39,6 +39,10 @@ Per arm: start the server, wait for /health, warm up, then the selected phases:
                + `#running-req` of the server log), then abort_all
   throughput   concurrency levels (1,8,32,max) with fixed input/output lengths, streaming client:
                TTFT, time per output token, output tok/s, server-log decode tok/s
+  lowload      (opt-in, issue #16) concurrency 1, 2, 4, 8, each level --ll-repeats times with new
+               16K-token prompts and 1024 output tokens: time per output token (median and spread
+               over the repeats), decode tok/s (client and server log), the plugin's host time per
+               decode step, whether every running request stayed resident; ratios c/a, d/a, d/b
   storm        (opt-in) one streaming request decodes; after --storm-after-tokens tokens a burst of
                --storm-requests long requests arrives at once; how long the decoding request stalls
                (token gaps in the burst window against its TPOT before), prefill batches and the
@@ -94,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list of " + ",".join(ALL_ARMS) + " (default %(default)s; d = plugin with "
                         '"resident_first": false is opt-in)')
     g.add_argument("--phases", default=DEFAULT_PHASES,
-                   help="comma list of " + ",".join(ALL_PHASES) + " (default %(default)s; storm is opt-in)")
+                   help="comma list of " + ",".join(ALL_PHASES) + " (default %(default)s; lowload and storm are opt-in)")
     g.add_argument("--deadline-s", type=float, default=560,
                    help="wall-clock budget of this invocation; arms/phases that no longer fit are skipped (default %(default)s)")
     g.add_argument("--reserve-s", type=float, default=35, help="time kept for shutdown + writing results")
@@ -160,6 +164,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run every throughput level this many times in a row (new prompts each time)")
     g.add_argument("--tp-level-timeout", type=float, default=120)
     g.add_argument("--tp-max-fallback", type=int, default=64, help="'max' level if capacity was not measured")
+    g = ap.add_argument_group("low load (opt-in phase lowload)")
+    g.add_argument("--ll-levels", default="1,2,4,8", help="concurrency levels (default %(default)s)")
+    g.add_argument("--ll-repeats", type=int, default=3,
+                   help="runs of every level, interleaved across levels, new prompts each (default %(default)s)")
+    g.add_argument("--ll-input-len", type=int, default=16384)
+    g.add_argument("--ll-output-len", type=int, default=1024)
+    g.add_argument("--ll-level-timeout", type=float, default=120, help="seconds for one run of a level")
     g = ap.add_argument_group("storm (opt-in phase)")
     g.add_argument("--storm-input-len", type=int, default=16384,
                    help="input tokens of the decoding request and of every burst request (default %(default)s)")
@@ -180,6 +191,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.arms = parse_csv(args.arms, ALL_ARMS, "arms")
         args.phases = parse_csv(args.phases, ALL_PHASES, "phases")
         args.tp_levels = parse_levels(args.tp_levels)
+        args.ll_levels = parse_levels(args.ll_levels)
+        if "max" in args.ll_levels:
+            raise ValueError("--ll-levels takes numbers only (no 'max')")
         args.corr_lens = [int(x) for x in args.corr_lens.split(",") if x.strip()]
         parse_env_assignments(args.plugin_env)
         for arm in ALL_ARMS:  # main() builds every arm's spec
@@ -190,12 +204,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError(f"--plugin-ep must look like name=module:attr, got {args.plugin_ep!r}")
     except (ValueError, json.JSONDecodeError) as e:
         ap.error(str(e))
-    if max(args.corr_lens + [args.cap_input_len, args.tp_input_len, args.storm_input_len]) + max(
-            args.corr_out, args.cap_output_len, args.tp_output_len, args.storm_output_len, args.storm_burst_output_len) \
+    if max(args.corr_lens + [args.cap_input_len, args.tp_input_len, args.ll_input_len, args.storm_input_len]) + max(
+            args.corr_out, args.cap_output_len, args.tp_output_len, args.ll_output_len, args.storm_output_len,
+            args.storm_burst_output_len) \
             > args.context_length:
         ap.error("input + output length exceeds --context-length")
     if "d" in args.arms and args.plugin_no_enable_hisparse:
         ap.error("arm d passes \"resident_first\": false through --hisparse-config; drop --plugin-no-enable-hisparse")
+    if min(args.ll_repeats, args.ll_input_len, args.ll_output_len) < 1:
+        ap.error("--ll-repeats, --ll-input-len and --ll-output-len must be >= 1")
     if min(args.storm_input_len, args.storm_output_len, args.storm_requests, args.storm_burst_output_len) < 1:
         ap.error("--storm-input-len, --storm-output-len, --storm-requests and --storm-burst-output-len must be >= 1")
     if not STORM_TPOT_FROM < args.storm_after_tokens < args.storm_output_len:

@@ -17,7 +17,7 @@ from client import extract_logprobs, make_prompt
 from common import REPO, Run
 from logs import read_from, file_size, summarize_log
 from servers import ServerDied
-from stats import compare_outputs, detect_cycle, pct
+from stats import compare_outputs, detect_cycle, pct, steady_window, window_tpot
 
 PREFLIGHT_CODE = r"""
 import importlib, importlib.metadata as md, json, platform, sys, time
@@ -98,7 +98,8 @@ def correctness_prompts(args, vocab: int) -> list[dict]:
     return prompts
 
 
-def phase_correctness(target, run: Run, save) -> dict:
+def phase_correctness(target, run: Run, keep) -> dict:
+    """keep(partial result) is called after every prompt, so that a run cut short keeps what it measured."""
     args, dl, log = run.args, run.deadline, run.log
     res = {"max_new_tokens": args.corr_out, "prompts": []}
     for p in correctness_prompts(args, run.vocab):
@@ -132,7 +133,7 @@ def phase_correctness(target, run: Run, save) -> dict:
             log(f"  correctness {p['id']}: ERROR {row['error']}")
             target.check()
         res["prompts"].append(row)
-        save()
+        keep(res)
     ok = [r for r in res["prompts"] if "output_ids" in r]
     # Determinism of the server itself: the first prompts again, same server.
     repeats = []
@@ -236,12 +237,16 @@ def warm_up(target, run: Run, seed: int, input_len: int) -> float | None:
     return None
 
 
-def run_level(target, run: Run, prompts: list[list[int]], out_len: int, timeout: float) -> dict:
-    """All `prompts` sent at once (streaming): client and server-log figures of the level."""
+def run_level(target, run: Run, prompts: list[list[int]], out_len: int, timeout: float, *, steady: bool = False) -> dict:
+    """All `prompts` sent at once (streaming): client and server-log figures of the level.
+
+    steady=True adds each request's time per output token while every request of the level decodes
+    (stats.steady_window: prefills of the level no longer interleave) and the per-request TPOTs."""
     off = file_size(target.log_path)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        outs = list(pool.map(lambda ids: target.endpoint.generate_stream(ids, out_len, timeout=timeout), prompts))
+        outs = list(pool.map(lambda ids: target.endpoint.generate_stream(ids, out_len, timeout=timeout, trace=steady),
+                             prompts))
     wall = time.perf_counter() - t0
     seg = summarize_log(read_from(target.log_path, off))
     ok = [o for o in outs if "error" not in o]
@@ -249,7 +254,7 @@ def run_level(target, run: Run, prompts: list[list[int]], out_len: int, timeout:
     ttfts = [o["ttft_s"] for o in ok if o.get("ttft_s") is not None]
     toks = sum(o["tokens"] for o in ok)
     hs = seg.get("hisparse") or {}
-    return {"concurrency": len(prompts), "ok": len(ok),
+    row = {"concurrency": len(prompts), "ok": len(ok),
             "errors": sorted({o["error"] for o in outs if "error" in o})[:3],
             "wall_s": round(wall, 2), "output_tokens": toks,
             "output_tok_s": round(toks / wall, 1) if wall > 0 else None,
@@ -263,12 +268,21 @@ def run_level(target, run: Run, prompts: list[list[int]], out_len: int, timeout:
             "retracted_reqs": seg["retracted_reqs"],
             "hisparse_step_host_ms_median": hs.get("step_host_ms_median"),
             "hisparse_resident_max": hs.get("resident_max"), "hisparse_offloaded_max": hs.get("offloaded_max"),
+            "hisparse_all_resident": hs.get("all_resident"),
             # per request, in send order: [TTFT s, end-to-end s, output tokens] (the tail of a level)
             "requests": [[round(o["ttft_s"], 3) if o.get("ttft_s") is not None else None,
                           round(o["e2e_s"], 3), o["tokens"]] for o in ok]}
+    if steady:
+        window = steady_window([o.get("arrivals") or [] for o in outs]) if len(ok) == len(outs) else None
+        per_request = [w for w in (window_tpot(o["arrivals"], window) for o in ok) if w] if window else []
+        row.update({"steady_window_s": round(window[1] - window[0], 3) if window else None,
+                    "steady_tpot_ms_median": round(1000 * statistics.median(per_request), 3) if per_request else None,
+                    "tpot_ms_per_request": [round(1000 * t, 3) for t in tpots]})
+    return row
 
 
-def phase_throughput(target, run: Run, cap: int | None, save) -> dict:
+def phase_throughput(target, run: Run, cap: int | None, keep) -> dict:
+    """keep(partial result) is called after every level."""
     args, dl, log = run.args, run.deadline, run.log
     L, O = args.tp_input_len, args.tp_output_len
     res = {"input_len": L, "output_len": O, "levels": []}
@@ -296,5 +310,5 @@ def phase_throughput(target, run: Run, cap: int | None, save) -> dict:
             f"TPOT median {row['tpot_ms_median']} ms, TTFT median {row['ttft_s_median']} s, "
             f"log decode {row['log_gen_tput_median']} tok/s, max running {row['log_max_running']}, "
             f"HiSparse step host {row['hisparse_step_host_ms_median']} ms, wall {row['wall_s']}s, ok {row['ok']}/{c}")
-        save()
+        keep(res)
     return res

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from arms import ALL_ARMS, ARM_LABELS, DSA_BACKEND_OF_KV_DTYPE
 from common import atomic_write
+from lowload import lowload_ratios
 from stats import compare_outputs
 
 COMPARE_PAIRS = (("b", "a"), ("c", "a"), ("c", "b"), ("d", "a"), ("c", "d"))
@@ -47,6 +48,7 @@ def build_report(state: Path, imported: list[Path]) -> dict:
             c["same_weights"] = (fx == fy) if fx and fy else None
             comp[f"{x}_vs_{y}"] = c
     data["compare"] = comp
+    data["lowload_ratios"] = lowload_ratios(arms)
     return data
 
 
@@ -119,6 +121,7 @@ def render_markdown(data: dict) -> str:
     if tp:
         lines.append(f"\nThroughput: {tp.get('input_len')} input + {tp.get('output_len')} output tokens per request, "
                      "streaming client, all requests sent at once per level.")
+    lines += render_lowload(arms, present, data.get("lowload_ratios") or {})
     lines += render_storm(arms, present)
     if comp:
         lines += ["", "## Greedy outputs compared (token ids, logprobs before the first divergence)", "",
@@ -134,6 +137,59 @@ def render_markdown(data: dict) -> str:
         for x, e in errs:
             lines.append(f"- arm {x}: " + str(e).splitlines()[0][:300])
     return "\n".join(lines) + "\n"
+
+
+def spread(r: dict, key: str, nd: int = 2) -> str:
+    """`median [min-max]` of a low-load figure over its repeats."""
+    if r.get(key) is None:
+        return "–"
+    return f"{fmt(r[key], nd)} [{fmt(r.get(key + '_min'), nd)}–{fmt(r.get(key + '_max'), nd)}]"
+
+
+def render_lowload(arms: dict, present: list[str], ratios: dict) -> list[str]:
+    """The low-load tables: one row per level, one column per arm; then the ratios per level."""
+    have = [x for x in present if (arms[x].get("lowload") or {}).get("levels")]
+    if not have:
+        return []
+    st = arms[have[0]]["lowload"]["settings"]
+    out = ["", f"## Low load: {st['input_len']} input + {st['output_len']} output tokens, all requests of a level at "
+               f"once, {st['repeats']} repeats per level (median [min–max] over the repeats)", ""]
+    levels = sorted({lv["level"] for x in have for lv in arms[x]["lowload"]["levels"]})
+
+    def level_of(x: str, c: int) -> dict:
+        return next((lv for lv in arms[x]["lowload"]["levels"] if lv["level"] == c), {})
+
+    for title, fn in (
+            ("time per output token, ms (per repeat: median over its requests)", lambda r: spread(r, "tpot_ms")),
+            ("time per output token while every request of the level decodes, ms", lambda r: spread(r, "steady_tpot_ms")),
+            ("decode tok/s, client (output tokens / wall time of the level)", lambda r: spread(r, "output_tok_s", 1)),
+            ("decode tok/s, server log (`gen throughput`, median of the level's lines)", lambda r: spread(r, "log_gen_tput", 1)),
+            ("HiSparse host work per decode step, ms (plugin log line)", lambda r: spread(r, "step_host_ms", 3)),
+            ("every running request resident (plugin log: offloaded 0 on every line)",
+             lambda r: f"{fmt(r.get('all_resident'))} (offloaded max {fmt(r.get('offloaded_max'))})"
+             if r.get("all_resident") is not None else "–")):
+        out += [f"**{title}**", "", "| concurrency | " + " | ".join(f"{x}: {ARM_LABELS[x]}" for x in have) + " |",
+                "|---|" + "---|" * len(have)]
+        for c in levels:
+            out.append(f"| {c} | " + " | ".join(fn(level_of(x, c)) if level_of(x, c) else "–" for x in have) + " |")
+        out.append("")
+    if ratios:
+        out += ["**Ratios per level** (time per output token: lower is faster; decode tok/s: higher is faster)", "",
+                "| concurrency | " + " | ".join(f"{k} TPOT | {k} steady TPOT | {k} tok/s (client)" for k in ratios) + " |",
+                "|---|" + "---|" * (3 * len(ratios))]
+        for c in levels:
+            cells = []
+            for rt in ratios.values():
+                r = next((lv for lv in rt["levels"] if lv["level"] == c), {})
+                cells += [fmt(r.get("tpot_ms"), 3), fmt(r.get("steady_tpot_ms"), 3), fmt(r.get("output_tok_s"), 3)]
+            out.append(f"| {c} | " + " | ".join(cells) + " |")
+        other = [k for k, rt in ratios.items() if not rt.get("same_invocation")]
+        if other:
+            out.append(f"\n{', '.join(other)}: the two arms ran in different invocations (same settings).")
+    resident = [lv["level"] for lv in (arms.get("c") or {}).get("lowload", {}).get("levels", []) if lv.get("all_resident")]
+    if "c" in have:
+        out.append(f"\nArm c kept every running request resident at concurrency: {', '.join(map(str, resident)) or 'none'}.")
+    return out
 
 
 def render_storm(arms: dict, present: list[str]) -> list[str]:

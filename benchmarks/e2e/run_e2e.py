@@ -4,7 +4,7 @@
 `--help` (options.HELP) describes the arms and phases; docs/gpu-e2e.md the device runs.  The modules:
 common (paths, log, deadline), options (flags), arms (server argv/env per arm), environment (CUDA,
 JIT shim), servers (process control), client (HTTP), logs (server-log parsing), stats, phases
-(preflight, correctness, capacity, throughput), storm, report (results.json/.md, $OUT).
+(preflight, correctness, capacity, throughput), lowload, storm, report (results.json/.md, $OUT).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from client import make_prompt
 from common import Deadline, Log, Run, atomic_write
 from environment import base_env
 from logs import file_size, log_tail, read_from, summarize_log
+from lowload import phase_lowload
 from options import ARM_PHASES, parse_args
 from phases import phase_capacity, phase_correctness, phase_preflight, phase_throughput
 from report import Outputs, load_state, render_markdown
@@ -77,11 +78,18 @@ def check_started(srv: Server, run: Run, result: dict, log_off: int, plugin_ep: 
 
 
 def measure(srv: Server, run: Run, result: dict, arm_phases: list[str], save) -> None:
-    """The selected phases of one arm, each saved as soon as it is done."""
+    """The selected phases of one arm; a phase's partial result is saved while it runs, the whole when done."""
     log = run.log
+
+    def keeper(phase: str):
+        def keep(partial: dict) -> None:
+            result[phase] = partial
+            save()
+        return keep
+
     if "correctness" in arm_phases:
         log(f"arm {srv.arm}: correctness")
-        result["correctness"] = phase_correctness(srv, run, save)
+        result["correctness"] = phase_correctness(srv, run, keeper("correctness"))
         save()
     if "capacity" in arm_phases:
         log(f"arm {srv.arm}: capacity")
@@ -90,7 +98,11 @@ def measure(srv: Server, run: Run, result: dict, arm_phases: list[str], save) ->
     if "throughput" in arm_phases:
         log(f"arm {srv.arm}: throughput")
         cap = (result.get("capacity") or {}).get("max_running") or None
-        result["throughput"] = phase_throughput(srv, run, cap, save)
+        result["throughput"] = phase_throughput(srv, run, cap, keeper("throughput"))
+        save()
+    if "lowload" in arm_phases:
+        log(f"arm {srv.arm}: lowload")
+        result["lowload"] = phase_lowload(srv, run, keeper("lowload"))
         save()
     if "storm" in arm_phases:
         log(f"arm {srv.arm}: storm")
@@ -144,6 +156,10 @@ def run_arm(arm: str, spec: tuple[list, dict], run: Run, outputs: Outputs, plugi
         save()
         measure(srv, run, result, arm_phases, save)
         result["status"] = "ok"
+        cut = [p for p in arm_phases if (result.get(p) or {}).get("skipped") or (result.get(p) or {}).get("skipped_rest")]
+        if cut:
+            log(f"arm {arm}: phases cut short by the deadline: {cut}; rerun with --arms {arm} --phases {','.join(cut)}")
+            rc = 3
     except (ServerDied, TimeoutError) as e:
         result.update(status="failed", error=str(e))
         log(f"arm {arm}: FAILED: {e}")
@@ -177,13 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     log(f"arms={args.arms} phases={args.phases} deadline={args.deadline_s:.0f}s state={state} out={args.out}")
     outputs = Outputs(state, args.out, args.import_results)
     vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
-    run = Run(args, vocab, dl, log)
-
     meta = load_state(state)["meta"]
     meta.update({"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                  "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
     meta.setdefault("runs", []).append({"argv": sys.argv[1:] if argv is None else argv,
                                         "started": meta["date"]})
+    run = Run(args, vocab, dl, log, started=meta["date"])
 
     env0, env_info = base_env(args, state, log)
     common, plugin_dir, plugin_ep = prepare_pyext(state, args)

@@ -34,6 +34,7 @@ import client  # noqa: E402
 import logs  # noqa: E402
 import options  # noqa: E402
 import report  # noqa: E402
+import lowload  # noqa: E402
 import stats  # noqa: E402
 import storm  # noqa: E402
 
@@ -48,6 +49,20 @@ def check(cond, what: str) -> None:
     else:
         FAILS.append(what)
         print(f"FAIL: {what}", flush=True)
+
+
+def check_rejected(argv: list[str]) -> None:
+    """options.parse_args must reject `argv` (argparse exits; its message is silenced)."""
+    try:
+        with open(os.devnull, "w") as dn:
+            old, sys.stderr = sys.stderr, dn
+            try:
+                options.parse_args(argv)
+            finally:
+                sys.stderr = old
+        check(False, f"parse_args({argv}) should fail")
+    except SystemExit:
+        check(True, "")
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,17 +148,7 @@ def unit_checks() -> None:
                 ["--corr-lens", "65536"], ["--arms", "c,d", "--plugin-no-enable-hisparse"],
                 ["--storm-after-tokens", "600"], ["--storm-after-tokens", "20"], ["--storm-requests", "0"],
                 ["--storm-input-len", "65000"]):
-        try:
-            with open(os.devnull, "w") as dn:
-                old = sys.stderr
-                sys.stderr = dn
-                try:
-                    options.parse_args(bad)
-                finally:
-                    sys.stderr = old
-            check(False, f"parse_args({bad}) should fail")
-        except SystemExit:
-            check(True, "")
+        check_rejected(bad)
 
     # arm specs: JSON without spaces, plugin arm adds src + dist-info dir + env + args
     with tempfile.TemporaryDirectory() as td:
@@ -187,12 +192,58 @@ def unit_checks() -> None:
         md = report.render_markdown({"meta": {}, "arms": {"a": {"status": "failed", "error": "boom"}}, "compare": {}})
         check("boom" in md and "| status | failed |" in md, "markdown with a failed arm")
     storm_checks()
+    lowload_checks()
     try:  # it imports the harness modules by name
         import profile_decode  # noqa: F401
         check(True, "")
     except ImportError as e:
         check(False, f"profile_decode.py does not import: {e}")
     print(f"unit checks: {PASSES} passed, {len(FAILS)} failed", flush=True)
+
+
+def lowload_checks() -> None:
+    """Steady-window TPOT, the per-level summary over repeats, the ratios, the lowload options."""
+    # request A: tokens 1..100 every 10 ms from t=0; request B starts at 0.5 s, every 20 ms, 30 tokens
+    a = [(0.01 * (n - 1), n) for n in range(1, 101)]
+    b = [(0.5 + 0.02 * (n - 1), n) for n in range(1, 31)]
+    w = stats.steady_window([a, b])
+    check(close(w[0], 0.5) and close(w[1], 0.99), f"steady window {w}")
+    check(close(stats.window_tpot(a, w), 0.01) and close(stats.window_tpot(b, w), 0.02), "per-request TPOT in the window")
+    check(stats.steady_window([a, []]) is None and stats.steady_window([]) is None
+          and stats.steady_window([[(1.0, 1)], [(2.0, 1)]]) is None, "no steady window")
+    check(stats.window_tpot([(0.0, 1), (5.0, 9)], (1.0, 2.0)) is None, "window without two chunks")
+
+    def level_run(level, rep, tpot, ok=None, resident=None, offloaded=None, host=0.2):
+        return {"level": level, "repeat": rep, "concurrency": level, "ok": level if ok is None else ok, "errors": [],
+                "tpot_ms_median": tpot, "steady_tpot_ms_median": tpot - 0.1, "output_tok_s": 1000.0 / tpot,
+                "log_gen_tput_median": 900.0 / tpot, "hisparse_step_host_ms_median": host,
+                "hisparse_all_resident": resident, "hisparse_offloaded_max": offloaded}
+
+    runs = [level_run(1, 0, 2.0, resident=True, offloaded=0), level_run(1, 1, 2.2, resident=True, offloaded=0),
+            level_run(1, 2, 2.1, resident=True, offloaded=0), level_run(8, 0, 3.0, resident=False, offloaded=8),
+            level_run(8, 1, 3.4, ok=7), level_run(8, 2, 3.2, resident=True, offloaded=0)]
+    lv = lowload.summarize_lowload(runs)
+    check([x["level"] for x in lv] == [1, 8] and lv[0]["repeats"] == 3 and lv[1]["repeats"] == 2
+          and lv[1]["failed_repeats"] == 1, f"repeats counted where every request completed: {lv}")
+    check(close(lv[0]["tpot_ms"], 2.1) and lv[0]["tpot_ms_min"] == 2.0 and lv[0]["tpot_ms_max"] == 2.2
+          and close(lv[1]["tpot_ms"], 3.1) and close(lv[0]["steady_tpot_ms"], 2.0) and close(lv[0]["step_host_ms"], 0.2),
+          f"medians and spread over the repeats: {lv}")
+    check(lv[0]["all_resident"] is True and lv[1]["all_resident"] is False and lv[1]["offloaded_max"] == 8,
+          f"all resident only if every repeat was: {lv}")
+    settings = {"input_len": 16384, "output_len": 1024, "levels": [1, 8], "repeats": 3}
+    base = {"settings": settings, "invocation": "t1",
+            "levels": lowload.summarize_lowload([level_run(1, 0, 2.0), level_run(8, 0, 2.5)])}
+    arm_c = {"settings": settings, "invocation": "t1", "levels": lv}
+    arm_d = {"settings": dict(settings, output_len=512), "invocation": "t1", "levels": lv}
+    rt = lowload.lowload_ratios({"a": {"lowload": base}, "c": {"lowload": arm_c}, "d": {"lowload": arm_d}})
+    check(sorted(rt) == ["c/a"] and rt["c/a"]["same_invocation"] and close(rt["c/a"]["levels"][0]["tpot_ms"], 1.05)
+          and close(rt["c/a"]["levels"][1]["tpot_ms"], 1.24) and close(rt["c/a"]["levels"][1]["output_tok_s"], 0.807, 1e-3),
+          f"ratios only between equal settings: {rt}")
+    a = options.parse_args(["--phases", "lowload,report", "--ll-levels", "8,1", "--state-dir", "/tmp/x"])
+    check(a.phases == ["lowload", "report"] and a.ll_levels == [8, 1] and a.ll_repeats == 3 and a.ll_output_len == 1024,
+          f"lowload options {a.ll_levels}")
+    for bad in (["--ll-levels", "1,max"], ["--ll-repeats", "0"], ["--ll-input-len", "65000"]):
+        check_rejected(bad)
 
 
 def close(x, y, tol: float = 1e-6) -> bool:
@@ -243,13 +294,15 @@ def storm_checks() -> None:
           "[2026-11-22 10:00:05 TP0] HiSparse: alloc_device_buffer failed for req 7\n")
     rows = logs.parse_hisparse_lines(hs)
     check(len(rows) == 3 and rows[0] == {"hit_rate_pct": 24.8, "moved_mib": 35.2, "resident": 3, "offloaded": 33, "promoting": 0,
-                                         "demotions_per_min": 12.0, "promotions_per_min": 0.0, "switch_work_max_ms": 0.41},
+                                         "demotions_per_min": 12.0, "promotions_per_min": 0.0, "device_rows_used": 130944,
+                                         "host_rows_used": 820352, "switch_work_max_ms": 0.41},
           f"HiSparse line: {rows[:1]}")
     check("hit_rate_pct" not in rows[1] and rows[1]["promoting"] == 2 and "switch_work_max_ms" not in rows[2],
           f"HiSparse lines without a hit rate / without switch work: {rows[1:]}")
     sh = logs.summarize_hisparse(hs)
     check(sh == {"lines": 3, "switch_work_max_ms": 1.25, "demotions_per_min_max": 30.5, "promotions_per_min_max": 6.0,
-                 "offloaded_max": 33, "resident_max": 5, "hit_rate_pct_min": 24.8, "step_host_ms_median": 0.12},
+                 "offloaded_max": 33, "resident_max": 5, "hit_rate_pct_min": 24.8, "step_host_ms_median": 0.12,
+                 "device_rows_used_max": 130944, "host_rows_used_max": 820352, "all_resident": False},
           f"HiSparse summary {sh}")
     check(logs.summarize_hisparse(hs.split("\n")[2]) ["switch_work_max_ms"] is None, "older line without switch work")
     check(logs.summarize_hisparse("HiSparse: admitting request r1 directly") is None and logs.summarize_log(hs)["hisparse"] == sh,
@@ -350,6 +403,7 @@ FLIP = int(os.environ.get("MOCK_FLIP_AT", "-1"))
 PREFILL_S = float(os.environ.get("MOCK_PREFILL_S_PER_TOKEN", "0"))
 prefill_lock = threading.Lock()
 HS_LOG = os.environ.get("MOCK_HISPARSE_LOG") == "1"  # the plugin's periodic HiSparse line
+RESIDENT_UP_TO = int(os.environ.get("MOCK_RESIDENT_UP_TO", "0"))  # that many running requests stay resident
 lock = threading.Condition()
 state = {"used": 0, "running": 0, "waiting": 0, "abort": 0, "tokens": 0}
 ready_at = time.time() + 1.0
@@ -370,7 +424,8 @@ def reporter():
                    else f"#token: {r * 100}, token usage: {min(1.0, r * 0.1):.2f}")
             log(f"Decode batch, #running-req: {r}, {use}, cuda graph: True, gen throughput (token/s): {t / 0.2:.2f}, #queue-req: {w}, ")
             if HS_LOG:
-                log(f"HiSparse: hit rate 97.5%, moved 1.5 MiB, resident 0, offloaded {r} (promoting 0), demotions {6.0 * r:.1f}/min, "
+                res_n, off_n = (r, 0) if r <= RESIDENT_UP_TO else (0, r)
+                log(f"HiSparse: hit rate 97.5%, moved 1.5 MiB, resident {res_n}, offloaded {off_n} (promoting 0), demotions {6.0 * r:.1f}/min, "
                     f"promotions 0.0/min, device rows 100/4096, host rows 200/32768, switch work max 0.25 ms/step, step host work 0.110 ms (max 0.20)")
 threading.Thread(target=reporter, daemon=True).start()
 
@@ -540,6 +595,7 @@ def mock_e2e(python: str) -> None:
         md = (out / "results.md").read_text()
         check("| c=max (run 2): output tok/s (client) |" in md and "b_vs_a" in md, "markdown table rows")
         mock_storm(common, out)
+        mock_lowload(common, td)
         r3 = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "c", "--phases", "correctness,report",
                              "--plugin-ep", "hisparse=no_such_module_xyz:register", *common],
                             capture_output=True, text=True, timeout=300)
@@ -594,6 +650,42 @@ def mock_storm(common: list[str], out: Path) -> None:
           and "| d_vs_a |" in md and "| c_vs_d |" in md, "storm table and d comparisons in results.md")
     files = sorted(p.name for p in out.iterdir())
     check(len(files) <= 8 and "server-d.log" in files, f"$OUT files with four arms: {files}")
+
+
+def mock_lowload(common: list[str], td: Path) -> None:
+    """Run 2c: arms a, c and d, the low-load phase (own state dir); arm c's mock keeps up to 2 requests resident."""
+    state, out = td / "ll_state", td / "ll_out"
+    flags = [x for x in common]
+    flags[flags.index("--state-dir") + 1], flags[flags.index("--out") + 1] = str(state), str(out)
+    ll = ["--ll-levels", "1,2,4", "--ll-repeats", "2", "--ll-input-len", "128", "--ll-output-len", "300"]
+    r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "a,c,d", "--phases", "lowload,report",
+                        "--plugin-ep", "hisparse=mockplug:register", "--plugin-env", "MOCK_HISPARSE_LOG=1",
+                        "--plugin-env", "MOCK_RESIDENT_UP_TO=2", *ll, *flags],
+                       capture_output=True, text=True, timeout=300)
+    print(r.stdout[-2500:], r.stderr[-2000:], sep="\n", flush=True)
+    check(r.returncode == 0, f"mock lowload run rc={r.returncode}")
+    res = json.loads((out / "results.json").read_text())
+    arm_results = res["arms"]
+    for x in ("a", "c", "d"):
+        ll_res = arm_results[x].get("lowload") or {}
+        runs = [(row["level"], row["repeat"]) for row in ll_res.get("runs", [])]
+        check(runs == [(1, 0), (2, 0), (4, 0), (1, 1), (2, 1), (4, 1)], f"arm {x}: lowload runs interleaved: {runs}")
+        levels = ll_res.get("levels", [])
+        check([lv["level"] for lv in levels] == [1, 2, 4] and all(lv["repeats"] == 2 for lv in levels)
+              and all(lv["tpot_ms"] and lv["tpot_ms_min"] <= lv["tpot_ms"] <= lv["tpot_ms_max"] for lv in levels)
+              and all(lv["steady_tpot_ms"] and lv["output_tok_s"] and lv["log_gen_tput"] for lv in levels),
+              f"arm {x}: lowload levels {levels}")
+    c_res = {lv["level"]: lv for lv in arm_results["c"]["lowload"]["levels"]}
+    check(c_res[1]["all_resident"] is True and c_res[2]["all_resident"] is True and c_res[4]["all_resident"] is False
+          and c_res[4]["offloaded_max"] >= 3 and c_res[1]["step_host_ms"] == 0.11, f"arm c: resident levels {c_res}")
+    check(all(lv["all_resident"] is None for lv in arm_results["a"]["lowload"]["levels"]), "arm a logs no HiSparse line")
+    ratios = res["lowload_ratios"]
+    check(sorted(ratios) == ["c/a", "d/a"] and all(rt["same_invocation"] for rt in ratios.values())
+          and all(0.5 < lv["tpot_ms"] < 2.0 for lv in ratios["c/a"]["levels"]) and len(ratios["d/a"]["levels"]) == 3,
+          f"lowload ratios {ratios}")
+    md = (out / "results.md").read_text()
+    check("## Low load: 128 input + 300 output tokens" in md and "| c/a TPOT | c/a steady TPOT |" in md
+          and "Arm c kept every running request resident at concurrency: 1, 2." in md, f"lowload markdown:\n{md[-3000:]}")
 
 
 def server_args_check(python: str) -> None:

@@ -64,3 +64,22 @@ def compare_outputs(ref: dict, other: dict) -> dict:
             "mismatched_tokens": mismatched_tokens,
             "max_abs_dlogprob_before_divergence": max_dlp,
             "max_abs_dtop5_before_divergence": max_dtop, "per_prompt": rows}
+
+
+def steady_window(arrivals_per_request: list[list]) -> tuple[float, float] | None:
+    """The time every request of a level is decoding: from the last request's first token to the
+    first request's last token (None if a request has no token or the span is empty)."""
+    if not arrivals_per_request or not all(arrivals_per_request):
+        return None
+    start = max(a[0][0] for a in arrivals_per_request)
+    end = min(a[-1][0] for a in arrivals_per_request)
+    return (start, end) if end > start else None
+
+
+def window_tpot(arrivals: list, window: tuple[float, float]) -> float | None:
+    """Seconds per output token of one request over the chunks that arrived within `window`
+    (arrivals: [(time, cumulative tokens), ...]); None with fewer than two such chunks."""
+    inside = [(t, n) for t, n in arrivals if window[0] <= t <= window[1]]
+    if len(inside) < 2 or inside[-1][1] <= inside[0][1]:
+        return None
+    return (inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1])
