@@ -130,3 +130,17 @@ def base_env(args, state: Path, log: Log) -> tuple[dict, dict]:
     env.pop("SGLANG_PLUGINS", None)  # a whitelist would silently drop the fixture or the plugin
     env.pop("PYTHONPATH", None)
     return env, info
+
+
+def mooncake_env(env0: dict, args) -> dict:
+    """Environment of a PD server and of the Mooncake preflight: the bundle's system libraries
+    (install_part.sh links what the machine lacks into <--mooncake-syslibs>/lib) and torch's CUDA 13
+    runtime on LD_LIBRARY_PATH; Mooncake's TCP transport (MC_FORCE_TCP, as SGLang's mooncake_tcp sets
+    it); 127.0.0.1 as the address SGLang's connector announces (SGLANG_HOST_IP; the GPU machine has
+    no network and no RDMA NIC)."""
+    env = dict(env0)
+    cu13 = f"{purelib_of(args.python)}/nvidia/cu13/lib"
+    ld = [str(args.mooncake_syslibs / "lib")] + ([cu13] if os.path.isdir(cu13) else [])
+    env.update(LD_LIBRARY_PATH=os.pathsep.join(ld + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else [])),
+               MC_FORCE_TCP="1", SGLANG_HOST_IP="127.0.0.1")
+    return env

@@ -115,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--python", default=sys.executable, help="python of the servers (default: this one)")
     g.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
     g.add_argument("--plugin-src", type=Path, default=REPO / "src", help="put on PYTHONPATH for arms c and d")
+    g.add_argument("--mooncake-syslibs", type=Path, default=Path("/tmp/mooncake-sys"),
+                   help="where install_part.sh put the Mooncake part's system libraries (its lib/ goes on the PD "
+                        "servers' LD_LIBRARY_PATH)")
     g = ap.add_argument_group("server")
     g.add_argument("--port-base", type=int, default=31000, help="arms a/b/c/d use base+0/+10/+20/+30")
     g.add_argument("--max-total-tokens", type=int, default=131072)
@@ -186,6 +189,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds for the whole storm; then all requests are aborted and timed_out is set "
                         "(default %(default)s)")
     g.add_argument("--preflight-timeout", type=float, default=180)
+    g.add_argument("--preflight-mooncake", action="store_true",
+                   help="preflight also checks the Mooncake part (mooncake_check.py in the PD servers' environment)")
     args = ap.parse_args(argv)
     try:
         args.arms = parse_csv(args.arms, ALL_ARMS, "arms")

@@ -14,7 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from client import extract_logprobs, make_prompt
-from common import REPO, Run
+from common import HERE, REPO, Run
+from environment import mooncake_env
 from logs import read_from, file_size, summarize_log
 from servers import ServerDied
 from stats import compare_outputs, detect_cycle, pct, steady_window, window_tpot
@@ -69,11 +70,35 @@ def phase_preflight(run: Run, env0: dict, env_info: dict) -> dict:
             res["error"] = f"rc={p.returncode}: {(p.stderr or p.stdout)[-1500:]}"
     except subprocess.TimeoutExpired:
         res["error"] = f"preflight timed out after {args.preflight_timeout}s"
+    if args.preflight_mooncake:
+        res["mooncake"] = mooncake_preflight(run, env0)
     bad = [m for m, v in res.get("imports", {}).items() if not v.get("ok")]
-    res["ok"] = not bad and "error" not in res
+    res["ok"] = not bad and "error" not in res and (res.get("mooncake") or {"ok": True})["ok"]
     for m in bad:
         log(f"  preflight: import {m} FAILED: {res['imports'][m].get('error')}")
     log(f"  preflight: gpu={res.get('gpu')} cuda={res.get('cuda')} versions={res.get('versions')}")
+    return res
+
+
+def mooncake_preflight(run: Run, env0: dict) -> dict:
+    """mooncake_check.py in the PD servers' environment: the engine imports, initialises over TCP on
+    127.0.0.1 and moves bytes host->host and GPU->host; SGLang's connector imports."""
+    args, log = run.args, run.log
+    env = mooncake_env(env0, args)
+    env["PYTHONPATH"] = str(args.site)
+    try:
+        p = subprocess.run([args.python, str(HERE / "mooncake_check.py"), "--connector"], env=env, capture_output=True,
+                           text=True, timeout=args.preflight_timeout, cwd=str(REPO))
+        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("MOONCAKE_JSON=")), None)
+        res = json.loads(line.split("=", 1)[1]) if line else {"ok": False, "error": f"rc={p.returncode}"}
+        if not res.get("ok"):
+            res["stderr_tail"] = (p.stderr or "")[-3000:]
+    except subprocess.TimeoutExpired:
+        res = {"ok": False, "error": f"timed out after {args.preflight_timeout}s"}
+    log(f"  preflight mooncake: {'ok' if res.get('ok') else 'FAILED'}: version {res.get('version')}, init rc "
+        f"{res.get('initialize_rc')}, host->host {res.get('host_to_host')}, GPU->host {res.get('gpu_to_host')}, "
+        f"connector {res.get('connector_import')}, libraries {res.get('loaded')}"
+        + ("" if res.get("ok") else f"; {res.get('import_error') or res.get('error') or ''}\n{res.get('stderr_tail', '')}"))
     return res
 
 

@@ -35,6 +35,7 @@ import logs  # noqa: E402
 import options  # noqa: E402
 import report  # noqa: E402
 import lowload  # noqa: E402
+import selftest_bundle  # noqa: E402
 import stats  # noqa: E402
 import storm  # noqa: E402
 
@@ -769,8 +770,16 @@ def main() -> int:
     ap.add_argument("--torch-python", default=sys.executable, help="python that runs the mock server")
     ap.add_argument("--server-args-python", default=None, help="python with sglang==0.5.17 installed")
     ap.add_argument("--skip-mock", action="store_true")
+    ap.add_argument("--part2", type=Path, default=None,
+                    help="a built part 2 (.e2e/parts/part2.tar.xz): install it and run mooncake_check.py (needs --py312)")
+    ap.add_argument("--py312", default=None, help="a Python 3.12 (the Mooncake wheel is cp312)")
     a = ap.parse_args()
     unit_checks()
+    selftest_bundle.bundle_checks(check)
+    if a.part2:
+        if not a.py312:
+            ap.error("--part2 needs --py312")
+        selftest_bundle.part2_checks(check, a.part2, a.py312, selftest_bundle.default_cudart_dir(a.torch_python))
     if not a.skip_mock:
         mock_e2e(a.torch_python)
     if a.server_args_python:
