@@ -1,7 +1,16 @@
 #!/usr/bin/env python3
 """Build the offline SGLang 0.5.17 bundle for the GPU machine (run on a machine with PyPI access).
 
-    python3 benchmarks/e2e/build_bundle.py            # -> .e2e/parts/part1.tar.xz (+ .sha256, SHA256SUMS)
+    python3 benchmarks/e2e/build_bundle.py            # -> .e2e/parts/part{1,2}.tar.xz (+ .sha256, SHA256SUMS)
+
+Two groups of items, each packed into parts of its own:
+  * SGLang 0.5.17 and what it needs (bundle_requirements.txt) -> part1;
+  * the Mooncake part (bundle_mooncake_requirements.txt: the CUDA 13 build of the Mooncake transfer
+    engine, trimmed to `mooncake.engine`; bundle_mooncake_debs.txt: the Debian 12 packages of the
+    system libraries it needs) -> part2, for PD disaggregation (--no-mooncake leaves it out).  Before
+    packing, bundle_debs.check_closure() checks that every library the kept ELF files need is in the
+    wheel, in the packages or on the GPU machine.  part2 carries a REQUIRES file: install_part.sh
+    refuses it on a machine without part 1's sglang.
 
 What it does:
   1. `pip download`s the cp312 manylinux x86_64 wheels pinned in bundle_requirements.txt into a cache
@@ -17,8 +26,8 @@ What it does:
      archive (`tar -xJf`/`xz -d` and Python's tarfile all read concatenated xz streams);
   4. writes SHA256SUMS + partN.tar.xz.sha256 and prints a size table.
 
-Every part holds `e2e-bundle/` with `wheels/`, `trees/<tree>/<top-level entries>`, `PART`,
-`MANIFEST.txt` and a per-file `SHA256SUMS`; benchmarks/e2e/install_part.sh installs one part into /tmp/site on the GPU
+Every part holds `e2e-bundle/` with `wheels/`, `trees/<tree>/<top-level entries>`, `debs/`, `PART`,
+`MANIFEST.txt`, a per-file `SHA256SUMS` and, for part2, `REQUIRES`; benchmarks/e2e/install_part.sh installs one part into /tmp/site on the GPU
 machine.  The output is byte-for-byte reproducible for the same wheels and options (fixed mtimes and
 owners, sorted entries, single-threaded xz).
 """
@@ -42,9 +51,14 @@ import zipfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from bundle_debs import check_closure, download_debs, find_debs, read_deb_pins, read_pin_lines
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 DEFAULT_REQS = HERE / "bundle_requirements.txt"
+MOONCAKE_REQS = HERE / "bundle_mooncake_requirements.txt"
+MOONCAKE_DEBS = HERE / "bundle_mooncake_debs.txt"
+MOONCAKE_REQUIRES = "sglang\n"  # top-level packages of part 1 the Mooncake part is useless without
 DEFAULT_OUT = REPO / ".e2e" / "parts"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hisparse-sglang-e2e"
 
@@ -76,6 +90,17 @@ STRIP_RULES: dict[str, list[tuple[str, str]]] = {
     "xgrammar": [
         (r"^xgrammar/lib/libxgrammar\.a$", "static library for C++ linking, never loaded"),
     ],
+    # SGLang 0.5.17's PD connector imports only `mooncake.engine` (TransferEngine); the rest serves
+    # Mooncake Store, its EP / process-group backends (elastic EP) and command-line tools.
+    # bundle_debs.check_closure() proves that nothing kept needs a dropped file.
+    "mooncake-transfer-engine-cuda13": [
+        (r"^mooncake/(mooncake_master|mooncake_client|transfer_engine_bench)$", "Mooncake Store / benchmark executables"),
+        (r"^mooncake/_store\.[^/]*\.so$", "Mooncake Store binding (mooncake.store)"),
+        (r"^mooncake/(_ep\.[^/]*|libmooncake_ep_device)\.so$", "Mooncake EP (expert-parallel buffers)"),
+        (r"^mooncake/libmooncake_pg(_device)?\.so$", "Mooncake process group (torch distributed backend)"),
+        (r"^mooncake_transfer_engine_cuda13\.libs/lib(etcd_wrapper|crypto|zstd|xxhash|zmq|uring|unwind|sodium|pgm-5|asio)-",
+         "vendored libraries of the dropped binaries only (engine.so loads mooncake/libasio.so and libetcd_wrapper.so)"),
+    ],
 }
 # sglang-kernel becomes a tree: everything except these files.
 SGL_KERNEL_DROP = [
@@ -100,15 +125,7 @@ def log(msg: str) -> None:
 
 
 def read_pins(path: Path) -> list[tuple[str, str]]:
-    pins = []
-    for raw in path.read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!_-]+)", line)
-        if not m:
-            raise SystemExit(f"{path}: not an exact pin: {raw!r}")
-        pins.append((m.group(1), m.group(2)))
+    pins = read_pin_lines(path, r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!_-]+)", "an exact pin")
     names = [norm_name(n) for n, _ in pins]
     dups = {n for n in names if names.count(n) > 1}
     if dups:
@@ -161,10 +178,10 @@ def download(pins: list[tuple[str, str]], wheel_dir: Path, python: str) -> None:
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Item:
-    key: str            # normalised dist name
+    key: str            # normalised dist name, or the Debian package name
     version: str
-    kind: str           # "wheel" | "tree"
-    label: str          # wheel file name or tree name
+    kind: str           # "wheel" | "tree" | "deb"
+    label: str          # wheel file name, tree name or .deb file name
     raw_bytes: int = 0  # uncompressed payload (stored wheel or sum of tree files)
     xz_bytes: int = 0
     stream: bytes = b""  # xz stream of this item's tar members (under TOP/)
@@ -271,7 +288,7 @@ def item_cache_key(key: str, wheel_path: Path, preset: int) -> str:
 
 
 def build_item(args: tuple) -> Item:
-    """Transform one wheel and compress it; results are cached in <cache-dir>/items/."""
+    """Transform one wheel (or take one .deb as it is) and compress it; results are cached in <cache-dir>/items/."""
     key, version, wheel_path, preset, cache_dir = args
     wheel_path = Path(wheel_path)
     ck = item_cache_key(key, wheel_path, preset)
@@ -293,7 +310,13 @@ def build_item(args: tuple) -> Item:
 
 
 def _build_item(key: str, version: str, wheel_path: Path, preset: int) -> Item:
-    if key in TREE_DISTS:
+    if wheel_path.suffix == ".deb":
+        data = wheel_path.read_bytes()
+        item = Item(key, version, "deb", wheel_path.name)
+        chunks = [tar_member(f"{TOP}/debs/{wheel_path.name}", data)]
+        sums = [(f"debs/{wheel_path.name}", hashlib.sha256(data).hexdigest())]
+        item.raw_bytes = len(data)
+    elif key in TREE_DISTS:
         tree = TREE_DISTS[key]
         files, dropped = tree_from_wheel(wheel_path, SGL_KERNEL_DROP)
         item = Item(key, version, "tree", tree, dropped=dropped)
@@ -347,7 +370,7 @@ def pack(items: list[Item], capacity: int) -> list[list[Item]]:
     return bins
 
 
-def part_tail(part: str, nparts: int, items: list[Item], tar_len_so_far: int) -> bytes:
+def part_tail(part: str, nparts: int, items: list[Item], tar_len_so_far: int, requires: str = "") -> bytes:
     manifest = [f"# {part} of {nparts}: built by benchmarks/e2e/build_bundle.py",
                 "# kind\tname\tversion\tfile\traw_bytes"]
     for it in items:
@@ -358,6 +381,8 @@ def part_tail(part: str, nparts: int, items: list[Item], tar_len_so_far: int) ->
     body = tar_member(f"{TOP}/PART", f"{part} {nparts}\n".encode())
     body += tar_member(f"{TOP}/MANIFEST.txt", ("\n".join(manifest) + "\n").encode())
     body += tar_member(f"{TOP}/SHA256SUMS", ("\n".join(sums) + "\n").encode())
+    if requires:
+        body += tar_member(f"{TOP}/REQUIRES", requires.encode())
     total = tar_len_so_far + len(body) + 2 * tarfile.BLOCKSIZE
     pad = (-total) % tarfile.RECORDSIZE
     return body + b"\0" * (2 * tarfile.BLOCKSIZE + pad)
@@ -404,32 +429,56 @@ def main(argv: list[str] | None = None) -> int:
                     help="recompress every item (default: reuse <cache-dir>/items/ keyed by wheel hash + rules)")
     ap.add_argument("--pip-python", default=sys.executable, help="python whose pip downloads")
     ap.add_argument("--report-json", type=Path, default=None, help="also write the size table as JSON")
+    ap.add_argument("--no-mooncake", action="store_true", help="build part 1 only (no Mooncake part)")
+    ap.add_argument("--mooncake-requirements", type=Path, default=MOONCAKE_REQS)
+    ap.add_argument("--mooncake-debs", type=Path, default=MOONCAKE_DEBS,
+                    help="Debian packages of the Mooncake part, downloaded to <cache-dir>/debs")
     args = ap.parse_args(argv)
 
     t0 = time.time()
     pins = read_pins(args.requirements)
+    mooncake_pins = [] if args.no_mooncake else read_pins(args.mooncake_requirements)
+    deb_pins = [] if args.no_mooncake else read_deb_pins(args.mooncake_debs)
     wheel_dir = args.wheel_dir or (args.cache_dir / "wheels")
+    deb_dir = args.cache_dir / "debs"
     if not args.no_download:
-        download(pins, wheel_dir, args.pip_python)
-    wheels, missing = find_wheels(wheel_dir, pins)
+        download(pins + mooncake_pins, wheel_dir, args.pip_python)
+        if deb_pins:
+            download_debs(deb_pins, deb_dir, log)
+    wheels, missing = find_wheels(wheel_dir, pins + mooncake_pins)
     if missing:
         raise SystemExit(f"missing wheels in {wheel_dir}: {missing}")
+    debs, missing = find_debs(deb_dir, deb_pins) if deb_pins else ({}, [])
+    if missing:
+        raise SystemExit(f"missing packages in {deb_dir}: {missing}")
 
-    # 1) transform + measure every item (parallel)
-    log(f"[build] transforming + compressing {len(wheels)} items with {args.jobs} job(s), xz preset {args.xz_preset}")
+    # 1) the Mooncake part must load on the GPU machine: check before compressing anything
+    for name, _ in mooncake_pins:
+        wheel = wheels[norm_name(name)]
+        stored, _ = repack_wheel(wheel, STRIP_RULES.get(norm_name(name), []))
+        external = check_closure(stored, wheel.name, list(debs.values()))
+        log(f"[closure] {wheel.name}: every library its kept ELF files need is provided: "
+            + ", ".join(f"{k} ({v})" for k, v in sorted(external.items())))
+
+    # 2) transform + measure every item (parallel)
+    jobs = [(norm_name(n), v, str(wheels[norm_name(n)]), args.xz_preset) for n, v in pins + mooncake_pins]
+    jobs += [(name, version, str(debs[name]), args.xz_preset) for name, version in deb_pins]
+    log(f"[build] transforming + compressing {len(jobs)} items with {args.jobs} job(s), xz preset {args.xz_preset}")
     item_cache = None if args.no_item_cache else str(args.cache_dir)
-    jobs = [(norm_name(n), v, str(wheels[norm_name(n)]), args.xz_preset, item_cache) for n, v in pins]
     items: list[Item] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as ex:
-        for it in ex.map(build_item, jobs, chunksize=1):
+        for it in ex.map(build_item, [job + (item_cache,) for job in jobs], chunksize=1):
             items.append(it)
             log(f"[build]   {it.label[:60]:60s} raw {it.raw_bytes / MIB:7.2f} MiB -> xz {it.xz_bytes / MIB:6.2f} MiB")
 
-    # 2) pack: item streams are final, only the small head/tail streams (< 64 KiB) are added
+    # 3) pack each group into its own parts: item streams are final, only the small head/tail
+    #    streams (< 64 KiB) are added
     cap = int(args.max_part_mib * MIB)
-    bins = pack(items, cap - 64 * 1024)
+    bins = [(b, "") for b in pack(items[:len(pins)], cap - 64 * 1024)]
+    if len(items) > len(pins):
+        bins += [(b, MOONCAKE_REQUIRES) for b in pack(items[len(pins):], cap - 64 * 1024)]
 
-    # 3) write parts: head stream + the items' xz streams + tail stream (MANIFEST, SHA256SUMS, end blocks)
+    # 4) write parts: head stream + the items' xz streams + tail stream (MANIFEST, SHA256SUMS, REQUIRES, end blocks)
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("part*.tar*")) + [out / "SHA256SUMS"]:
@@ -437,10 +486,11 @@ def main(argv: list[str] | None = None) -> int:
             stale.unlink()
     part_rows = []
     sums_lines = []
-    for idx, b in enumerate(bins, start=1):
+    for idx, (b, requires) in enumerate(bins, start=1):
         part = f"part{idx}"
-        head = tar_member(TOP, None) + tar_member(f"{TOP}/wheels", None) + tar_member(f"{TOP}/trees", None)
-        tail = part_tail(part, len(bins), b, len(head) + sum(it.tar_bytes for it in b))
+        folders = [TOP, f"{TOP}/wheels", f"{TOP}/trees"] + ([f"{TOP}/debs"] if any(it.kind == "deb" for it in b) else [])
+        head = b"".join(tar_member(name, None) for name in folders)
+        tail = part_tail(part, len(bins), b, len(head) + sum(it.tar_bytes for it in b), requires)
         streams = [lzma.compress(head, format=lzma.FORMAT_XZ, preset=args.xz_preset),
                    *[it.stream for it in b],
                    lzma.compress(tail, format=lzma.FORMAT_XZ, preset=args.xz_preset)]
@@ -458,12 +508,12 @@ def main(argv: list[str] | None = None) -> int:
         part_rows.append((part, size, b, digest, nfiles))
     (out / "SHA256SUMS").write_text("\n".join(sums_lines) + "\n")
 
-    # 4) report
+    # 5) report
     log("")
     log(f"{'item':52s} {'version':>14s} {'part':>5s} {'wheel MiB':>9s} {'raw MiB':>8s} {'xz MiB':>7s}")
     for part, _, b, _, _ in part_rows:
         for it in sorted(b, key=lambda i: -i.xz_bytes):
-            name = it.key + (" (tree)" if it.kind == "tree" else "")
+            name = it.key + {"tree": " (tree)", "deb": " (deb)"}.get(it.kind, "")
             log(f"{name:52s} {it.version:>14s} {part:>5s} {it.wheel_bytes / MIB:9.2f} "
                 f"{it.raw_bytes / MIB:8.2f} {it.xz_bytes / MIB:7.2f}")
             for path, size, why in it.dropped:

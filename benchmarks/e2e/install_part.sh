@@ -2,16 +2,24 @@
 # Install ONE part of the offline SGLang bundle (built by benchmarks/e2e/build_bundle.py) into $SITE
 # on the GPU machine.  From the repository root, with the part carried:
 #
-#   bash benchmarks/e2e/install_part.sh .e2e/parts/part1.tar.xz
+#   bash benchmarks/e2e/install_part.sh .e2e/parts/part1.tar.xz     # SGLang 0.5.17 and its wheels
+#   bash benchmarks/e2e/install_part.sh .e2e/parts/part2.tar.xz     # Mooncake (PD), needs part 1 installed
 #
 # Steps: verify the part's sha256 (PART.sha256 beside it, else the line in SHA256SUMS beside it),
 # skip if this exact part is already installed (marker in $SITE/.e2e-installed/), unpack to a temp
-# dir, verify the per-file SHA256SUMS inside, `pip install --no-index --no-deps --target $SITE` the
-# wheels (wheel by wheel + unzip fallback for any wheel pip rejects, e.g. the manylinux_2_34-tagged
-# sglang wheel on a glibc < 2.34 box), copy the trees (trees/<name>/<entry> -> $SITE/<entry>),
-# optionally byte-compile, write the marker.  Parts are independent and may be installed in any order.
+# dir, verify the per-file SHA256SUMS inside, refuse the part if $SITE lacks a package its REQUIRES
+# names (part 2 without part 1: the machine was recycled), `pip install --no-index --no-deps --target
+# $SITE` the wheels (wheel by wheel + unzip fallback for any wheel pip rejects, e.g. the
+# manylinux_2_34-tagged sglang wheel on a glibc < 2.34 box), copy the trees (trees/<name>/<entry> ->
+# $SITE/<entry>), unpack the Debian packages (debs/*.deb, `dpkg-deb -x`) into $SYSLIBS/root and link
+# into $SYSLIBS/lib the shared libraries this machine lacks (every library of a source package
+# together, so that libmlx5 never meets another build's libibverbs); optionally byte-compile, write
+# the marker.
 #
 # Env: SITE=/tmp/site   PY=<python of the GPU venv; default /opt/torch/.venv/bin/python3, else python3>
+#      SYSLIBS=/tmp/mooncake-sys (run_e2e.py --mooncake-syslibs; the PD servers' LD_LIBRARY_PATH gets $SYSLIBS/lib)
+#      SYSLIB_DIRS="<dirs>" (where the machine's own libraries are looked for; default the x86_64 lib dirs,
+#      plus `ldconfig -p` unless LDCONFIG=0)
 #      FORCE=1 (reinstall even if the marker matches)   COMPILE=0 (skip byte-compiling $SITE)
 #      DRY_RUN=1 (verify + unpack + list what would be done; installs nothing)
 set -euo pipefail
@@ -19,6 +27,9 @@ export PIP_ROOT_USER_ACTION=ignore
 
 PART=${1:?usage: install_part.sh path/to/partN.tar.xz}
 SITE=${SITE:-/tmp/site}
+SYSLIBS=${SYSLIBS:-/tmp/mooncake-sys}
+SYSLIB_DIRS=${SYSLIB_DIRS:-/lib/x86_64-linux-gnu /usr/lib/x86_64-linux-gnu /lib64 /usr/lib64 /usr/local/lib /usr/lib /lib}
+LDCONFIG=${LDCONFIG:-1}
 FORCE=${FORCE:-0}
 COMPILE=${COMPILE:-1}
 DRY_RUN=${DRY_RUN:-0}
@@ -76,6 +87,13 @@ cd "$TOPDIR"
 [ -f SHA256SUMS ] || die "$PART has no SHA256SUMS inside"
 sha256sum -c --quiet SHA256SUMS || die "per-file checksum mismatch inside $PART"
 say "unpacked $(cat PART 2>/dev/null | awk '{print $1" of "$2}') ($(grep -vc '^#' MANIFEST.txt) items); per-file checksums OK"
+
+if [ -f REQUIRES ]; then
+  for need in $(cat REQUIRES); do
+    [ -d "$SITE/$need" ] || die "$NAME needs '$need' in $SITE, which another part installs (part1.tar.xz): install that part first; if it had been installed, the machine was recycled since"
+  done
+  say "requirements present in $SITE: $(tr '\n' ' ' < REQUIRES)"
+fi
 
 if [ "$DRY_RUN" = 1 ]; then
   say "DRY_RUN: would install into $SITE:"
@@ -146,7 +164,59 @@ for t in trees/*/; do
   say "copied tree $(basename "$t") -> $SITE ($(ls "$t" | tr '\n' ' '))"
 done
 
-# ---- 6. byte-compile (saves the first server start from compiling ~10k modules, in parallel here)
+# ---- 6. Debian packages: unpacked apart from the system, only what the machine lacks is linked
+DEBS=(debs/*.deb)
+if ((${#DEBS[@]})); then
+  command -v dpkg-deb >/dev/null 2>&1 || die "dpkg-deb not found: cannot unpack ${#DEBS[@]} Debian package(s)"
+  case "$SYSLIBS" in /|/usr|/usr/*|/lib*|/etc*|"$SITE") die "SYSLIBS=$SYSLIBS: use a folder of its own (default /tmp/mooncake-sys)" ;; esac
+  rm -rf "$SYSLIBS"
+  mkdir -p "$SYSLIBS/root" "$SYSLIBS/lib"
+  : > "$SYSLIBS/sonames.txt"
+  for d in "${DEBS[@]}"; do
+    dpkg-deb -x "$d" "$SYSLIBS/root"
+    src=$(dpkg-deb -f "$d" Source | awk '{print $1}')
+    [ -n "$src" ] || src=$(dpkg-deb -f "$d" Package)
+    # shared libraries directly in (usr/)lib/x86_64-linux-gnu, as <source package> <path>
+    dpkg-deb -c "$d" | awk '{print $6}' | sed 's#^\./##' \
+      | grep -E '^(usr/)?lib/x86_64-linux-gnu/[^/]+\.so\.[0-9][^/]*$' | sed "s#^#$src #" >> "$SYSLIBS/sonames.txt"
+  done
+  "$PY" - "$SYSLIBS" "$LDCONFIG" $SYSLIB_DIRS <<'PYEOF'
+import collections, os, subprocess, sys
+syslibs, ldconfig, dirs = sys.argv[1], sys.argv[2] == "1", sys.argv[3:]
+known = set()
+if ldconfig:
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+        known = {line.split()[0] for line in out.splitlines()[1:] if line.strip()}
+    except (OSError, subprocess.SubprocessError):
+        pass
+def on_machine(name):
+    return name in known or any(os.path.exists(os.path.join(d, name)) for d in dirs)
+groups = collections.defaultdict(list)
+for line in open(os.path.join(syslibs, "sonames.txt")):
+    src, path = line.split()
+    groups[src].append(path)
+def soname(name):  # libfoo.so.1, not the real file libfoo.so.1.2.3 (whose full version may differ here)
+    return name.rsplit(".so.", 1)[1].isdigit()
+linked, kept = [], []
+with open(os.path.join(syslibs, "LINKED.txt"), "w") as record:
+    for src, paths in sorted(groups.items()):
+        names = [os.path.basename(p) for p in paths]
+        missing = [n for n in names if soname(n) and not on_machine(n)]
+        if not missing:
+            kept.append(src)
+            continue
+        for p in paths:
+            name = os.path.basename(p)
+            os.symlink(os.path.join(syslibs, "root", p), os.path.join(syslibs, "lib", name))
+            record.write(f"{name}\t{src}\t{'missing' if name in missing else 'with ' + missing[0]}\n")
+        linked.append(f"{src} ({', '.join(missing)} missing)")
+print(f"[install_part] system libraries linked into {syslibs}/lib: {'; '.join(linked) or 'none (the machine has them all)'}")
+print(f"[install_part] the machine's own copies used for: {' '.join(kept) or 'none'}")
+PYEOF
+fi
+
+# ---- 7. byte-compile (saves the first server start from compiling ~10k modules, in parallel here)
 if [ "$COMPILE" = 1 ]; then
   TC=$(date +%s)
   DIRS=()

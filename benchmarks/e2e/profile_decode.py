@@ -31,7 +31,13 @@ import time
 import zipfile
 from pathlib import Path
 
-import run_e2e as harness
+import client
+import logs
+import options
+from arms import arm_spec, prepare_pyext
+from common import REPO, Log
+from environment import base_env
+from servers import Server
 
 SYNC_LINE = "[hisparse-e2e-fixture] pid="
 
@@ -107,22 +113,22 @@ def sync_traces(log_text: str) -> list[dict]:
 def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: Path | None, log) -> dict:
     arm, _, extra = variant.partition("+")
     port = args.port_base
-    cmd, env = harness.arm_spec(arm, args, env0, common, plugin_dir, port)
+    cmd, env = arm_spec(arm, args, env0, common, plugin_dir, port)
     cmd += shlex.split(extra.replace("+", " "))
     env["HISPARSE_E2E_SYNC_TRACE"] = args.sync_window
     name = variant.replace("+--", "-").replace("+", "-")
     log_path = args.state_dir / f"server-profile-{name}.log"
-    server = harness.Server(f"profile-{name}", cmd, env, log_path, port, args.state_dir)
+    server = Server(f"profile-{name}", cmd, env, log_path, port, args.state_dir, log)
     result = {"variant": variant, "cmd": shlex.join(cmd)}
     try:
         server.start()
         result["startup_s"] = round(server.wait_healthy(args.health_timeout), 1)
-        harness.generate(port, harness.make_prompt(3, 4096, vocab), 16, timeout=300)
+        client.generate(port, client.make_prompt(3, 4096, vocab), 16, timeout=300)
         log(f"{variant}: healthy after {result['startup_s']} s")
-        prompt = harness.make_prompt(11, args.input_len, vocab)
+        prompt = client.make_prompt(11, args.input_len, vocab)
         traced: dict = {}
         thread = threading.Thread(
-            target=lambda: traced.update(harness.generate_stream(port, prompt, args.trace_out, timeout=600))
+            target=lambda: traced.update(client.generate_stream(port, prompt, args.trace_out, timeout=600))
         )
         thread.start()
         if spy is not None:
@@ -145,7 +151,7 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
         result["traced_request"] = {k: traced.get(k) for k in ("tokens", "tpot_s", "error")}
         tpots = []
         for repeat in range(args.repeats):
-            out = harness.generate_stream(port, harness.make_prompt(100 + repeat, args.input_len, vocab),
+            out = client.generate_stream(port, client.make_prompt(100 + repeat, args.input_len, vocab),
                                           args.output_len, timeout=600)
             if out.get("tpot_s"):
                 tpots.append(1e3 * out["tpot_s"])
@@ -162,7 +168,7 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
         server.stop()
         text = log_path.read_text(errors="replace") if log_path.exists() else ""
         result["sync_traces"] = sync_traces(text)
-        result["hisparse_log"] = harness.summarize_hisparse(text)
+        result["hisparse_log"] = logs.summarize_hisparse(text)
     return result
 
 
@@ -198,22 +204,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spy-delay", type=float, default=2.5, help="seconds after the traced request starts")
     parser.add_argument("--spy-seconds", type=int, default=2)
     parser.add_argument("--spy-rate", type=int, default=1000)
-    parser.add_argument("--py-spy", type=Path, default=harness.REPO / ".whl" / "py_spy-0.4.3-py2.py3-none-manylinux1_x86_64.manylinux_2_5_x86_64.whl")
+    parser.add_argument("--py-spy", type=Path, default=REPO / ".whl" / "py_spy-0.4.3-py2.py3-none-manylinux1_x86_64.manylinux_2_5_x86_64.whl")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/hisparse_profile")))
     parser.add_argument("--port-base", type=int, default=31100)
     parser.add_argument("--health-timeout", type=float, default=420)
     # the server flags of run_e2e.py, with its defaults
-    harness_args = harness.parse_args([])
+    harness_args = options.parse_args([])
     args = parser.parse_args(argv)
     for key, value in vars(harness_args).items():
         if not hasattr(args, key):
             setattr(args, key, value)
     args.state_dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    log = harness.Log([args.out / "profile.log"])
-    harness.LOG = log
-    env0, _ = harness.base_env(args, args.state_dir)
-    common, plugin_dir, _ = harness.prepare_pyext(args.state_dir, args)
+    log = Log([args.out / "profile.log"])
+    env0, _ = base_env(args, args.state_dir, log)
+    common, plugin_dir, _ = prepare_pyext(args.state_dir, args)
     vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
     spy = unpack_py_spy(args.py_spy, args.state_dir)
     log(f"py-spy: {spy}")

@@ -29,7 +29,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-import run_e2e as E  # noqa: E402
+import arms  # noqa: E402
+import client  # noqa: E402
+import logs  # noqa: E402
+import options  # noqa: E402
+import report  # noqa: E402
+import lowload  # noqa: E402
+import selftest_bundle  # noqa: E402
+import stats  # noqa: E402
+import storm  # noqa: E402
 
 FAILS: list[str] = []
 PASSES = 0
@@ -44,6 +52,20 @@ def check(cond, what: str) -> None:
         print(f"FAIL: {what}", flush=True)
 
 
+def check_rejected(argv: list[str]) -> None:
+    """options.parse_args must reject `argv` (argparse exits; its message is silenced)."""
+    try:
+        with open(os.devnull, "w") as dn:
+            old, sys.stderr = sys.stderr, dn
+            try:
+                options.parse_args(argv)
+            finally:
+                sys.stderr = old
+        check(False, f"parse_args({argv}) should fail")
+    except SystemExit:
+        check(True, "")
+
+
 # --------------------------------------------------------------------------------------------
 def unit_checks() -> None:
     dec = ("[2026-11-22 10:00:01] Decode batch, #running-req: 7, #token: 114688, token usage: 0.88, "
@@ -52,12 +74,12 @@ def unit_checks() -> None:
            "#cpu token: 655360, cpu token usage: 0.62, cuda graph: False, gen throughput (token/s): 11800.00, #queue-req: 0")
     pre = ("[2026-11-22 10:00:00] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 0, token usage: 0.06, "
            "#running-req: 6, #queue-req: 58, #pending-token: 0, cuda graph: False, input throughput (token/s): 90000.00")
-    d = E.parse_decode_lines(dec)
+    d = logs.parse_decode_lines(dec)
     check(len(d) == 2, "two decode lines parsed")
     check(d[0] == {"running": 7, "gen_tput": 5612.31, "queue": 57, "token_usage": 0.88, "cuda_graph": True}, f"decode line 1: {d[0]}")
     check(d[1]["running"] == 40 and d[1]["gpu_token_usage"] == 0.31 and d[1]["cpu_token_usage"] == 0.62
           and d[1]["cuda_graph"] is False and "token_usage" not in d[1], f"hisparse decode line: {d[1]}")
-    p = E.parse_prefill_lines(pre)
+    p = logs.parse_prefill_lines(pre)
     check(p == [{"new_seq": 1, "new_token": 8192, "running": 6, "queue": 58}], f"prefill line: {p}")
     extra = ("\n[hisparse-e2e-fixture] pid=12 weights mode=scaled seed=1234 params_initialised=40 params=40 "
              "elements=480000000 fingerprint=1.234000000e+02/4.560000000e+05\n"
@@ -66,7 +88,7 @@ def unit_checks() -> None:
              "KV cache pool is full. Retract requests. #retracted_reqs: 3, #new_tokens_gained: 10\n"
              "Failed to load plugin hisparse from group sglang.srt.plugins\n"
              "Dense attention kv len threshold is manually set to 0 for DSA.\n")
-    s = E.summarize_log(pre + "\n" + dec + extra)
+    s = logs.summarize_log(pre + "\n" + dec + extra)
     check(s["max_running"] == 40 and s["max_decode_running"] == 40, f"max running {s['max_running']}")
     check(s["gen_tput_median"] == (5612.31 + 11800.0) / 2, "median gen throughput")
     check(s["cuda_graph_fraction"] == 0.5, "cuda graph fraction")
@@ -75,15 +97,15 @@ def unit_checks() -> None:
     check(s["plugin_failures"] == ["load plugin: hisparse"], f"plugin failures {s['plugin_failures']}")
     check(s["dense_attn_threshold"] == 0, "dense threshold")
     check(s["visible_plugins"] == ["['hisparse=hisparse_sglang.x:register']"], f"visible {s['visible_plugins']}")
-    check(E.summarize_log("")["max_running"] is None, "empty log")
+    check(logs.summarize_log("")["max_running"] is None, "empty log")
 
-    check(E.detect_cycle([5, 1, 2, 3, 1, 2, 3, 1, 2, 3]) == 3, "cycle 3")
-    check(E.detect_cycle([7] * 10) == 1, "cycle 1")
-    check(E.detect_cycle(list(range(20))) is None, "no cycle")
+    check(stats.detect_cycle([5, 1, 2, 3, 1, 2, 3, 1, 2, 3]) == 3, "cycle 3")
+    check(stats.detect_cycle([7] * 10) == 1, "cycle 1")
+    check(stats.detect_cycle(list(range(20))) is None, "no cycle")
 
     meta = {"output_token_logprobs": [[-0.5, 11, None], [-1.25, 12, None]],
             "output_top_logprobs": [[[-0.5, 11, None], [-2.0, 3, None]], None]}
-    lps, top = E.extract_logprobs(meta)
+    lps, top = client.extract_logprobs(meta)
     check(lps == [-0.5, -1.25] and top == [[[11, -0.5], [3, -2.0]], None], f"extract_logprobs {lps} {top}")
 
     ref = {"prompts": [{"id": "p1", "output_ids": [1, 2, 3, 4], "logprobs": [-1.0, -1.0, -1.0, -1.0],
@@ -92,61 +114,51 @@ def unit_checks() -> None:
     oth = {"prompts": [{"id": "p1", "output_ids": [1, 2, 7, 4], "logprobs": [-1.0, -1.001, -3.0, -1.0],
                         "top": [[[1, -1.0], [9, -2.5]]] * 4},
                        {"id": "p2", "output_ids": [5, 6], "logprobs": [-0.1, -0.2], "top": []}]}
-    c = E.compare_outputs(ref, oth)
+    c = stats.compare_outputs(ref, oth)
     check(c["prompts_compared"] == 2 and c["prompts_identical"] == 1 and c["mismatched_tokens"] == 1, f"compare counts {c}")
     r1 = c["per_prompt"][0]
     check(r1["first_mismatch"] == 2 and abs(r1["max_abs_dlogprob"] - 0.001) < 1e-9 and abs(r1["max_abs_dtop5"] - 0.5) < 1e-9,
           f"compare row {r1}")
-    c2 = E.compare_outputs(ref, {"prompts": [{"id": "p1", "output_ids": [1, 2], "logprobs": [-1, -1], "top": []}]})
+    c2 = stats.compare_outputs(ref, {"prompts": [{"id": "p1", "output_ids": [1, 2], "logprobs": [-1, -1], "top": []}]})
     check(c2["per_prompt"][0]["first_mismatch"] == 2 and c2["per_prompt"][1]["status"] == "missing", "length mismatch / missing")
 
-    check(E.parse_levels("1,8, 32,max") == [1, 8, 32, "max"], "levels")
+    check(options.parse_levels("1,8, 32,max") == [1, 8, 32, "max"], "levels")
     for bad in ("0", "x", ""):
         try:
-            E.parse_levels(bad)
+            options.parse_levels(bad)
             check(False, f"parse_levels({bad!r}) should fail")
         except ValueError:
             check(True, "")
-    check(E.parse_csv("c,a,a", E.ALL_ARMS, "arms") == ["a", "c"], "parse_csv order/dedup")
-    check(E.parse_env_assignments(["A=1", "B=x=y"]) == {"A": "1", "B": "x=y"}, "env assignments")
-    check(E.read_plugin_entry_point(REPO / "pyproject.toml")[0] == "hisparse", "entry point from pyproject")
-    check(E.make_prompt(1, 5, 100) == E.make_prompt(1, 5, 100) and all(2 <= x < 100 for x in E.make_prompt(2, 1000, 100)),
+    check(options.parse_csv("c,a,a", arms.ALL_ARMS, "arms") == ["a", "c"], "parse_csv order/dedup")
+    check(arms.parse_env_assignments(["A=1", "B=x=y"]) == {"A": "1", "B": "x=y"}, "env assignments")
+    check(arms.read_plugin_entry_point(REPO / "pyproject.toml")[0] == "hisparse", "entry point from pyproject")
+    check(client.make_prompt(1, 5, 100) == client.make_prompt(1, 5, 100) and all(2 <= x < 100 for x in client.make_prompt(2, 1000, 100)),
           "prompts deterministic and in range")
 
     # argument handling
-    a = E.parse_args(["--arms", "b,a", "--phases", "correctness,report", "--tp-levels", "1,max",
+    a = options.parse_args(["--arms", "b,a", "--phases", "correctness,report", "--tp-levels", "1,max",
                       "--plugin-env", "FOO=1", "--plugin-args", "--foo 'a b'", "--state-dir", "/tmp/x"])
     check(a.arms == ["a", "b"] and a.phases == ["correctness", "report"] and a.tp_levels == [1, "max"], "parse_args lists")
-    a = E.parse_args(["--state-dir", "/tmp/x"])
+    a = options.parse_args(["--state-dir", "/tmp/x"])
     check(a.arms == ["a", "b", "c"] and "storm" not in a.phases and "throughput" in a.phases,
           f"defaults: arms {a.arms}, phases {a.phases} (d and storm are opt-in)")
-    a = E.parse_args(["--arms", "d,a,c,b", "--phases", "report,storm,throughput", "--state-dir", "/tmp/x"])
+    a = options.parse_args(["--arms", "d,a,c,b", "--phases", "report,storm,throughput", "--state-dir", "/tmp/x"])
     check(a.arms == ["a", "b", "c", "d"] and a.phases == ["throughput", "storm", "report"], f"arm d / storm order {a.phases}")
     for bad in (["--arms", "e"], ["--phases", "warmup"], ["--tp-levels", "0"], ["--plugin-env", "NOEQ"],
                 ["--hisparse-config", "{bad json"], ["--hisparse-config", "[1, 2]"], ["--plugin-ep", "nocolon"],
                 ["--corr-lens", "65536"], ["--arms", "c,d", "--plugin-no-enable-hisparse"],
                 ["--storm-after-tokens", "600"], ["--storm-after-tokens", "20"], ["--storm-requests", "0"],
                 ["--storm-input-len", "65000"]):
-        try:
-            with open(os.devnull, "w") as dn:
-                old = sys.stderr
-                sys.stderr = dn
-                try:
-                    E.parse_args(bad)
-                finally:
-                    sys.stderr = old
-            check(False, f"parse_args({bad}) should fail")
-        except SystemExit:
-            check(True, "")
+        check_rejected(bad)
 
     # arm specs: JSON without spaces, plugin arm adds src + dist-info dir + env + args
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
-        a = E.parse_args(["--state-dir", str(td), "--plugin-env", "HISPARSE_X=1", "--plugin-args", "--foo bar",
+        a = options.parse_args(["--state-dir", str(td), "--plugin-env", "HISPARSE_X=1", "--plugin-args", "--foo bar",
                           "--hisparse-config", '{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}'])
-        common, plug, ep = E.prepare_pyext(td, a)
-        specs = {arm: E.arm_spec(arm, a, {"X": "1"}, common, plug, 30000) for arm in E.ALL_ARMS}
-        ca, cb, cc, cd = (specs[x][0] for x in E.ALL_ARMS)
+        common, plug, ep = arms.prepare_pyext(td, a)
+        specs = {arm: arms.arm_spec(arm, a, {"X": "1"}, common, plug, 30000) for arm in arms.ALL_ARMS}
+        ca, cb, cc, cd = (specs[x][0] for x in arms.ALL_ARMS)
         check("--enable-hisparse" not in ca and all("--enable-hisparse" in c for c in (cb, cc, cd)), "hisparse flags")
         check(cb[cb.index("--hisparse-config") + 1] == '{"top_k":2048,"device_buffer_size":4096,"host_to_device_ratio":8}'
               and cc[cc.index("--hisparse-config") + 1] == cb[cb.index("--hisparse-config") + 1],
@@ -162,12 +174,12 @@ def unit_checks() -> None:
         pp = specs["c"][1]["PYTHONPATH"].split(os.pathsep)
         check(pp[0] == str(plug) and pp[1] == str(REPO / "src") and str(common) in specs["a"][1]["PYTHONPATH"]
               and str(plug) not in specs["b"][1]["PYTHONPATH"], f"PYTHONPATH of arm c: {pp}")
-        check(E.hisparse_config_json('{"resident_first": true, "top_k": 1}', "d") == '{"resident_first":false,"top_k":1}',
+        check(arms.hisparse_config_json('{"resident_first": true, "top_k": 1}', "d") == '{"resident_first":false,"top_k":1}',
               "arm d overrides a resident_first of the common config")
         for flag in ("--attention-backend", "--dsa-prefill-backend", "--dsa-decode-backend", "--kv-cache-dtype",
                      "--load-format", "--skip-tokenizer-init", "--disable-radix-cache", "--max-total-tokens",
                      "--mem-fraction-static", "--context-length"):
-            check(all(flag in specs[x][0] for x in E.ALL_ARMS), f"{flag} in every arm")
+            check(all(flag in specs[x][0] for x in arms.ALL_ARMS), f"{flag} in every arm")
         check("--disable-cuda-graph" not in ca, "CUDA graph on by default")
         # entry points are discoverable from the generated dist-infos (fresh interpreter)
         code = ("import importlib.metadata as m, json; "
@@ -178,10 +190,61 @@ def unit_checks() -> None:
         check(["hisparse", "hisparse_sglang.integration.sglang.plugin:register", "hisparse-sglang"] in [list(x) for x in eps]
               and any(x[0] == "hisparse_e2e_weight_init" for x in eps), f"entry points discoverable: {eps}")
         # markdown renders with partial data
-        md = E.render_markdown({"meta": {}, "arms": {"a": {"status": "failed", "error": "boom"}}, "compare": {}})
+        md = report.render_markdown({"meta": {}, "arms": {"a": {"status": "failed", "error": "boom"}}, "compare": {}})
         check("boom" in md and "| status | failed |" in md, "markdown with a failed arm")
     storm_checks()
+    lowload_checks()
+    try:  # it imports the harness modules by name
+        import profile_decode  # noqa: F401
+        check(True, "")
+    except ImportError as e:
+        check(False, f"profile_decode.py does not import: {e}")
     print(f"unit checks: {PASSES} passed, {len(FAILS)} failed", flush=True)
+
+
+def lowload_checks() -> None:
+    """Steady-window TPOT, the per-level summary over repeats, the ratios, the lowload options."""
+    # request A: tokens 1..100 every 10 ms from t=0; request B starts at 0.5 s, every 20 ms, 30 tokens
+    a = [(0.01 * (n - 1), n) for n in range(1, 101)]
+    b = [(0.5 + 0.02 * (n - 1), n) for n in range(1, 31)]
+    w = stats.steady_window([a, b])
+    check(close(w[0], 0.5) and close(w[1], 0.99), f"steady window {w}")
+    check(close(stats.window_tpot(a, w), 0.01) and close(stats.window_tpot(b, w), 0.02), "per-request TPOT in the window")
+    check(stats.steady_window([a, []]) is None and stats.steady_window([]) is None
+          and stats.steady_window([[(1.0, 1)], [(2.0, 1)]]) is None, "no steady window")
+    check(stats.window_tpot([(0.0, 1), (5.0, 9)], (1.0, 2.0)) is None, "window without two chunks")
+
+    def level_run(level, rep, tpot, ok=None, resident=None, offloaded=None, host=0.2):
+        return {"level": level, "repeat": rep, "concurrency": level, "ok": level if ok is None else ok, "errors": [],
+                "tpot_ms_median": tpot, "steady_tpot_ms_median": tpot - 0.1, "output_tok_s": 1000.0 / tpot,
+                "log_gen_tput_median": 900.0 / tpot, "hisparse_step_host_ms_median": host,
+                "hisparse_all_resident": resident, "hisparse_offloaded_max": offloaded}
+
+    runs = [level_run(1, 0, 2.0, resident=True, offloaded=0), level_run(1, 1, 2.2, resident=True, offloaded=0),
+            level_run(1, 2, 2.1, resident=True, offloaded=0), level_run(8, 0, 3.0, resident=False, offloaded=8),
+            level_run(8, 1, 3.4, ok=7), level_run(8, 2, 3.2, resident=True, offloaded=0)]
+    lv = lowload.summarize_lowload(runs)
+    check([x["level"] for x in lv] == [1, 8] and lv[0]["repeats"] == 3 and lv[1]["repeats"] == 2
+          and lv[1]["failed_repeats"] == 1, f"repeats counted where every request completed: {lv}")
+    check(close(lv[0]["tpot_ms"], 2.1) and lv[0]["tpot_ms_min"] == 2.0 and lv[0]["tpot_ms_max"] == 2.2
+          and close(lv[1]["tpot_ms"], 3.1) and close(lv[0]["steady_tpot_ms"], 2.0) and close(lv[0]["step_host_ms"], 0.2),
+          f"medians and spread over the repeats: {lv}")
+    check(lv[0]["all_resident"] is True and lv[1]["all_resident"] is False and lv[1]["offloaded_max"] == 8,
+          f"all resident only if every repeat was: {lv}")
+    settings = {"input_len": 16384, "output_len": 1024, "levels": [1, 8], "repeats": 3}
+    base = {"settings": settings, "invocation": "t1",
+            "levels": lowload.summarize_lowload([level_run(1, 0, 2.0), level_run(8, 0, 2.5)])}
+    arm_c = {"settings": settings, "invocation": "t1", "levels": lv}
+    arm_d = {"settings": dict(settings, output_len=512), "invocation": "t1", "levels": lv}
+    rt = lowload.lowload_ratios({"a": {"lowload": base}, "c": {"lowload": arm_c}, "d": {"lowload": arm_d}})
+    check(sorted(rt) == ["c/a"] and rt["c/a"]["same_invocation"] and close(rt["c/a"]["levels"][0]["tpot_ms"], 1.05)
+          and close(rt["c/a"]["levels"][1]["tpot_ms"], 1.24) and close(rt["c/a"]["levels"][1]["output_tok_s"], 0.807, 1e-3),
+          f"ratios only between equal settings: {rt}")
+    a = options.parse_args(["--phases", "lowload,report", "--ll-levels", "8,1", "--state-dir", "/tmp/x"])
+    check(a.phases == ["lowload", "report"] and a.ll_levels == [8, 1] and a.ll_repeats == 3 and a.ll_output_len == 1024,
+          f"lowload options {a.ll_levels}")
+    for bad in (["--ll-levels", "1,max"], ["--ll-repeats", "0"], ["--ll-input-len", "65000"]):
+        check_rejected(bad)
 
 
 def close(x, y, tol: float = 1e-6) -> bool:
@@ -196,7 +259,7 @@ def storm_checks() -> None:
     arr = [(0.01 * (n - 1), n) for n in range(1, 101)]
     arr += [(1.29, 103), (1.30, 104), (1.50, 105)] + [(1.50 + 0.01 * (n - 105), n) for n in range(106, 121)]
     arr.insert(50, (arr[49][0], 50))  # a chunk that adds no token is ignored
-    st = E.storm_gap_stats(arr, (0.995, 1.515), 20, 100)
+    st = storm.storm_gap_stats(arr, (0.995, 1.515), 20, 100)
     check(close(st["tpot_before_ms"], 10.0, 1e-3) and st["tpot_before_gaps"] == 80, f"tpot before {st}")
     check(st["tokens"] == 120 and st["chunks"] == 117 and st["multi_token_chunks"] == 1, f"chunks {st}")
     # window chunks: (0.99,1.29] 3 tokens, (1.29,1.30], (1.30,1.50], (1.50,1.51], (1.51,1.52]
@@ -207,20 +270,20 @@ def storm_checks() -> None:
     check(close(st["tpot_after_ms"], 10.0, 1e-3) and close(st["window_s"], 0.52, 1e-9), f"after {st}")
     # every chunk carries 2 tokens, 20 ms apart: 10 ms per token; a 100 ms chunk of 2 in the window
     arr2 = [(0.02 * i, 2 * i) for i in range(1, 51)] + [(1.10, 102)] + [(1.10 + 0.02 * i, 102 + 2 * i) for i in range(1, 20)]
-    st2 = E.storm_gap_stats(arr2, (1.005, 1.0999), 20, 100)
+    st2 = storm.storm_gap_stats(arr2, (1.005, 1.0999), 20, 100)
     check(close(st2["tpot_before_ms"], 10.0, 1e-3) and st2["tpot_before_gaps"] == 80 and st2["multi_token_chunks"] == len(arr2) - 1,
           f"two-token chunks: tpot {st2}")
     check(close(st2["max_gap_ms"], 100.0, 1e-3) and st2["window_tokens"] == 2 and st2["gaps_over_2x"] == 2
           and close(st2["stall_ms"], 80.0, 1e-3) and close(st2["tpot_after_ms"], 10.0, 1e-3), f"two-token chunks: window {st2}")
     # too few tokens / no window / nothing at all: None, not an exception
-    few = E.storm_gap_stats([(0.0, 1), (0.01, 2), (0.02, 3)], (0.015, 0.03), 20, 100)
+    few = storm.storm_gap_stats([(0.0, 1), (0.01, 2), (0.02, 3)], (0.015, 0.03), 20, 100)
     check(few["tpot_before_ms"] is None and few["stall_ms"] is None and few["gaps_over_2x"] is None
           and few["p99_gap_ms"] is None and few["tpot_after_ms"] is None and close(few["max_gap_ms"], 10.0, 1e-6), f"few tokens {few}")
-    none = E.storm_gap_stats(arr, None, 20, 100)
+    none = storm.storm_gap_stats(arr, None, 20, 100)
     check(none["window_s"] is None and none["max_gap_ms"] is None and close(none["tpot_before_ms"], 10.0, 1e-3), f"no window {none}")
-    empty = E.storm_gap_stats([], (0.0, 1.0), 20, 100)
+    empty = storm.storm_gap_stats([], (0.0, 1.0), 20, 100)
     check(empty["tokens"] == 0 and empty["max_gap_ms"] is None and empty["tpot_before_ms"] is None, f"no arrivals {empty}")
-    check(E.stream_chunks([(0.0, 3), (0.1, 3), (0.2, 5)]) == [(0.0, 0.2, 4, 2)], "stream_chunks")
+    check(storm.stream_chunks([(0.0, 3), (0.1, 3), (0.2, 5)]) == [(0.0, 0.2, 4, 2)], "stream_chunks")
 
     hs = ("[2026-11-22 10:00:03 TP0] HiSparse: hit rate 24.8%, moved 35.2 MiB, resident 3, offloaded 33 (promoting 0), "
           "demotions 12.0/min, promotions 0.0/min, device rows 130944/131136, host rows 820352/1048640, switch work max 0.41 ms/step\n"
@@ -230,26 +293,28 @@ def storm_checks() -> None:
           "[2026-11-22 10:00:05 TP0] HiSparse: hit rate 90.0%, moved 1.0 MiB, resident 1, offloaded 2 (promoting 0), "
           "demotions 2.0/min, promotions 0.0/min, device rows 1/2, host rows 3/4\n"
           "[2026-11-22 10:00:05 TP0] HiSparse: alloc_device_buffer failed for req 7\n")
-    rows = E.parse_hisparse_lines(hs)
+    rows = logs.parse_hisparse_lines(hs)
     check(len(rows) == 3 and rows[0] == {"hit_rate_pct": 24.8, "moved_mib": 35.2, "resident": 3, "offloaded": 33, "promoting": 0,
-                                         "demotions_per_min": 12.0, "promotions_per_min": 0.0, "switch_work_max_ms": 0.41},
+                                         "demotions_per_min": 12.0, "promotions_per_min": 0.0, "device_rows_used": 130944,
+                                         "host_rows_used": 820352, "switch_work_max_ms": 0.41},
           f"HiSparse line: {rows[:1]}")
     check("hit_rate_pct" not in rows[1] and rows[1]["promoting"] == 2 and "switch_work_max_ms" not in rows[2],
           f"HiSparse lines without a hit rate / without switch work: {rows[1:]}")
-    sh = E.summarize_hisparse(hs)
+    sh = logs.summarize_hisparse(hs)
     check(sh == {"lines": 3, "switch_work_max_ms": 1.25, "demotions_per_min_max": 30.5, "promotions_per_min_max": 6.0,
-                 "offloaded_max": 33, "resident_max": 5, "hit_rate_pct_min": 24.8, "step_host_ms_median": 0.12},
+                 "offloaded_max": 33, "resident_max": 5, "hit_rate_pct_min": 24.8, "step_host_ms_median": 0.12,
+                 "device_rows_used_max": 130944, "host_rows_used_max": 820352, "all_resident": False},
           f"HiSparse summary {sh}")
-    check(E.summarize_hisparse(hs.split("\n")[2]) ["switch_work_max_ms"] is None, "older line without switch work")
-    check(E.summarize_hisparse("HiSparse: admitting request r1 directly") is None and E.summarize_log(hs)["hisparse"] == sh,
+    check(logs.summarize_hisparse(hs.split("\n")[2]) ["switch_work_max_ms"] is None, "older line without switch work")
+    check(logs.summarize_hisparse("HiSparse: admitting request r1 directly") is None and logs.summarize_log(hs)["hisparse"] == sh,
           "in-tree HiSparse lines are not the plugin's; summarize_log carries the summary")
 
-    storm = {"requests": 24, "input_len": 16384, "burst_output_len": 32, "after_tokens": 100, "tpot_before_ms": 1.83,
+    storm_row = {"requests": 24, "input_len": 16384, "burst_output_len": 32, "after_tokens": 100, "tpot_before_ms": 1.83,
              "max_gap_ms": 412.5, "p99_gap_ms": 300.0, "stall_ms": 1200.25, "gaps_over_2x": 9, "tpot_after_ms": 1.9,
              "window_s": 2.5, "burst_latency_s_median": 1.5, "burst_latency_s_max": 2.4, "prefill_batches_window": 48,
              "hisparse_after_burst_start": {"switch_work_max_ms": 0.41, "demotions_per_min_max": 12.0}}
-    md = E.render_markdown({"meta": {}, "arms": {"c": {"status": "ok", "storm": storm},
-                                                 "d": {"status": "ok", "storm": dict(storm, timed_out=True, hisparse_after_burst_start=None)}},
+    md = report.render_markdown({"meta": {}, "arms": {"c": {"status": "ok", "storm": storm_row},
+                                                 "d": {"status": "ok", "storm": dict(storm_row, timed_out=True, hisparse_after_burst_start=None)}},
                             "compare": {}})
     check("## Storm: 24 new 16384-token requests" in md
           and "| c | 1.83 | 412.5 | 300.0 | 1200.2 | 9 | 1.90 | 2.50 | 1.50 / 2.40 | 48 | 0.41 | 12.0 |" in md
@@ -339,6 +404,7 @@ FLIP = int(os.environ.get("MOCK_FLIP_AT", "-1"))
 PREFILL_S = float(os.environ.get("MOCK_PREFILL_S_PER_TOKEN", "0"))
 prefill_lock = threading.Lock()
 HS_LOG = os.environ.get("MOCK_HISPARSE_LOG") == "1"  # the plugin's periodic HiSparse line
+RESIDENT_UP_TO = int(os.environ.get("MOCK_RESIDENT_UP_TO", "0"))  # that many running requests stay resident
 lock = threading.Condition()
 state = {"used": 0, "running": 0, "waiting": 0, "abort": 0, "tokens": 0}
 ready_at = time.time() + 1.0
@@ -359,7 +425,8 @@ def reporter():
                    else f"#token: {r * 100}, token usage: {min(1.0, r * 0.1):.2f}")
             log(f"Decode batch, #running-req: {r}, {use}, cuda graph: True, gen throughput (token/s): {t / 0.2:.2f}, #queue-req: {w}, ")
             if HS_LOG:
-                log(f"HiSparse: hit rate 97.5%, moved 1.5 MiB, resident 0, offloaded {r} (promoting 0), demotions {6.0 * r:.1f}/min, "
+                res_n, off_n = (r, 0) if r <= RESIDENT_UP_TO else (0, r)
+                log(f"HiSparse: hit rate 97.5%, moved 1.5 MiB, resident {res_n}, offloaded {off_n} (promoting 0), demotions {6.0 * r:.1f}/min, "
                     f"promotions 0.0/min, device rows 100/4096, host rows 200/32768, switch work max 0.25 ms/step, step host work 0.110 ms (max 0.20)")
 threading.Thread(target=reporter, daemon=True).start()
 
@@ -502,33 +569,34 @@ def mock_e2e(python: str) -> None:
         print(r2.stdout[-2500:], r2.stderr[-2000:], sep="\n", flush=True)
         check(r2.returncode == 0, f"mock run 2 rc={r2.returncode}")
         res = json.loads((out / "results.json").read_text())
-        arms = res["arms"]
-        check(set(arms) == {"a", "b", "c"} and all(arms[x]["status"] == "ok" for x in arms),
-              f"all arms ok: { {x: arms[x].get('status') for x in arms} }")
-        ca, cb = arms["a"]["capacity"], arms["b"]["capacity"]
+        arm_results = res["arms"]
+        check(set(arm_results) == {"a", "b", "c"} and all(arm_results[x]["status"] == "ok" for x in arm_results),
+              f"all arms ok: { {x: arm_results[x].get('status') for x in arm_results} }")
+        ca, cb = arm_results["a"]["capacity"], arm_results["b"]["capacity"]
         check(ca["max_running"] == 5 and "plateau" in ca["stop_reason"], f"baseline capacity {ca['max_running']} {ca['stop_reason']}")
         check(cb["max_running"] == 12 and cb["stop_reason"] == "all requests running", f"hisparse capacity {cb['max_running']} {cb['stop_reason']}")
-        runs = [(row["level"], row["repeat"]) for row in arms["b"]["throughput"]["levels"]]
+        runs = [(row["level"], row["repeat"]) for row in arm_results["b"]["throughput"]["levels"]]
         check(runs == [(1, 0), (1, 1), (4, 0), (4, 1), ("max", 0), ("max", 1)], f"throughput runs {runs}")
-        lv = {row["level"]: row for row in arms["b"]["throughput"]["levels"] if row["repeat"] == 0}
+        lv = {row["level"]: row for row in arm_results["b"]["throughput"]["levels"] if row["repeat"] == 0}
         check(set(lv) == {1, 4, "max"} and lv["max"]["concurrency"] == 12 and lv[4]["ok"] == 4
               and lv[1]["tpot_ms_median"] and lv[1]["log_gen_tput_median"], f"throughput levels {list(lv)}")
         check(len(lv["max"]["requests"]) == 12 and all(r[2] == 200 and r[0] <= r[1] for r in lv["max"]["requests"]),
               f"per-request TTFT / end-to-end / tokens {lv['max']['requests'][:2]}")
-        check("capacity" in arms["a"] and arms["a"]["correctness"]["prompts_ok"] == 6, "arm a data kept across runs")
+        check("capacity" in arm_results["a"] and arm_results["a"]["correctness"]["prompts_ok"] == 6, "arm a data kept across runs")
         cmp_ba, cmp_ca = res["compare"]["b_vs_a"], res["compare"]["c_vs_a"]
         check(cmp_ba["prompts_identical"] == 6 and cmp_ba["mismatched_tokens"] == 0, f"b vs a identical: {cmp_ba['prompts_identical']}")
         check(cmp_ca["prompts_identical"] == 0 and all(r["first_mismatch"] == 5 for r in cmp_ca["per_prompt"]),
               "c vs a: injected mismatch at token 5 detected")
-        check(arms["a"]["correctness"]["context_sensitive"] is True, "context-sensitivity pair differs in the mock")
-        check(arms["c"]["plugin_check"]["visible"] and not arms["c"]["plugin_check"]["failures"], "plugin visible in arm c")
-        check(cmp_ba["same_weights"] is True and arms["a"]["weight_fingerprints"], f"same weights b/a: {arms['a'].get('weight_fingerprints')}")
-        check(arms["a"]["log"]["dense_attn_threshold"] == 0, "dense threshold env reached the server")
+        check(arm_results["a"]["correctness"]["context_sensitive"] is True, "context-sensitivity pair differs in the mock")
+        check(arm_results["c"]["plugin_check"]["visible"] and not arm_results["c"]["plugin_check"]["failures"], "plugin visible in arm c")
+        check(cmp_ba["same_weights"] is True and arm_results["a"]["weight_fingerprints"], f"same weights b/a: {arm_results['a'].get('weight_fingerprints')}")
+        check(arm_results["a"]["log"]["dense_attn_threshold"] == 0, "dense threshold env reached the server")
         files = sorted(p.name for p in out.iterdir())
         check(len(files) <= 8 and {"results.json", "results.md", "server-a.log", "harness.log"} <= set(files), f"$OUT files {files}")
         md = (out / "results.md").read_text()
         check("| c=max (run 2): output tok/s (client) |" in md and "b_vs_a" in md, "markdown table rows")
         mock_storm(common, out)
+        mock_lowload(common, td)
         r3 = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "c", "--phases", "correctness,report",
                              "--plugin-ep", "hisparse=no_such_module_xyz:register", *common],
                             capture_output=True, text=True, timeout=300)
@@ -548,30 +616,30 @@ def mock_e2e(python: str) -> None:
 
 def mock_storm(common: list[str], out: Path) -> None:
     """Run 2b: arms a and d, correctness + storm; prefill stalls decoding in the mock; arm d logs HiSparse lines."""
-    storm = ["--storm-input-len", "1024", "--storm-output-len", "400", "--storm-after-tokens", "50",
+    storm_flags = ["--storm-input-len", "1024", "--storm-output-len", "400", "--storm-after-tokens", "50",
              "--storm-requests", "6", "--storm-burst-output-len", "32", "--storm-timeout", "60"]
     r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "a,d", "--phases", "correctness,storm,report",
-                        "--plugin-ep", "hisparse=mockplug:register", "--plugin-env", "MOCK_HISPARSE_LOG=1", *storm, *common],
+                        "--plugin-ep", "hisparse=mockplug:register", "--plugin-env", "MOCK_HISPARSE_LOG=1", *storm_flags, *common],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, MOCK_PREFILL_S_PER_TOKEN="2e-5"))
     print(r.stdout[-2500:], r.stderr[-2000:], sep="\n", flush=True)
     check(r.returncode == 0, f"mock storm run rc={r.returncode}")
     res = json.loads((out / "results.json").read_text())
-    arms = res["arms"]
-    check(set(arms) == {"a", "b", "c", "d"} and arms["d"]["status"] == "ok", f"arm d ok: {arms['d'].get('status')} {arms['d'].get('error')}")
+    arm_results = res["arms"]
+    check(set(arm_results) == {"a", "b", "c", "d"} and arm_results["d"]["status"] == "ok", f"arm d ok: {arm_results['d'].get('status')} {arm_results['d'].get('error')}")
     for x in ("a", "d"):
-        st = arms[x].get("storm") or {}
+        st = arm_results[x].get("storm") or {}
         print(f"storm {x}:", {k: v for k, v in st.items() if k != "r0"})
         check(st.get("tpot_before_ms") and st.get("max_gap_ms") and st["max_gap_ms"] > 3 * st["tpot_before_ms"]
               and st.get("stall_ms", 0) > 0 and st.get("gaps_over_2x", 0) >= 1 and st.get("tpot_after_ms")
               and not st.get("timed_out") and st.get("burst_ok") == 6 and st.get("prefill_batches_window", 0) >= 1
               and st["r0"]["tokens"] == 400 and len(st["r0"]["arrivals_ms"]) > 100 and st["r0"]["tokens_at_burst"] >= 50,
               f"storm of arm {x}: {st}")
-    hs = arms["d"]["storm"].get("hisparse_after_burst_start") or {}
+    hs = arm_results["d"]["storm"].get("hisparse_after_burst_start") or {}
     check(hs.get("switch_work_max_ms") == 0.25 and hs.get("demotions_per_min_max", 0) >= 6.0,
           f"arm d: HiSparse lines parsed after the burst start: {hs}")
-    check(arms["a"]["storm"].get("hisparse_after_burst_start") is None, "arm a logs no HiSparse line")
-    check(arms["d"]["pythonpath"].split(os.pathsep)[1] == str(REPO / "src") and arms["d"]["plugin_check"]["visible"]
-          and arms["d"]["env"].get("MOCK_HISPARSE_LOG") == "1", "arm d loads the plugin like arm c")
+    check(arm_results["a"]["storm"].get("hisparse_after_burst_start") is None, "arm a logs no HiSparse line")
+    check(arm_results["d"]["pythonpath"].split(os.pathsep)[1] == str(REPO / "src") and arm_results["d"]["plugin_check"]["visible"]
+          and arm_results["d"]["env"].get("MOCK_HISPARSE_LOG") == "1", "arm d loads the plugin like arm c")
     check('"resident_first":false' in (out / "server-d.log").read_text()
           and '"resident_first"' not in (out / "server-c.log").read_text(), "arm d's server got resident_first false")
     cmp = res["compare"]
@@ -583,6 +651,42 @@ def mock_storm(common: list[str], out: Path) -> None:
           and "| d_vs_a |" in md and "| c_vs_d |" in md, "storm table and d comparisons in results.md")
     files = sorted(p.name for p in out.iterdir())
     check(len(files) <= 8 and "server-d.log" in files, f"$OUT files with four arms: {files}")
+
+
+def mock_lowload(common: list[str], td: Path) -> None:
+    """Run 2c: arms a, c and d, the low-load phase (own state dir); arm c's mock keeps up to 2 requests resident."""
+    state, out = td / "ll_state", td / "ll_out"
+    flags = [x for x in common]
+    flags[flags.index("--state-dir") + 1], flags[flags.index("--out") + 1] = str(state), str(out)
+    ll = ["--ll-levels", "1,2,4", "--ll-repeats", "2", "--ll-input-len", "128", "--ll-output-len", "300"]
+    r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "a,c,d", "--phases", "lowload,report",
+                        "--plugin-ep", "hisparse=mockplug:register", "--plugin-env", "MOCK_HISPARSE_LOG=1",
+                        "--plugin-env", "MOCK_RESIDENT_UP_TO=2", *ll, *flags],
+                       capture_output=True, text=True, timeout=300)
+    print(r.stdout[-2500:], r.stderr[-2000:], sep="\n", flush=True)
+    check(r.returncode == 0, f"mock lowload run rc={r.returncode}")
+    res = json.loads((out / "results.json").read_text())
+    arm_results = res["arms"]
+    for x in ("a", "c", "d"):
+        ll_res = arm_results[x].get("lowload") or {}
+        runs = [(row["level"], row["repeat"]) for row in ll_res.get("runs", [])]
+        check(runs == [(1, 0), (2, 0), (4, 0), (1, 1), (2, 1), (4, 1)], f"arm {x}: lowload runs interleaved: {runs}")
+        levels = ll_res.get("levels", [])
+        check([lv["level"] for lv in levels] == [1, 2, 4] and all(lv["repeats"] == 2 for lv in levels)
+              and all(lv["tpot_ms"] and lv["tpot_ms_min"] <= lv["tpot_ms"] <= lv["tpot_ms_max"] for lv in levels)
+              and all(lv["steady_tpot_ms"] and lv["output_tok_s"] and lv["log_gen_tput"] for lv in levels),
+              f"arm {x}: lowload levels {levels}")
+    c_res = {lv["level"]: lv for lv in arm_results["c"]["lowload"]["levels"]}
+    check(c_res[1]["all_resident"] is True and c_res[2]["all_resident"] is True and c_res[4]["all_resident"] is False
+          and c_res[4]["offloaded_max"] >= 3 and c_res[1]["step_host_ms"] == 0.11, f"arm c: resident levels {c_res}")
+    check(all(lv["all_resident"] is None for lv in arm_results["a"]["lowload"]["levels"]), "arm a logs no HiSparse line")
+    ratios = res["lowload_ratios"]
+    check(sorted(ratios) == ["c/a", "d/a"] and all(rt["same_invocation"] for rt in ratios.values())
+          and all(0.5 < lv["tpot_ms"] < 2.0 for lv in ratios["c/a"]["levels"]) and len(ratios["d/a"]["levels"]) == 3,
+          f"lowload ratios {ratios}")
+    md = (out / "results.md").read_text()
+    check("## Low load: 128 input + 300 output tokens" in md and "| c/a TPOT | c/a steady TPOT |" in md
+          and "Arm c kept every running request resident at concurrency: 1, 2." in md, f"lowload markdown:\n{md[-3000:]}")
 
 
 def server_args_check(python: str) -> None:
@@ -636,8 +740,8 @@ def server_args_check(python: str) -> None:
                   "emb_std": float(m.embed_tokens.weight.std()), "lm_std": float(m.lm_head.weight.std())}))
         ''')
         (td / "fixture_check.py").write_text(fixture_code)
-        a = E.parse_args(["--state-dir", str(td / "state")])
-        common, plug, _ = E.prepare_pyext(td / "state", a)
+        a = options.parse_args(["--state-dir", str(td / "state")])
+        common, plug, _ = arms.prepare_pyext(td / "state", a)
         env = dict(os.environ, LD_LIBRARY_PATH=str(stub), PYTHONPATH=str(common), HISPARSE_E2E_WEIGHT_INIT="scaled")
         p = subprocess.run([python, str(td / "fixture_check.py")], env=env, capture_output=True, text=True, timeout=600)
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("FIXTURE_JSON=")), None)
@@ -646,8 +750,8 @@ def server_args_check(python: str) -> None:
         check(fx.get("norm") == 1.0 and fx.get("bias") == 0.0 and 0.07 < fx.get("emb_std", 0) < 0.13
               and 0.35 < fx.get("lm_std", 0) < 0.65 and "fingerprint=" in p.stderr,
               f"fixture hooked initialize_dummy_weights through sglang's HookRegistry: {fx} {p.stderr[-800:]}")
-        for arm in E.ALL_ARMS:
-            cmd, _ = E.arm_spec(arm, a, {}, common, plug, 30000)
+        for arm in arms.ALL_ARMS:
+            cmd, _ = arms.arm_spec(arm, a, {}, common, plug, 30000)
             argv = cmd[3:]  # drop "python -m sglang.launch_server"
             env = dict(os.environ, LD_LIBRARY_PATH=str(stub), SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD="0")
             p = subprocess.run([python, str(td / "fake.py"), *argv], env=env, capture_output=True, text=True, timeout=600)
@@ -666,8 +770,16 @@ def main() -> int:
     ap.add_argument("--torch-python", default=sys.executable, help="python that runs the mock server")
     ap.add_argument("--server-args-python", default=None, help="python with sglang==0.5.17 installed")
     ap.add_argument("--skip-mock", action="store_true")
+    ap.add_argument("--part2", type=Path, default=None,
+                    help="a built part 2 (.e2e/parts/part2.tar.xz): install it and run mooncake_check.py (needs --py312)")
+    ap.add_argument("--py312", default=None, help="a Python 3.12 (the Mooncake wheel is cp312)")
     a = ap.parse_args()
     unit_checks()
+    selftest_bundle.bundle_checks(check)
+    if a.part2:
+        if not a.py312:
+            ap.error("--part2 needs --py312")
+        selftest_bundle.part2_checks(check, a.part2, a.py312, selftest_bundle.default_cudart_dir(a.torch_python))
     if not a.skip_mock:
         mock_e2e(a.torch_python)
     if a.server_args_python:

@@ -8,8 +8,9 @@ stack is deterministic (the same server decodes the same prompt identically twic
 (SGLang 0.5.17's DSA stack on an H100 was not: repeats diverged within a few tokens), every prompt is
 decoded twice on each server, and the plugin's divergence from the baseline, measured up to the first
 differing token, must look like the servers' own run-to-run divergence. Runs
-benchmarks/e2e/run_e2e.py unless HISPARSE_E2E_RUN=0 (then it checks the results.json a harness run wrote
-in HISPARSE_E2E_STATE, default /tmp/hisparse_e2e). HISPARSE_E2E_KV_DTYPE=fp8_e4m3 runs every arm with an
+benchmarks/e2e/run_e2e.py --fresh unless HISPARSE_E2E_RUN=0 (then it checks the results.json a harness run
+wrote in HISPARSE_E2E_STATE, default /tmp/hisparse_e2e); a harness exit code other than 0 or an arm that is
+not ok fails the tests. HISPARSE_E2E_KV_DTYPE=fp8_e4m3 runs every arm with an
 fp8 KV cache (DSA decode backend flashmla_kv, 656-B rows) instead of bfloat16 (flashmla_sparse).
 """
 
@@ -30,17 +31,28 @@ PLUGIN_ARMS = ("c", "d")  # resident-first (default) and always-offload (every d
 
 
 def results() -> dict:
+    """A fresh harness run (or, with HISPARSE_E2E_RUN=0, the results of an earlier one); fails the
+    tests if the harness exited non-zero or any arm is not ok (a skipped or failed arm must not pass)."""
     state = pathlib.Path(os.environ.get("HISPARSE_E2E_STATE", "/tmp/hisparse_e2e"))
+    rc = 0
     if os.environ.get("HISPARSE_E2E_RUN", "1") == "1":
         arms = os.environ.get("HISPARSE_E2E_ARMS", "a,c,d")
         kv_dtype = os.environ.get("HISPARSE_E2E_KV_DTYPE", "bfloat16")  # fp8_e4m3: the flashmla_kv path
-        subprocess.run(
-            [sys.executable, str(REPO / "benchmarks/e2e/run_e2e.py"), "--arms", arms,
+        rc = subprocess.run(
+            [sys.executable, str(REPO / "benchmarks/e2e/run_e2e.py"), "--fresh", "--arms", arms,
              "--phases", "preflight,correctness,report", "--corr-repeat", "8", "--state-dir", str(state),
              "--kv-cache-dtype", kv_dtype],
             check=False,
-        )
-    return json.loads((state / "results.json").read_text())
+        ).returncode
+    path = state / "results.json"
+    if not path.exists():
+        pytest.fail(f"run_e2e.py exited {rc} and wrote no {path}; see {state / 'harness.log'}")
+    data = json.loads(path.read_text())
+    not_ok = {arm: (r.get("status"), str(r.get("error", ""))[-2000:]) for arm, r in data["arms"].items()
+              if r.get("status") != "ok"}
+    if rc != 0 or not_ok:
+        pytest.fail(f"run_e2e.py exited {rc} (0 ok, 2 an arm failed, 3 skipped for time); arms not ok: {not_ok}")
+    return data
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,121 @@
+"""The arms: what each server runs (argv, PYTHONPATH, environment) and the plugins it sees."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+from pathlib import Path
+
+from common import HERE, HOST, REPO
+
+DEFAULT_MODEL = REPO / "benchmarks" / "models" / "tiny-dsv32"
+DEFAULT_HISPARSE_CONFIG = '{"top_k":2048,"device_buffer_size":4096,"host_to_device_ratio":8}'
+DEFAULT_PLUGIN_EP = ("hisparse", "hisparse_sglang.integration.sglang.plugin:register")
+FIXTURE_EP = ("hisparse_e2e_weight_init", "hisparse_e2e_fixture:register")
+ALL_ARMS = ("a", "b", "c", "d")
+ARM_LABELS = {"a": "baseline (no HiSparse)", "b": "SGLang in-tree HiSparse", "c": "hisparse-sglang plugin",
+              "d": "hisparse-sglang plugin, always offload"}
+PLUGIN_ARMS = ("c", "d")  # arms that load our plugin (its dist-info + src on PYTHONPATH)
+ARM_HISPARSE_OVERRIDES = {"d": {"resident_first": False}}  # merged into --hisparse-config
+# The DSA backend of each KV cache dtype whose decode path calls the HiSparse swap-in (SGLang 0.5.17).
+DSA_BACKEND_OF_KV_DTYPE = {"bfloat16": "flashmla_sparse", "fp8_e4m3": "flashmla_kv"}
+
+
+def arm_port(args, arm: str) -> int:
+    """Arms a/b/c/d listen on --port-base +0/+10/+20/+30."""
+    return args.port_base + 10 * ALL_ARMS.index(arm)
+
+
+def parse_env_assignments(items: list[str]) -> dict[str, str]:
+    env = {}
+    for it in items:
+        if "=" not in it or it.startswith("="):
+            raise ValueError(f"expected KEY=VALUE, got {it!r}")
+        k, v = it.split("=", 1)
+        env[k] = v
+    return env
+
+
+def read_plugin_entry_point(pyproject: Path) -> tuple[str, str]:
+    """The `sglang.srt.plugins` entry point declared in pyproject.toml (name, "module:attr")."""
+    try:
+        import tomllib
+        data = tomllib.loads(pyproject.read_text())
+        eps = data["project"]["entry-points"]["sglang.srt.plugins"]
+        name, value = sorted(eps.items())[0]
+        return name, value
+    except Exception:
+        return DEFAULT_PLUGIN_EP
+
+
+def write_dist_info(root: Path, dist: str, eps: list[tuple[str, str]], group: str = "sglang.srt.plugins") -> Path:
+    """Create <root>/<dist>-0.0.0.dist-info with METADATA + entry_points.txt, so that
+    importlib.metadata.entry_points(group=...) finds `eps` when <root> is on sys.path."""
+    d = root / f"{dist}-0.0.0.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: 0.0.0\n")
+    (d / "entry_points.txt").write_text(f"[{group}]\n" + "".join(f"{n} = {v}\n" for n, v in eps))
+    (d / "INSTALLER").write_text("run_e2e.py\n")
+    return d
+
+
+def prepare_pyext(state: Path, args) -> tuple[Path, Path, tuple[str, str]]:
+    """<state>/pyext-common: fixture module + its dist-info (all arms);
+    <state>/pyext-plugin: hisparse_sglang dist-info with the plugin entry point (arms c and d)."""
+    common = state / "pyext-common"
+    shutil.rmtree(common, ignore_errors=True)
+    common.mkdir(parents=True)
+    shutil.copy2(HERE / "hisparse_e2e_fixture.py", common / "hisparse_e2e_fixture.py")
+    write_dist_info(common, "hisparse_e2e_fixture", [FIXTURE_EP])
+    plugin = state / "pyext-plugin"
+    shutil.rmtree(plugin, ignore_errors=True)
+    plugin.mkdir(parents=True)
+    ep = (args.plugin_ep.split("=", 1)[0].strip(), args.plugin_ep.split("=", 1)[1].strip()) \
+        if args.plugin_ep else read_plugin_entry_point(REPO / "pyproject.toml")
+    write_dist_info(plugin, "hisparse_sglang", [ep])
+    return common, plugin, ep
+
+
+def hisparse_config_json(config: str, arm: str) -> str:
+    """--hisparse-config of an arm: the common JSON plus the arm's overrides, compact (one argv element)."""
+    merged = json.loads(config)
+    if not isinstance(merged, dict):
+        raise ValueError(f"--hisparse-config must be a JSON object, got {config!r}")
+    merged.update(ARM_HISPARSE_OVERRIDES.get(arm, {}))
+    return json.dumps(merged, separators=(",", ":"))
+
+
+def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: int) -> tuple[list, dict]:
+    """Server argv and environment of one arm."""
+    cmd = [args.python, "-m", "sglang.launch_server",
+           "--model-path", str(args.model_dir), "--load-format", "dummy", "--skip-tokenizer-init",
+           "--host", HOST, "--port", str(port),
+           "--mem-fraction-static", str(args.mem_fraction_static),
+           "--max-total-tokens", str(args.max_total_tokens),
+           "--context-length", str(args.context_length),
+           "--disable-radix-cache",
+           "--attention-backend", "dsa",
+           "--dsa-prefill-backend", DSA_BACKEND_OF_KV_DTYPE[args.kv_cache_dtype],
+           "--dsa-decode-backend", DSA_BACKEND_OF_KV_DTYPE[args.kv_cache_dtype],
+           "--kv-cache-dtype", args.kv_cache_dtype,
+           "--random-seed", str(args.random_seed)]
+    if args.disable_cuda_graph:
+        cmd.append("--disable-cuda-graph")
+    hisparse = ["--enable-hisparse", "--hisparse-config", hisparse_config_json(args.hisparse_config, arm)]
+    env = dict(env0)
+    pp = [str(common), str(args.site)]
+    if arm == "b":
+        cmd += hisparse
+    elif arm in PLUGIN_ARMS:
+        if not args.plugin_no_enable_hisparse:
+            cmd += hisparse
+        cmd += shlex.split(args.plugin_args)
+        # the generated dist-info goes first: it must win over any *.egg-info / dist-info of an
+        # editable install lying in src/ (importlib.metadata keeps the first distribution per name)
+        pp = [str(plugin_dir), str(args.plugin_src)] + pp
+        env.update(parse_env_assignments(args.plugin_env))
+    cmd += shlex.split(args.extra_server_args)
+    env["PYTHONPATH"] = os.pathsep.join(pp)
+    return cmd, env

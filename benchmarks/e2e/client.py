@@ -1,0 +1,166 @@
+"""HTTP client of SGLang 0.5.17's native API as the harness uses it (token ids in, output_ids out)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+from typing import Callable
+
+from common import HOST
+
+
+def http_json(method: str, port: int, path: str, body: dict | None = None, timeout: float = 600):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    return json.loads(raw) if raw else None
+
+
+def http_status(port: int, path: str, timeout: float = 5) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except Exception:
+        return 0
+
+
+def make_prompt(seed: int, n: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, vocab) for _ in range(n)]  # 0/1 are bos/eos
+
+
+def extract_logprobs(meta: dict) -> tuple[list, list]:
+    """(chosen-token logprobs, top-k [[id, logprob], ...] per position) from a /generate meta_info.
+
+    SGLang 0.5.17 returns output_token_logprobs as [[logprob, token_id, text|None], ...] and
+    output_top_logprobs as [[[logprob, token_id, text|None] * k] | None, ...]."""
+    lps = [(float(x[0]) if x[0] is not None else None) for x in meta.get("output_token_logprobs") or []]
+    top = []
+    for pos in meta.get("output_top_logprobs") or []:
+        top.append([[int(e[1]), (float(e[0]) if e[0] is not None else None)] for e in pos] if pos else None)
+    return lps, top
+
+
+def generate_body(ids: list[int], max_new: int, *, logprobs: bool = False, rid: str | None = None,
+                  stream: bool = False) -> dict:
+    """A greedy /generate request that decodes exactly `max_new` tokens."""
+    body = {"input_ids": ids,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True}}
+    if stream:
+        body["stream"] = True
+    if logprobs:
+        body.update({"return_logprob": True, "top_logprobs_num": 5, "logprob_start_len": -1})
+    if rid:
+        body["rid"] = rid
+    return body
+
+
+def generate(port: int, ids: list[int], max_new: int, *, logprobs: bool = False, rid: str | None = None,
+             timeout: float = 900) -> dict:
+    return http_json("POST", port, "/generate", generate_body(ids, max_new, logprobs=logprobs, rid=rid),
+                     timeout=timeout)
+
+
+def read_stream(resp, t0: float, *, trace: bool = False, on_tokens: Callable[[int], None] | None = None) -> dict:
+    """Per-request timings (TTFT, TPOT) and the token count of a streamed /generate response.
+
+    The token count of a chunk is the cumulative `completion_tokens` of its meta_info (else the
+    length of its cumulative `output_ids`, which --skip-tokenizer-init streams).  trace=True adds
+    "t0" and "arrivals": [(time.perf_counter(), cumulative tokens)] for every chunk that brought
+    tokens; on_tokens(cumulative tokens) is called for each such chunk, on the calling thread."""
+    t_first = t_last = None
+    n_first = n_last = 0
+    finish = None
+    arrivals: list[tuple[float, int]] = []
+    try:
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            obj = json.loads(payload)
+            if "error" in obj:
+                return {"error": str(obj["error"])[:300]}
+            meta = obj.get("meta_info", {})
+            n = int(meta.get("completion_tokens") or len(obj.get("output_ids") or []))
+            now = time.perf_counter()
+            if n > 0 and t_first is None:
+                t_first, n_first = now, n
+            if n > n_last:
+                t_last, n_last = now, n
+                if trace:
+                    arrivals.append((now, n))
+                if on_tokens is not None:
+                    on_tokens(n)
+            if meta.get("finish_reason"):
+                finish = meta["finish_reason"]
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"} | ({"t0": t0, "arrivals": arrivals} if trace else {})
+    out = {"tokens": n_last, "e2e_s": time.perf_counter() - t0,
+           "ttft_s": (t_first - t0) if t_first else None, "finish": finish}
+    if trace:
+        out.update(t0=t0, arrivals=arrivals)
+    if t_first is not None and t_last is not None and n_last > n_first:
+        out["tpot_s"] = (t_last - t_first) / (n_last - n_first)
+    return out
+
+
+def generate_stream(port: int, ids: list[int], max_new: int, timeout: float, *, trace: bool = False,
+                    on_tokens: Callable[[int], None] | None = None) -> dict:
+    """Streaming /generate: returns per-request timings (TTFT, TPOT) and the token count (read_stream)."""
+    body = json.dumps(generate_body(ids, max_new, stream=True)).encode()
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    t0 = time.perf_counter()
+    try:
+        conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return {"error": f"HTTP {resp.status}: {resp.read()[:300]!r}"}
+        return read_stream(resp, t0, trace=trace, on_tokens=on_tokens)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"} | ({"t0": t0, "arrivals": []} if trace else {})
+    finally:
+        conn.close()
+
+
+def loads(port: int) -> dict | None:
+    try:
+        data = http_json("GET", port, "/v1/loads?include=core", timeout=5)
+        lst = data.get("loads") if isinstance(data, dict) else data
+        return lst[0] if lst else None
+    except Exception:
+        return None
+
+
+class Colocated:
+    """Requests to one server that prefills and decodes (the arms a-d)."""
+
+    def __init__(self, port: int):
+        self.port = port
+
+    def generate(self, ids: list[int], max_new: int, *, logprobs: bool = False, rid: str | None = None,
+                 timeout: float = 900) -> dict:
+        return generate(self.port, ids, max_new, logprobs=logprobs, rid=rid, timeout=timeout)
+
+    def generate_stream(self, ids: list[int], max_new: int, timeout: float, *, trace: bool = False,
+                        on_tokens: Callable[[int], None] | None = None) -> dict:
+        return generate_stream(self.port, ids, max_new, timeout, trace=trace, on_tokens=on_tokens)
+
+    def loads(self) -> dict | None:
+        return loads(self.port)
+
+    def abort_all(self) -> None:
+        http_json("POST", self.port, "/abort_request", {"abort_all": True}, timeout=30)
+
+    def server_info(self) -> dict:
+        return http_json("GET", self.port, "/server_info", timeout=30)

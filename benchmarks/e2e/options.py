@@ -1,0 +1,229 @@
+"""Options of run_e2e.py: every flag, its default and the checks that reject a bad combination."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from arms import ALL_ARMS, DEFAULT_HISPARSE_CONFIG, DEFAULT_MODEL, DSA_BACKEND_OF_KV_DTYPE, hisparse_config_json, \
+    parse_env_assignments
+from common import REPO
+from storm import STORM_TPOT_FROM
+
+ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "lowload", "storm", "report")
+ARM_PHASES = ("correctness", "capacity", "throughput", "lowload", "storm")  # phases that need the arm's server
+DEFAULT_PHASES = "preflight,correctness,capacity,throughput,report"
+HELP = """End-to-end benchmark of HiSparse on SGLang 0.5.17 with a tiny DeepSeek-V3.2 (DSA) model.
+
+Runs on the offline GPU machine after benchmarks/e2e/install_part.sh has put the bundle into
+/tmp/site.  Arms (served one after the other on 127.0.0.1, identical flags except):
+
+  a  baseline         no HiSparse
+  b  sglang-hisparse  SGLang's in-tree HiSparse: --enable-hisparse --hisparse-config <JSON>
+  c  plugin           as b, plus our plugin: <repo>/src on PYTHONPATH and a generated
+                      hisparse_sglang-0.0.0.dist-info whose entry_points.txt registers the
+                      `sglang.srt.plugins` entry point of pyproject.toml (the package is not
+                      pip-installed on the GPU machine); --plugin-env/--plugin-args add more
+  d  plugin-offload   as c, with "resident_first": false added to the --hisparse-config JSON: every
+                      request is offloaded, like the in-tree HiSparse (opt-in: --arms ...,d)
+
+Per arm: start the server, wait for /health, warm up, then the selected phases:
+  correctness  greedy decode (temperature 0, ignore_eos) of 8K-32K-token random prompts with
+               return_logprob/top_logprobs_num=5, sequentially (bs 1, identical batches in all arms)
+  capacity     N concurrent long requests; the most requests running at once (/v1/loads polling
+               + `#running-req` of the server log), then abort_all
+  throughput   concurrency levels (1,8,32,max) with fixed input/output lengths, streaming client:
+               TTFT, time per output token, output tok/s, server-log decode tok/s
+  lowload      (opt-in, issue #16) concurrency 1, 2, 4, 8, each level --ll-repeats times with new
+               16K-token prompts and 1024 output tokens: time per output token (median and spread
+               over the repeats), decode tok/s (client and server log), the plugin's host time per
+               decode step, whether every running request stayed resident; ratios c/a, d/a, d/b
+  storm        (opt-in) one streaming request decodes; after --storm-after-tokens tokens a burst of
+               --storm-requests long requests arrives at once; how long the decoding request stalls
+               (token gaps in the burst window against its TPOT before), prefill batches and the
+               plugin's `HiSparse:` log line (switch work, demotions) in that window
+Then `report`: cross-arm comparison (token mismatches, max |dlogprob|) -> results.json + results.md.
+
+Everything is written incrementally: per-arm JSON in --state-dir (default /tmp/hisparse_e2e, which
+survives between back-to-back device runs), and results.json, results.md, harness.log and
+server-<arm>.log in $OUT (at most 8 files) after every phase, so a timeout still returns data.
+A later run with other --arms merges into the same state dir, e.g.
+    python3 benchmarks/e2e/run_e2e.py --arms a        # run 1
+    python3 benchmarks/e2e/run_e2e.py --arms b,c      # run 2: report covers a, b and c
+
+Weights: --load-format dummy plus a fixture plugin (hisparse_e2e_fixture.py) in every arm that, by
+default (--weight-init scaled), replaces SGLang's degenerate U(-1e-3,1e-3) dummy init by a seeded
+N(0, 1/fan_in) init so that outputs depend on the long context; it logs a weight fingerprint that
+the report compares across arms.  --weight-init sglang keeps SGLang's init.
+
+See docs/gpu-e2e.md for the device-run recipe.
+"""
+
+
+def parse_levels(spec: str) -> list:
+    out = []
+    for tok in spec.split(","):
+        tok = tok.strip().lower()
+        if not tok:
+            continue
+        if tok == "max":
+            out.append("max")
+        else:
+            v = int(tok)
+            if v < 1:
+                raise ValueError(f"concurrency level must be >= 1: {tok}")
+            out.append(v)
+    if not out:
+        raise ValueError("no concurrency levels")
+    return out
+
+
+def parse_csv(spec: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    items = [s.strip().lower() for s in spec.split(",") if s.strip()]
+    bad = [s for s in items if s not in allowed]
+    if bad:
+        raise ValueError(f"unknown {what}: {bad} (choose from {','.join(allowed)})")
+    return [s for s in allowed if s in items]  # canonical order, deduplicated
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_argument_group("what to run")
+    g.add_argument("--arms", default="a,b,c",
+                   help="comma list of " + ",".join(ALL_ARMS) + " (default %(default)s; d = plugin with "
+                        '"resident_first": false is opt-in)')
+    g.add_argument("--phases", default=DEFAULT_PHASES,
+                   help="comma list of " + ",".join(ALL_PHASES) + " (default %(default)s; lowload and storm are opt-in)")
+    g.add_argument("--deadline-s", type=float, default=560,
+                   help="wall-clock budget of this invocation; arms/phases that no longer fit are skipped (default %(default)s)")
+    g.add_argument("--reserve-s", type=float, default=35, help="time kept for shutdown + writing results")
+    g.add_argument("--arm-min-s", type=float, default=150, help="do not start an arm with less time left")
+    g.add_argument("--dry-run", action="store_true", help="print the server commands/env and exit")
+    g.add_argument("--fresh", action="store_true", help="delete earlier results in the state dir first")
+    g.add_argument("--import-results", action="append", default=[], type=Path,
+                   help="merge arms from an earlier results.json (arms in the state dir win)")
+    g = ap.add_argument_group("paths")
+    g.add_argument("--state-dir", type=Path, default=Path(os.environ.get("HISPARSE_E2E_STATE", "/tmp/hisparse_e2e")))
+    g.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+                   help="mirror results here (default $OUT)")
+    g.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where install_part.sh put the bundle")
+    g.add_argument("--python", default=sys.executable, help="python of the servers (default: this one)")
+    g.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
+    g.add_argument("--plugin-src", type=Path, default=REPO / "src", help="put on PYTHONPATH for arms c and d")
+    g.add_argument("--mooncake-syslibs", type=Path, default=Path("/tmp/mooncake-sys"),
+                   help="where install_part.sh put the Mooncake part's system libraries (its lib/ goes on the PD "
+                        "servers' LD_LIBRARY_PATH)")
+    g = ap.add_argument_group("server")
+    g.add_argument("--port-base", type=int, default=31000, help="arms a/b/c/d use base+0/+10/+20/+30")
+    g.add_argument("--max-total-tokens", type=int, default=131072)
+    g.add_argument("--mem-fraction-static", type=float, default=0.5)
+    g.add_argument("--context-length", type=int, default=65536)
+    g.add_argument("--random-seed", type=int, default=1234)
+    g.add_argument("--kv-cache-dtype", choices=sorted(DSA_BACKEND_OF_KV_DTYPE), default="bfloat16",
+                   help="KV cache dtype of every arm; picks the DSA backend HiSparse supports for it "
+                        "(bfloat16: flashmla_sparse, 1152-B rows; fp8_e4m3: flashmla_kv, 656-B rows)")
+    g.add_argument("--hisparse-config", default=DEFAULT_HISPARSE_CONFIG)
+    g.add_argument("--disable-cuda-graph", action="store_true")
+    g.add_argument("--dense-attn-threshold", type=int, default=0,
+                   help="SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD (must stay 0 without FA3)")
+    g.add_argument("--extra-server-args", default="", help="appended to every arm (shell-quoted string)")
+    g.add_argument("--health-timeout", type=float, default=420)
+    g.add_argument("--no-jit-shim", action="store_true")
+    g.add_argument("--weight-init", choices=("scaled", "sglang"), default="scaled")
+    g.add_argument("--weight-seed", type=int, default=1234)
+    g = ap.add_argument_group("arms c and d (plugin)")
+    g.add_argument("--plugin-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the servers of arms c and d")
+    g.add_argument("--plugin-args", default="", help="extra server args of arms c and d (shell-quoted string)")
+    g.add_argument("--plugin-no-enable-hisparse", action="store_true",
+                   help="arm c without --enable-hisparse/--hisparse-config (not with arm d, which needs them)")
+    g.add_argument("--allow-plugin-failure", action="store_true",
+                   help="measure arms c/d even if the plugin failed to load")
+    g.add_argument("--plugin-ep", default="", metavar="NAME=module:attr",
+                   help="entry point to register (default: from pyproject.toml)")
+    g = ap.add_argument_group("correctness")
+    g.add_argument("--corr-lens", default="8192,16384,32768")
+    g.add_argument("--corr-seeds", type=int, default=2)
+    g.add_argument("--corr-out", type=int, default=256)
+    g.add_argument("--corr-repeat", type=int, default=2, help="prompts decoded twice by the same server")
+    g.add_argument("--corr-pair-len", type=int, default=16384, help="0 disables the context-sensitivity pair")
+    g = ap.add_argument_group("capacity")
+    g.add_argument("--cap-input-len", type=int, default=16384)
+    g.add_argument("--cap-output-len", type=int, default=4096)
+    g.add_argument("--cap-requests", type=int, default=64)
+    g.add_argument("--cap-timeout", type=float, default=100)
+    g.add_argument("--cap-plateau-s", type=float, default=10)
+    g.add_argument("--cap-poll-s", type=float, default=0.5)
+    g = ap.add_argument_group("throughput")
+    g.add_argument("--tp-input-len", type=int, default=16384)
+    g.add_argument("--tp-output-len", type=int, default=256)
+    g.add_argument("--tp-levels", default="1,8,32,max")
+    g.add_argument("--tp-repeats", type=int, default=1,
+                   help="run every throughput level this many times in a row (new prompts each time)")
+    g.add_argument("--tp-level-timeout", type=float, default=120)
+    g.add_argument("--tp-max-fallback", type=int, default=64, help="'max' level if capacity was not measured")
+    g = ap.add_argument_group("low load (opt-in phase lowload)")
+    g.add_argument("--ll-levels", default="1,2,4,8", help="concurrency levels (default %(default)s)")
+    g.add_argument("--ll-repeats", type=int, default=3,
+                   help="runs of every level, interleaved across levels, new prompts each (default %(default)s)")
+    g.add_argument("--ll-input-len", type=int, default=16384)
+    g.add_argument("--ll-output-len", type=int, default=1024)
+    g.add_argument("--ll-level-timeout", type=float, default=120, help="seconds for one run of a level")
+    g = ap.add_argument_group("storm (opt-in phase)")
+    g.add_argument("--storm-input-len", type=int, default=16384,
+                   help="input tokens of the decoding request and of every burst request (default %(default)s)")
+    g.add_argument("--storm-output-len", type=int, default=600,
+                   help="output tokens of the decoding (streaming) request (default %(default)s)")
+    g.add_argument("--storm-after-tokens", type=int, default=100,
+                   help="the burst is sent when the decoding request has this many tokens; its TPOT before the "
+                        f"burst is the median gap of tokens {STORM_TPOT_FROM + 1}..this (default %(default)s)")
+    g.add_argument("--storm-requests", type=int, default=24, help="requests of the burst, sent at once (default %(default)s)")
+    g.add_argument("--storm-burst-output-len", type=int, default=32,
+                   help="output tokens of every burst request (default %(default)s)")
+    g.add_argument("--storm-timeout", type=float, default=180,
+                   help="seconds for the whole storm; then all requests are aborted and timed_out is set "
+                        "(default %(default)s)")
+    g.add_argument("--preflight-timeout", type=float, default=180)
+    g.add_argument("--preflight-mooncake", action="store_true",
+                   help="preflight also checks the Mooncake part (mooncake_check.py in the PD servers' environment)")
+    args = ap.parse_args(argv)
+    try:
+        args.arms = parse_csv(args.arms, ALL_ARMS, "arms")
+        args.phases = parse_csv(args.phases, ALL_PHASES, "phases")
+        args.tp_levels = parse_levels(args.tp_levels)
+        args.ll_levels = parse_levels(args.ll_levels)
+        if "max" in args.ll_levels:
+            raise ValueError("--ll-levels takes numbers only (no 'max')")
+        args.corr_lens = [int(x) for x in args.corr_lens.split(",") if x.strip()]
+        parse_env_assignments(args.plugin_env)
+        for arm in ALL_ARMS:  # main() builds every arm's spec
+            hisparse_config_json(args.hisparse_config, arm)
+        shlex.split(args.plugin_args)
+        shlex.split(args.extra_server_args)
+        if args.plugin_ep and not re.fullmatch(r"[\w.-]+=[\w.]+:[\w.]+", args.plugin_ep.replace(" ", "")):
+            raise ValueError(f"--plugin-ep must look like name=module:attr, got {args.plugin_ep!r}")
+    except (ValueError, json.JSONDecodeError) as e:
+        ap.error(str(e))
+    if max(args.corr_lens + [args.cap_input_len, args.tp_input_len, args.ll_input_len, args.storm_input_len]) + max(
+            args.corr_out, args.cap_output_len, args.tp_output_len, args.ll_output_len, args.storm_output_len,
+            args.storm_burst_output_len) \
+            > args.context_length:
+        ap.error("input + output length exceeds --context-length")
+    if "d" in args.arms and args.plugin_no_enable_hisparse:
+        ap.error("arm d passes \"resident_first\": false through --hisparse-config; drop --plugin-no-enable-hisparse")
+    if min(args.ll_repeats, args.ll_input_len, args.ll_output_len) < 1:
+        ap.error("--ll-repeats, --ll-input-len and --ll-output-len must be >= 1")
+    if min(args.storm_input_len, args.storm_output_len, args.storm_requests, args.storm_burst_output_len) < 1:
+        ap.error("--storm-input-len, --storm-output-len, --storm-requests and --storm-burst-output-len must be >= 1")
+    if not STORM_TPOT_FROM < args.storm_after_tokens < args.storm_output_len:
+        ap.error(f"--storm-after-tokens must be in ({STORM_TPOT_FROM}, --storm-output-len): "
+                 f"the TPOT before the burst needs tokens {STORM_TPOT_FROM + 1}..after-tokens and the burst must "
+                 "come before the request ends")
+    args.model_dir = args.model_dir.resolve()
+    return args
+

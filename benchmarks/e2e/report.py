@@ -1,0 +1,257 @@
+"""Results: the per-arm JSON of the state dir merged into results.json, rendered as results.md, mirrored to $OUT."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+from arms import ALL_ARMS, ARM_LABELS, DSA_BACKEND_OF_KV_DTYPE
+from common import atomic_write
+from lowload import lowload_ratios
+from stats import compare_outputs
+
+COMPARE_PAIRS = (("b", "a"), ("c", "a"), ("c", "b"), ("d", "a"), ("c", "d"))
+
+
+def load_state(state: Path) -> dict:
+    arms = {}
+    for arm in ALL_ARMS:
+        p = state / f"arm-{arm}.json"
+        if p.exists():
+            with contextlib.suppress(Exception):
+                arms[arm] = json.loads(p.read_text())
+    meta = {}
+    if (state / "meta.json").exists():
+        with contextlib.suppress(Exception):
+            meta = json.loads((state / "meta.json").read_text())
+    return {"meta": meta, "arms": arms}
+
+
+def build_report(state: Path, imported: list[Path]) -> dict:
+    data = load_state(state)
+    for f in imported:
+        with contextlib.suppress(Exception):
+            other = json.loads(Path(f).read_text())
+            for arm, r in other.get("arms", {}).items():
+                data["arms"].setdefault(arm, r | {"imported_from": str(f)})
+            for k, v in other.get("meta", {}).items():
+                data["meta"].setdefault(k, v)
+    arms = data["arms"]
+    comp = {}
+    for x, y in COMPARE_PAIRS:
+        cx, cy = arms.get(x, {}).get("correctness"), arms.get(y, {}).get("correctness")
+        if cx and cy:
+            c = compare_outputs(cy, cx)
+            fx, fy = arms[x].get("weight_fingerprints"), arms[y].get("weight_fingerprints")
+            c["same_weights"] = (fx == fy) if fx and fy else None
+            comp[f"{x}_vs_{y}"] = c
+    data["compare"] = comp
+    data["lowload_ratios"] = lowload_ratios(arms)
+    return data
+
+
+def fmt(v, nd=1):
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def render_markdown(data: dict) -> str:
+    meta, arms, comp = data.get("meta", {}), data.get("arms", {}), data.get("compare", {})
+    pf = meta.get("preflight", {})
+    lines = ["# HiSparse end-to-end benchmark (SGLang 0.5.17, tiny DeepSeek-V3.2 DSA model)", ""]
+    lines.append(f"- date: {meta.get('date', '?')}; GPU: {', '.join(pf.get('gpu') or ['?'])}")
+    v = pf.get("versions") or {}
+    lines.append("- versions: " + ", ".join(f"{k} {v[k]}" for k in sorted(v) if v[k]) + f"; python {pf.get('python', '?')}")
+    a = meta.get("args", {})
+    kv_dtype = a.get("kv_cache_dtype", "bfloat16")
+    lines.append(f"- server: dsa + {DSA_BACKEND_OF_KV_DTYPE.get(kv_dtype, '?')} prefill/decode, {kv_dtype} KV, CUDA graph "
+                 f"{'off' if a.get('disable_cuda_graph') else 'on'}, radix cache off, --max-total-tokens "
+                 f"{a.get('max_total_tokens')}, --mem-fraction-static {a.get('mem_fraction_static')}, context "
+                 f"{a.get('context_length')}; HiSparse config `{a.get('hisparse_config')}`; weights: dummy, "
+                 f"init `{a.get('weight_init')}`")
+    lines.append("")
+    present = [x for x in ALL_ARMS if x in arms]
+    if not present:
+        return "\n".join(lines + ["(no arm results yet)", ""])
+    hdr = "| | " + " | ".join(f"{x}: {ARM_LABELS[x]}" for x in present) + " |"
+    lines += [hdr, "|---|" + "---|" * len(present)]
+
+    def row(title, fn):
+        vals = []
+        for x in present:
+            try:
+                vals.append(fn(arms[x]))
+            except Exception:
+                vals.append("–")
+        lines.append(f"| {title} | " + " | ".join(vals) + " |")
+
+    row("status", lambda r: r.get("status", "?"))
+    row("server start (s)", lambda r: fmt(r.get("startup_s")))
+    row("device KV pool (max_total_num_tokens)", lambda r: fmt(r.get("log", {}).get("max_total_num_tokens")))
+    row("weight fingerprint", lambda r: ", ".join(r.get("weight_fingerprints") or ["–"])[:40])
+    row("correctness prompts ok / distinct outputs", lambda r: f"{r['correctness']['prompts_ok']} / {r['correctness']['distinct_outputs']}")
+    row("outputs depend on far context", lambda r: fmt(r["correctness"].get("context_sensitive")))
+    cap_len = next((arms[x]["capacity"].get("input_len") for x in present if arms[x].get("capacity")), None)
+    row(f"max concurrent {cap_len}-token requests running", lambda r: f"{r['capacity']['max_running']} of {r['capacity']['requests']}")
+    levels = []
+    for x in present:
+        for lv in (arms[x].get("throughput") or {}).get("levels", []):
+            key = (lv["level"], lv.get("repeat", 0))
+            if key not in levels:
+                levels.append(key)
+
+    def lvl(r, key):
+        return next((v for v in r["throughput"]["levels"] if (v["level"], v.get("repeat", 0)) == key), None)
+
+    for key in levels:
+        name = f"c={key[0]}" + (f" (run {key[1] + 1})" if any(k[1] for k in levels) else "")
+        row(f"{name}: output tok/s (client)", lambda r, k=key: f"{fmt(lvl(r, k)['output_tok_s'])} (c={lvl(r, k)['concurrency']})")
+        row(f"{name}: TPOT median / p90 (ms)", lambda r, k=key: f"{fmt(lvl(r, k)['tpot_ms_median'], 2)} / {fmt(lvl(r, k)['tpot_ms_p90'], 2)}")
+        row(f"{name}: decode tok/s (server log, median)", lambda r, k=key: fmt(lvl(r, k)["log_gen_tput_median"]))
+        row(f"{name}: TTFT median / max (s)",
+            lambda r, k=key: f"{fmt(lvl(r, k)['ttft_s_median'], 2)} / {fmt(lvl(r, k).get('ttft_s_max'), 2)}")
+        row(f"{name}: HiSparse host work per decode step (ms, median)",
+            lambda r, k=key: fmt(lvl(r, k).get("hisparse_step_host_ms_median"), 3))
+    tp = next((arms[x]["throughput"] for x in present if arms[x].get("throughput")), None)
+    if tp:
+        lines.append(f"\nThroughput: {tp.get('input_len')} input + {tp.get('output_len')} output tokens per request, "
+                     "streaming client, all requests sent at once per level.")
+    lines += render_lowload(arms, present, data.get("lowload_ratios") or {})
+    lines += render_storm(arms, present)
+    if comp:
+        lines += ["", "## Greedy outputs compared (token ids, logprobs before the first divergence)", "",
+                  "| pair | prompts identical | mismatched tokens | max abs dlogprob | max abs dtop5 | same weights |",
+                  "|---|---|---|---|---|---|"]
+        for k, c in comp.items():
+            lines.append(f"| {k} | {c['prompts_identical']}/{c['prompts_compared']} | {c['mismatched_tokens']} | "
+                         f"{c['max_abs_dlogprob_before_divergence']:.3g} | {c['max_abs_dtop5_before_divergence']:.3g} | "
+                         f"{fmt(c.get('same_weights'))} |")
+    errs = [(x, arms[x].get("error")) for x in present if arms[x].get("error")]
+    if errs:
+        lines += ["", "## Errors", ""]
+        for x, e in errs:
+            lines.append(f"- arm {x}: " + str(e).splitlines()[0][:300])
+    return "\n".join(lines) + "\n"
+
+
+def spread(r: dict, key: str, nd: int = 2) -> str:
+    """`median [min-max]` of a low-load figure over its repeats."""
+    if r.get(key) is None:
+        return "–"
+    return f"{fmt(r[key], nd)} [{fmt(r.get(key + '_min'), nd)}–{fmt(r.get(key + '_max'), nd)}]"
+
+
+def render_lowload(arms: dict, present: list[str], ratios: dict) -> list[str]:
+    """The low-load tables: one row per level, one column per arm; then the ratios per level."""
+    have = [x for x in present if (arms[x].get("lowload") or {}).get("levels")]
+    if not have:
+        return []
+    st = arms[have[0]]["lowload"]["settings"]
+    out = ["", f"## Low load: {st['input_len']} input + {st['output_len']} output tokens, all requests of a level at "
+               f"once, {st['repeats']} repeats per level (median [min–max] over the repeats)", ""]
+    levels = sorted({lv["level"] for x in have for lv in arms[x]["lowload"]["levels"]})
+
+    def level_of(x: str, c: int) -> dict:
+        return next((lv for lv in arms[x]["lowload"]["levels"] if lv["level"] == c), {})
+
+    for title, fn in (
+            ("time per output token, ms (per repeat: median over its requests)", lambda r: spread(r, "tpot_ms")),
+            ("time per output token while every request of the level decodes, ms", lambda r: spread(r, "steady_tpot_ms")),
+            ("decode tok/s, client (output tokens / wall time of the level)", lambda r: spread(r, "output_tok_s", 1)),
+            ("decode tok/s, server log (`gen throughput`, median of the level's lines)", lambda r: spread(r, "log_gen_tput", 1)),
+            ("HiSparse host work per decode step, ms (plugin log line)", lambda r: spread(r, "step_host_ms", 3)),
+            ("every running request resident (plugin log: offloaded 0 on every line)",
+             lambda r: f"{fmt(r.get('all_resident'))} (offloaded max {fmt(r.get('offloaded_max'))})"
+             if r.get("all_resident") is not None else "–")):
+        out += [f"**{title}**", "", "| concurrency | " + " | ".join(f"{x}: {ARM_LABELS[x]}" for x in have) + " |",
+                "|---|" + "---|" * len(have)]
+        for c in levels:
+            out.append(f"| {c} | " + " | ".join(fn(level_of(x, c)) if level_of(x, c) else "–" for x in have) + " |")
+        out.append("")
+    if ratios:
+        out += ["**Ratios per level** (time per output token: lower is faster; decode tok/s: higher is faster)", "",
+                "| concurrency | " + " | ".join(f"{k} TPOT | {k} steady TPOT | {k} tok/s (client)" for k in ratios) + " |",
+                "|---|" + "---|" * (3 * len(ratios))]
+        for c in levels:
+            cells = []
+            for rt in ratios.values():
+                r = next((lv for lv in rt["levels"] if lv["level"] == c), {})
+                cells += [fmt(r.get("tpot_ms"), 3), fmt(r.get("steady_tpot_ms"), 3), fmt(r.get("output_tok_s"), 3)]
+            out.append(f"| {c} | " + " | ".join(cells) + " |")
+        other = [k for k, rt in ratios.items() if not rt.get("same_invocation")]
+        if other:
+            out.append(f"\n{', '.join(other)}: the two arms ran in different invocations (same settings).")
+    resident = [lv["level"] for lv in (arms.get("c") or {}).get("lowload", {}).get("levels", []) if lv.get("all_resident")]
+    if "c" in have:
+        out.append(f"\nArm c kept every running request resident at concurrency: {', '.join(map(str, resident)) or 'none'}.")
+    return out
+
+
+def render_storm(arms: dict, present: list[str]) -> list[str]:
+    """The storm table (one row per arm that has a storm result); [] if none has."""
+    have = [x for x in present if (arms[x].get("storm") or {}).get("requests")]
+    if not have:
+        return []
+    st = arms[have[0]]["storm"]
+    out = ["", f"## Storm: {st['requests']} new {st['input_len']}-token requests (+{st.get('burst_output_len')} output) "
+               f"arrive while one request decodes (after its token {st.get('after_tokens')})", "",
+           "| arm | TPOT before (ms) | max gap (ms) | p99 gap (ms) | stall (ms) | gaps > 2x TPOT | TPOT after (ms) "
+           "| window (s) | burst latency median / max (s) | prefill batches in window | HiSparse switch work max (ms/step) "
+           "| HiSparse demotions/min max |",
+           "|---|" + "---|" * 11]
+    for x in have:
+        r = arms[x]["storm"]
+        # the first HiSparse line after the burst start covers the window (the plugin reports maxima per interval)
+        hs = r.get("hisparse_after_burst_start") or r.get("hisparse_window") or {}
+        note = " (timed out)" if r.get("timed_out") else (" (skipped)" if r.get("skipped") else "")
+        out.append(f"| {x}{note} | {fmt(r.get('tpot_before_ms'), 2)} | {fmt(r.get('max_gap_ms'))} | {fmt(r.get('p99_gap_ms'))} | "
+                   f"{fmt(r.get('stall_ms'))} | {fmt(r.get('gaps_over_2x'))} | {fmt(r.get('tpot_after_ms'), 2)} | "
+                   f"{fmt(r.get('window_s'), 2)} | {fmt(r.get('burst_latency_s_median'), 2)} / {fmt(r.get('burst_latency_s_max'), 2)} | "
+                   f"{fmt(r.get('prefill_batches_window'))} | {fmt(hs.get('switch_work_max_ms'), 2)} | "
+                   f"{fmt(hs.get('demotions_per_min_max'))} |")
+    out.append("\nGaps: time between streamed tokens of the decoding request; a chunk of k tokens gives each the gap/k. "
+               "Window: first burst request sent .. last burst request done. Stall: sum over the window of "
+               "max(0, gap - TPOT before). HiSparse columns: the plugin's `HiSparse:` log lines from the burst start to "
+               "the end of the decoding request (– where the arm logs none).")
+    return out
+
+
+class Outputs:
+    """Writes results to the state dir and mirrors results/logs to $OUT (<= 8 files)."""
+
+    def __init__(self, state: Path, out: Path | None, imported: list[Path]):
+        self.state, self.out, self.imported = state, out, imported
+
+    def publish(self) -> dict:
+        data = build_report(self.state, self.imported)
+        text = json.dumps(data, indent=1, default=str)
+        md = render_markdown(data)
+        atomic_write(self.state / "results.json", text)
+        atomic_write(self.state / "results.md", md)
+        if self.out:
+            atomic_write(self.out / "results.json", text)
+            atomic_write(self.out / "results.md", md)
+            for arm in ALL_ARMS:
+                self.copy_log(self.state / f"server-{arm}.log", self.out / f"server-{arm}.log")
+            self.copy_log(self.state / "harness.log", self.out / "harness-all-runs.log")
+        return data
+
+    @staticmethod
+    def copy_log(src: Path, dst: Path, limit: int = 15 << 20) -> None:
+        if not src.exists():
+            return
+        size = src.stat().st_size
+        with contextlib.suppress(OSError):
+            if size <= limit:
+                shutil.copyfile(src, dst)
+            else:  # keep the head (startup) and the tail
+                with open(src, "rb") as f, open(dst, "wb") as g:
+                    g.write(f.read(1 << 20))
+                    g.write(f"\n\n[... {size - limit} bytes cut by run_e2e.py ...]\n\n".encode())
+                    f.seek(size - (limit - (1 << 20)))
+                    g.write(f.read())

@@ -1,0 +1,134 @@
+"""Server processes: start one in its own process group, wait for /health, stop the whole group."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from client import Colocated, http_status
+from common import HOST, REPO, Log
+from logs import log_tail
+
+
+class ServerDied(RuntimeError):
+    pass
+
+
+def port_free(port: int) -> bool:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((HOST, port)) != 0
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class Server:
+    """One `sglang.launch_server` process group; `name` names its pidfile and its log lines.
+
+    A running server is also what the phases measure: `endpoint` sends requests to it, `check()`
+    raises ServerDied if it exited, `log_path` is where its scheduler logs batches."""
+
+    def __init__(self, name: str, cmd: list, env: dict, log_path: Path, port: int, state: Path, log: Log):
+        self.arm = self.name = name
+        self.cmd, self.env, self.log_path, self.port, self.state, self.log = cmd, env, log_path, port, state, log
+        self.proc: subprocess.Popen | None = None
+        self.pidfile = state / f"server-{name}.pid"
+        self.endpoint = Colocated(port)
+
+    def start(self) -> None:
+        if not port_free(self.port):
+            raise RuntimeError(f"port {self.port} is busy before starting arm {self.name}")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.logf = open(self.log_path, "ab")
+        self.logf.write(f"\n===== run_e2e.py arm {self.name} start {_dt.datetime.now().isoformat()} =====\n"
+                        f"$ {shlex.join(self.cmd)}\n".encode())
+        self.logf.flush()
+        # own process group (killpg kills scheduler + detokenizer too), but the same session, so
+        # that the device tool still reaps everything if this harness is killed hard
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.logf, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, cwd=str(REPO), process_group=0)
+        self.pidfile.write_text(str(self.proc.pid))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def check(self) -> None:
+        if not self.alive():
+            rc = self.proc.returncode if self.proc else None
+            raise ServerDied(f"server of arm {self.name} exited (rc={rc}); last log lines:\n{log_tail(self.log_path)}")
+
+    def wait_healthy(self, timeout: float) -> float:
+        t0 = time.monotonic()
+        last_note = t0
+        while True:
+            self.check()
+            code = http_status(self.port, "/health")
+            if code == 200:
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"arm {self.name}: /health not 200 after {timeout:.0f}s; last log lines:\n"
+                                   f"{log_tail(self.log_path, 30)}")
+            if time.monotonic() - last_note > 30:
+                last = log_tail(self.log_path, 1).strip()[-160:]
+                self.log(f"  ... waiting for /health ({time.monotonic() - t0:.0f}s, code {code}); log: {last}")
+                last_note = time.monotonic()
+            time.sleep(2)
+
+    def stop(self, grace: float = 30) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < grace:
+            if self.proc.poll() is not None and not group_alive(pgid):
+                break
+            time.sleep(0.5)
+        if group_alive(pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=10)
+        t1 = time.monotonic()
+        while group_alive(pgid) and time.monotonic() - t1 < 15:
+            time.sleep(0.5)
+        t2 = time.monotonic()
+        while not port_free(self.port) and time.monotonic() - t2 < 30:
+            time.sleep(0.5)
+        with contextlib.suppress(OSError):
+            self.pidfile.unlink()
+        with contextlib.suppress(Exception):
+            self.logf.close()
+        self.log(f"  server {self.name} stopped in {time.monotonic() - t0:.1f}s "
+                 f"(group gone: {not group_alive(pgid)}, port free: {port_free(self.port)})")
+        self.proc = None
+
+
+def kill_stale_servers(state: Path, log: Log) -> None:
+    """Servers of an earlier run of this harness that was killed hard (pidfiles in the state dir)."""
+    for pf in state.glob("server-*.pid"):
+        with contextlib.suppress(Exception):
+            pid = int(pf.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if "sglang.launch_server" in cmdline:
+                log(f"killing stale server group {pid} from an earlier run ({pf.name})")
+                os.killpg(pid, signal.SIGKILL)
+                time.sleep(2)
+        with contextlib.suppress(OSError):
+            pf.unlink()
