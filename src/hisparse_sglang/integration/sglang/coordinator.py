@@ -252,7 +252,7 @@ class SGLangHiSparseCoordinator:
                 "for %.0f s (pd_quarantine_s) so that a late write cannot reach another request.",
                 slot, untransferred.numel(), self.allocator.quarantine.seconds,
             )
-            self.allocator.quarantine.expect(untransferred)
+            self.allocator.quarantine.expect(slot, untransferred)
         if retract:
             self.core.retract(slot)
         else:
@@ -300,6 +300,7 @@ class SGLangHiSparseCoordinator:
             "device_rows_total": pools.device_rows_total,
             "host_rows_used": pools.host_rows_used,
             "host_rows_total": pools.host_rows_total,
+            "host_rows_quarantined": self.allocator.quarantine.pages_held * self.config.page_size,
         }
 
     # ------------------------------------------------------------------ helpers
