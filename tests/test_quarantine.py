@@ -242,7 +242,7 @@ class Harness:
         held = set(self.held_until)
         assert not live & held, f"pages both in use and held: {sorted(live & held)}"
         assert self.allocator.used_pages == len(live | held), f"{self.allocator.used_pages} pages allocated, in use {sorted(live)}, held {sorted(held)}"
-        assert self.quarantine.pages_held == len(held)
+        assert self.quarantine.held_pages().tolist() == sorted(held) and self.quarantine.pages_held == len(held)
         assert self.quarantine.rows_held == sum(len(rows) for rows in self.held_rows.values())
         expecting = sum(
             1 for request in self.requests.values() if self.seconds > 0 and request.expected - request.freed

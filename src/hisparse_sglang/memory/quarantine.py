@@ -72,6 +72,10 @@ class RowQuarantine:
         """Pages kept allocated by the quarantine (each is returned once by :meth:`expired`)."""
         return len(self._held)
 
+    def held_pages(self) -> torch.Tensor:
+        """Ids of the held pages (CPU int64, ascending)."""
+        return torch.tensor(sorted(self._held), dtype=torch.int64)
+
     @property
     def requests_expected(self) -> int:
         """Requests with expected locations that were not all freed yet."""
