@@ -68,6 +68,13 @@ class PeerSession:
         self.close()
 
     # -------------------------------------------------------------- commands and events
+    def wait_started(self, timeout_s: float = 180.0) -> dict:
+        """Waits until every prefill registered its KV manager and the decode is ready; returns the
+        decode's "ready" event. (Importing SGLang alone takes 20-60 s per process on 2 busy cores.)"""
+        for index in range(len(self.ports)):
+            self.wait(f"prefill{index}", "registered", timeout_s=timeout_s)
+        return self.wait("decode", "ready", timeout_s=timeout_s)
+
     def send(self, peer: str, cmd: str, **fields) -> None:
         self.conns[peer].send({"cmd": cmd, **fields})
 

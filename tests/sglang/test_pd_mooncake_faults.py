@@ -91,9 +91,7 @@ def run_session() -> dict:
         deadline_s=300,
     ) as session:
         port0, port1 = record["ports"] = session.ports
-        for peer in ("prefill0", "prefill1"):
-            session.wait(peer, "registered", timeout_s=180)
-        session.wait("decode", "ready", timeout_s=180)
+        session.wait_started()
 
         # 1. timeout, decode-side cancel and wrong room on prefill0; the stale room on prefill1
         session.send("prefill0", "add", specs=ON_PREFILL0)
