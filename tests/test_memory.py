@@ -12,7 +12,6 @@ from hisparse_sglang.memory import (
     KVAllocator,
     PagedAllocator,
 )
-from hisparse_sglang.memory.quarantine import RowQuarantine
 
 
 def naive_extend(prefix, seq, last_loc, pages, page_size):
@@ -159,27 +158,3 @@ def test_device_buffers_acquire_release():
     pool.acquire(1, rows, None)
     with pytest.raises(PoolExhaustedError):
         pool.acquire(2, rows, None)
-
-
-def test_row_quarantine_holds_expected_locations_until_the_deadline():
-    now = [0.0]
-    quarantine = RowQuarantine(10.0, clock=lambda: now[0])
-    quarantine.expect(torch.arange(64, 128))
-    freed_now = quarantine.intercept(torch.arange(0, 192))
-    assert torch.equal(freed_now, torch.cat([torch.arange(0, 64), torch.arange(128, 192)]))
-    assert quarantine.rows_held == 64
-    # the expectation is used up: the same locations freed again later are not held
-    assert torch.equal(quarantine.intercept(torch.arange(64, 70)), torch.arange(64, 70))
-    now[0] = 9.9
-    assert quarantine.expired() == []
-    now[0] = 10.0
-    (released,) = quarantine.expired()
-    assert torch.equal(released, torch.arange(64, 128)) and quarantine.rows_held == 0
-    assert quarantine.expired() == []
-
-
-def test_row_quarantine_of_zero_seconds_holds_nothing():
-    quarantine = RowQuarantine(0.0)
-    quarantine.expect(torch.arange(8))
-    assert torch.equal(quarantine.intercept(torch.arange(8)), torch.arange(8))
-    assert quarantine.rows_held == 0

@@ -9,6 +9,7 @@ __all__ = [
     "PoolExhaustedError",
     "KernelBuildError",
     "UnsupportedSetupError",
+    "MooncakeRegistrationError",
 ]
 
 
@@ -34,3 +35,7 @@ class KernelBuildError(HiSparseError, RuntimeError):
 
 class UnsupportedSetupError(HiSparseError, ValueError):
     """The serving setup (model, backend, dtype, flags) cannot run HiSparse."""
+
+
+class MooncakeRegistrationError(HiSparseError, RuntimeError):
+    """Mooncake could not register the host KV pool that a PD prefill instance writes into."""

@@ -1,28 +1,27 @@
-"""The two SGLang 0.5.17 PD peers of ``test_pd_sglang_mooncake.py``, each in its own spawned process.
+"""SGLang 0.5.17 PD peers for the Mooncake tests, each run in its own spawned process.
 
-* prefill: an ordinary (non-HiSparse) ``DSATokenToKVPool`` on CPU filled with unique values,
-  SGLang's ``PrefillBootstrapQueue`` (prefill-mode ``MooncakeKVManager`` + ``MooncakeKVSender``
-  per request) and ``MooncakeKVBootstrapServer``; pages go out through SGLang's own
-  ``send_kv_chunk`` (the scheduler mixin method).
-* decode: hisparse-sglang loaded through SGLang's ``load_plugins()``; our device pool, allocator and
-  coordinator; SGLang's ``DecodePreallocQueue`` (its ``_init_kv_manager`` builds ``KVArgs`` from
-  ``coordinator.mem_pool_host``; ``_pre_alloc`` calls the hooked ``alloc_for_decode_prealloc_hisparse``)
-  and ``DecodeTransferQueue``, driven in the order of ``process_decode_queue``.
+* prefill (:func:`prefill_peer`): an ordinary (non-HiSparse) ``DSATokenToKVPool`` on CPU filled with
+  unique values, SGLang's ``PrefillBootstrapQueue`` (prefill-mode ``MooncakeKVManager`` +
+  ``MooncakeKVSender`` per request) and ``MooncakeKVBootstrapServer``; pages go out through SGLang's
+  own ``send_kv_chunk`` (the scheduler mixin method).
+* decode (``pd_decode_peer.decode_peer``): hisparse-sglang loaded through SGLang's ``load_plugins()``;
+  our device pool, allocator and coordinator (:class:`DecodeSide`); SGLang's ``DecodePreallocQueue``
+  (its ``_init_kv_manager`` builds ``KVArgs`` from ``coordinator.mem_pool_host``; ``_pre_alloc`` calls
+  the hooked ``alloc_for_decode_prealloc_hisparse``) and ``DecodeTransferQueue``, driven in the order
+  of ``process_decode_queue``.
 
 Both sides run SGLang's real parallel state (gloo, world size 1) and Mooncake over TCP on
 127.0.0.1 (``--disaggregation-transfer-backend mooncake_tcp``). The Scheduler itself cannot be
 built without a model, so each side passes a ``SchedulerView`` holding exactly the scheduler
 attributes those SGLang methods read.
 
-A ``RequestSpec`` may stall (the prefill sends its first chunk, then nothing until the decode's
-waiting timeout fails it; its last chunk is sent after that, as a late forward would) or wait for
-the failures (the decode adds it once every other request concluded, while the failed request's
-rows are in quarantine).
+A peer takes commands from the test over a pipe (``{"cmd": ...}``) and reports events
+(``{"event": ...}``), so the test scripts the order of things across processes; every loop has a
+deadline. A peer ends with ``os._exit`` because SGLang's Mooncake manager threads are not daemons (a
+normal exit would wait for them forever).
 
 Every source row is unique: viewed as int32 words it is ``kv_words(layer, row)``; every index-K page
-``index_words(layer, page)``. Decode memory nobody may write holds POISON. Results go back to the
-test over a pipe; the process then ends with ``os._exit`` because SGLang's Mooncake manager
-threads are not daemons (a normal exit would wait for them forever).
+``index_words(layer, page)``. Decode memory nobody may write holds POISON.
 """
 
 from __future__ import annotations
@@ -39,15 +38,13 @@ import torch
 PAGE = 64
 LAYERS = 3
 POISON = 0xA5
-PREFILL_TOKENS = PAGE * 24  # prefill KV pool tokens (pages 1..24 usable; page 0 is SGLang's padding page)
+PREFILL_TOKENS = PAGE * 40  # prefill KV pool tokens (pages 1..40 usable; page 0 is SGLang's padding page)
 DEVICE_TOKENS = PAGE * 24  # decode device KV pool tokens
 HOST_TO_DEVICE_RATIO = 4
 METADATA_SLOTS = 8
+REQUEST_SLOTS = 16  # prefill request slots (never freed there: one per request of a run)
 RESERVED_DECODE_TOKENS = 64
 INDEX_PAGE_BYTES = PAGE * (128 + 4)  # DSA index-K page: 64 x (128 fp8 + one fp32 scale) = 8448 B
-# Rows of a failed transfer are held this long (the prefill here never writes late; production
-# keeps the default, longer than the prefill's transfer timeout).
-PD_QUARANTINE_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,13 +66,17 @@ LAYOUTS = {
 @dataclasses.dataclass(frozen=True)
 class RequestSpec:
     rid: str
-    room: int
+    room: int  # the decode request's bootstrap room
     tokens: int
     prefill_pages: tuple[int, ...]  # where the prefill holds the request's KV (scattered on purpose)
     first_token: int  # the prefill's sampled token, carried by the metadata (aux) transfer
     chunk_end: int | None = None  # send a first, non-last chunk up to here (chunked prefill)
-    stall: bool = False  # the prefill sends the first chunk only, until the decode gives up on it
-    after_failures: bool = False  # the decode adds it once every other request concluded
+    stall: bool = False  # the prefill sends the first chunk only, until told to finish or the transfer failed
+    prefill_room: int | None = None  # the room the prefill's request carries, if not ``room`` (a wrong room)
+
+    @property
+    def sender_room(self) -> int:
+        return self.room if self.prefill_room is None else self.prefill_room
 
     def first_chunk_pages(self) -> int:
         """Pages of the first chunk of a chunked request (a non-last chunk sends whole pages only)."""
@@ -128,22 +129,26 @@ def first_not_poison(tensor: torch.Tensor, what: str) -> str | None:
     return f"{what}: {bad.shape[0]} bytes written, first at {tuple(bad[0].tolist())}"
 
 
+def page_rows(pages: torch.Tensor) -> torch.Tensor:
+    return (pages.to(torch.int64)[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
+
+
 # ------------------------------------------------------------------------------------------ process setup
 class SchedulerView(types.SimpleNamespace):
     """The attributes of SGLang's Scheduler that the PD queue methods used here read."""
 
 
 class OutputStreamer:
-    """Records the requests SGLang streams out (only aborted ones in this test)."""
+    """Records the requests SGLang streams out (the aborted ones here) with their abort messages."""
 
     def __init__(self) -> None:
-        self.aborted: list[str] = []
+        self.aborted: list[tuple[str, str]] = []
 
     def stream_output(self, reqs, return_logprob, *args, **kwargs) -> None:
-        self.aborted.extend(req.rid for req in reqs)
+        self.aborted.extend((req.rid, req.finished_reason.message) for req in reqs)
 
 
-def _start_process(mode: str, bootstrap_port: int, layout: Layout, env: dict[str, str]):
+def start_process(mode: str, bootstrap_port: int, layout: Layout, env: dict[str, str]):
     """What an SGLang scheduler process sets up before its PD queues: published server args, the
     parallel state (gloo, one rank), DP attention and the shared Mooncake transfer engine."""
     os.environ["SGLANG_HOST_IP"] = "127.0.0.1"  # KV manager sockets and bootstrap registration
@@ -176,7 +181,7 @@ def _start_process(mode: str, bootstrap_port: int, layout: Layout, env: dict[str
     return server_args
 
 
-def _new_req(spec: RequestSpec, bootstrap_port: int):
+def new_req(spec: RequestSpec, bootstrap_port: int, room: int):
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -187,11 +192,11 @@ def _new_req(spec: RequestSpec, bootstrap_port: int):
         SamplingParams(max_new_tokens=16),
         bootstrap_host="127.0.0.1",
         bootstrap_port=bootstrap_port,
-        bootstrap_room=spec.room,
+        bootstrap_room=room,
     )
 
 
-def _torch_dtype(layout: Layout) -> torch.dtype:
+def torch_dtype(layout: Layout) -> torch.dtype:
     return getattr(torch, layout.dtype)
 
 
@@ -209,25 +214,56 @@ def _wait_listening(port: int, deadline_s: float) -> None:
             time.sleep(0.02)
 
 
-# ------------------------------------------------------------------------------------------ prefill
-def run_prefill(
-    conn, layout_name: str, specs: list[RequestSpec], bootstrap_port: int, deadline_s: float, env: dict[str, str]
-) -> None:
-    """Prefill peer: bootstrap server, KV pool, bootstrap queue, senders; reports each sender's poll."""
+def command_loop(conn, handlers, step, deadline_s: float) -> None:
+    """Runs ``step()`` every 5 ms and each command ``{"cmd": name, ...}`` from the test through
+    ``handlers[name](command)`` in between, until "exit"; past ``deadline_s`` it raises."""
+    started = time.monotonic()
+    while True:
+        while conn.poll():
+            command = conn.recv()
+            if command["cmd"] == "exit":
+                return
+            handlers[command["cmd"]](command)
+        step()
+        if time.monotonic() - started > deadline_s:
+            raise TimeoutError(f"peer still running after {deadline_s} s")
+        time.sleep(0.005)
+
+
+def run_peer(conn, body) -> None:
+    """Runs ``body()``; a failure goes to the test as an "error" event; the process then ends."""
     try:
-        layout = LAYOUTS[layout_name]
-        server_args = _start_process("prefill", bootstrap_port, layout, env)
-        from sglang.srt.disaggregation.base.conn import KVPoll
+        body()
+    except BaseException:
+        conn.send({"event": "error", "traceback": traceback.format_exc()})
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+# ------------------------------------------------------------------------------------------ prefill
+class _Prefill:
+    """A prefill scheduler's PD side: bootstrap server, KV pool, bootstrap queue, senders.
+
+    Commands: ``add`` (specs: requests to prefill and send), ``finish`` (rid: send the last chunk of
+    a stalled request now). Events: ``status`` (rid, "Success" or "Failed", the failure reason).
+    A stalled request whose transfer failed gets its last chunk sent anyway, as a forward that
+    finishes late would: SGLang must drop it.
+    """
+
+    def __init__(self, conn, layout: Layout, bootstrap_port: int, deadline_s: float, env: dict[str, str]) -> None:
+        self.conn, self.bootstrap_port = conn, bootstrap_port
+        server_args = start_process("prefill", bootstrap_port, layout, env)
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer
-        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, SchedulerDisaggregationPrefillMixin
+        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
         from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
         from sglang.srt.distributed import parallel_state
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 
-        bootstrap_server = MooncakeKVBootstrapServer(host="127.0.0.1", port=bootstrap_port)
+        self.bootstrap_server = MooncakeKVBootstrapServer(host="127.0.0.1", port=bootstrap_port)
         _wait_listening(bootstrap_port, deadline_s)  # its thread binds the port; the KV manager registers there
         pool = DSATokenToKVPool(
-            size=PREFILL_TOKENS, page_size=PAGE, kv_lora_rank=512, dtype=_torch_dtype(layout), qk_rope_head_dim=64,
+            size=PREFILL_TOKENS, page_size=PAGE, kv_lora_rank=512, dtype=torch_dtype(layout), qk_rope_head_dim=64,
             layer_num=LAYERS, device="cpu", index_head_dim=128, enable_memory_saver=False,
             kv_cache_dim=layout.kv_cache_dim,
         )
@@ -236,10 +272,12 @@ def run_prefill(
             rows.copy_(kv_words(layer, torch.arange(rows.shape[0]), layout.row_bytes))
             index = pool.index_k_with_scale_buffer[layer]
             index.copy_(index_words(layer, torch.arange(index.shape[0])))
-        req_to_token_pool = ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False)
+        self.req_to_token_pool = ReqToTokenPool(
+            size=REQUEST_SLOTS, max_context_len=4096, device="cpu", enable_memory_saver=False
+        )
         metadata_buffers = MetadataBuffers(METADATA_SLOTS, hidden_size=16, hidden_states_dtype=torch.bfloat16)
-        streamer = OutputStreamer()
-        view = SchedulerView(
+        self.metadata_allocator = ReqToMetadataIdxAllocator(METADATA_SLOTS)
+        self.view = SchedulerView(
             server_args=server_args,
             ps=types.SimpleNamespace(tp_rank=0, dp_rank=0, gpu_id=0),
             tp_worker=types.SimpleNamespace(
@@ -248,90 +286,119 @@ def run_prefill(
                 )
             ),
             model_config=types.SimpleNamespace(num_hidden_layers=LAYERS),
-            req_to_token_pool=req_to_token_pool,
+            req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=types.SimpleNamespace(page_size=PAGE),
             attn_tp_cpu_group=parallel_state.get_attn_tp_group().cpu_group,
             attn_cp_cpu_group=parallel_state.get_attn_cp_group().cpu_group,
             disagg_metadata_buffers=metadata_buffers,
             sliding_window_size=None,
-            output_streamer=streamer,
-            handle_bootstrap_failure=lambda req: streamer.aborted.append(req.rid),
+            output_streamer=OutputStreamer(),
+            handle_bootstrap_failure=lambda req: self._concluded(req, "Failed"),
         )
-        queue = PrefillBootstrapQueue(
+        self.queue = PrefillBootstrapQueue(
             token_to_kv_pool=pool, draft_token_to_kv_pool=None,
-            req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(METADATA_SLOTS),
+            req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=metadata_buffers, tp_rank=0, tp_size=1, gpu_id=0, bootstrap_port=bootstrap_port,
             gloo_group=parallel_state.get_tp_group().cpu_group, max_total_num_tokens=PREFILL_TOKENS,
-            scheduler=view, pp_rank=0, pp_size=1, transfer_backend=TransferBackend.MOONCAKE,
+            scheduler=self.view, pp_rank=0, pp_size=1, transfer_backend=TransferBackend.MOONCAKE,
         )
-        view.disagg_prefill_bootstrap_queue = queue
-        # the KV manager registered itself with the bootstrap server inside the constructor
-        conn.send({"event": "registered"})
+        self.view.disagg_prefill_bootstrap_queue = self.queue
+        self.specs: dict[str, RequestSpec] = {}
+        self.reqs: dict = {}
+        self.sending: set[str] = set()  # bootstrapped, not concluded
+        self.unsent_last_chunk: set[str] = set()
 
-        reqs = {}
-        for spec in specs:
-            req = _new_req(spec, bootstrap_port)
-            req_to_token_pool.alloc([req])
+    # -------------------------------------------------------------- commands
+    def add(self, command) -> None:
+        for spec in command["specs"]:
+            req = new_req(spec, self.bootstrap_port, spec.sender_room)
+            self.req_to_token_pool.alloc([req])
             rows = spec.prefill_rows()[: spec.tokens]
-            req_to_token_pool.req_to_token[req.req_pool_idx, : spec.tokens] = rows.to(torch.int32)
-            queue.add(req, num_kv_heads=1)
-            reqs[spec.rid] = req
-        by_rid = {spec.rid: spec for spec in specs}
+            self.req_to_token_pool.req_to_token[req.req_pool_idx, : spec.tokens] = rows.to(torch.int32)
+            self.queue.add(req, num_kv_heads=1)
+            self.specs[spec.rid], self.reqs[spec.rid] = spec, req
 
-        def send_last_chunk(req, spec: RequestSpec) -> None:
-            req.output_ids.append(spec.first_token)
-            req.set_extend_range(spec.chunk_end or 0, spec.tokens)
-            SchedulerDisaggregationPrefillMixin.send_kv_chunk(view, req, last_chunk=True)
+    def finish(self, command) -> None:
+        self._send_last_chunk(command["rid"])
 
-        started = time.monotonic()
-        sent = set()
-        status = {}
-        while len(status) < len(specs):
-            if time.monotonic() - started > deadline_s:
-                raise TimeoutError(f"senders unfinished after {deadline_s} s: concluded {status}")
-            for req in queue.pop_bootstrapped():
-                spec = by_rid[req.rid]
-                # the "forward": chunked prefill sends finished pages first, then the rest
-                if spec.chunk_end is not None:
-                    req.set_extend_range(0, spec.chunk_end)
-                    SchedulerDisaggregationPrefillMixin.send_kv_chunk(view, req, last_chunk=False)
-                if not spec.stall:
-                    send_last_chunk(req, spec)
-                sent.add(req.rid)
-            for rid in sent - set(status):
-                poll = reqs[rid].disagg_kv_sender.poll()
-                if poll == KVPoll.Success:
-                    status[rid] = "Success"
-                elif poll == KVPoll.Failed:
-                    status[rid] = "Failed"
-                    if by_rid[rid].stall:
-                        # The stalled forward finishes after the decode gave up: SGLang must drop it.
-                        send_last_chunk(reqs[rid], by_rid[rid])
-            time.sleep(0.005)
-        conn.send({"event": "done", "status": status, "aborted": streamer.aborted})
-        # stay alive (heartbeats, late status messages) until the test says the decode is done
-        conn.poll(deadline_s)
-        bootstrap_server.close()
-    except BaseException:
-        conn.send({"event": "error", "traceback": traceback.format_exc()})
-    finally:
-        conn.close()
-        os._exit(0)
+    # -------------------------------------------------------------- the scheduler's loop
+    def step(self) -> None:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+
+        for req in self.queue.pop_bootstrapped():
+            spec = self.specs[req.rid]
+            # the "forward": chunked prefill sends finished pages first, then the rest
+            if spec.chunk_end is not None:
+                req.set_extend_range(0, spec.chunk_end)
+                SchedulerDisaggregationPrefillMixin.send_kv_chunk(self.view, req, last_chunk=False)
+            self.unsent_last_chunk.add(req.rid)
+            if not spec.stall:
+                self._send_last_chunk(req.rid)
+            self.sending.add(req.rid)
+        for rid in sorted(self.sending):
+            poll = self.reqs[rid].disagg_kv_sender.poll()
+            if poll == KVPoll.Success:
+                self._concluded(self.reqs[rid], "Success")
+            elif poll == KVPoll.Failed:
+                self._concluded(self.reqs[rid], "Failed")
+                if rid in self.unsent_last_chunk:
+                    self._send_last_chunk(rid)  # the stalled forward ends after the failure
+
+    def _send_last_chunk(self, rid: str) -> None:
+        from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+
+        req, spec = self.reqs[rid], self.specs[rid]
+        self.unsent_last_chunk.discard(rid)
+        req.output_ids.append(spec.first_token)
+        req.set_extend_range(spec.chunk_end or 0, spec.tokens)
+        SchedulerDisaggregationPrefillMixin.send_kv_chunk(self.view, req, last_chunk=True)
+
+    def _concluded(self, req, status: str) -> None:
+        from sglang.srt.disaggregation.prefill import maybe_release_metadata_buffer
+
+        reason = None
+        if status == "Failed":
+            try:
+                req.disagg_kv_sender.failure_exception()
+            except Exception as exc:  # SGLang's KVTransferError: its message is the reason
+                reason = str(exc)
+        self.sending.discard(req.rid)
+        maybe_release_metadata_buffer(req, self.metadata_allocator)
+        self.conn.send({"event": "status", "rid": req.rid, "status": status, "reason": reason})
+
+
+def prefill_peer(conn, layout_name: str, bootstrap_port: int, deadline_s: float, env: dict[str, str]) -> None:
+    """Prefill process: sends "registered" once its KV manager registered, then runs commands."""
+
+    def body() -> None:
+        prefill = _Prefill(conn, LAYOUTS[layout_name], bootstrap_port, deadline_s, env)
+        conn.send({"event": "registered"})
+        command_loop(conn, {"add": prefill.add, "finish": prefill.finish}, prefill.step, deadline_s)
+        prefill.bootstrap_server.close()
+
+    run_peer(conn, body)
 
 
 # ------------------------------------------------------------------------------------------ decode
 class DecodeSide:
     """Our HiSparse stack and SGLang's decode PD queues, as the decode scheduler builds them."""
 
-    def __init__(self, layout: Layout, bootstrap_port: int, env: dict[str, str]) -> None:
+    def __init__(self, layout: Layout, quarantine_s: float, env: dict[str, str]) -> None:
         self.layout = layout
-        self.server_args = _start_process("decode", bootstrap_port, layout, env)
+        # a decode instance binds no bootstrap port (each request names its prefill's)
+        self.server_args = start_process("decode", 8998, layout, env)
         os.environ["SGLANG_PLUGINS"] = "hisparse"
         from sglang.srt.plugins import load_plugins
 
         load_plugins()  # applies hisparse-sglang's hooks, as in a scheduler process
         from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeReqToTokenPool, DecodeTransferQueue
-        from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
+        from sglang.srt.disaggregation.utils import (
+            DisaggregationMode,
+            MetadataBuffers,
+            ReqToMetadataIdxAllocator,
+            TransferBackend,
+        )
         from sglang.srt.distributed import parallel_state
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.chunk_cache import ChunkCache
@@ -343,16 +410,15 @@ class DecodeSide:
         from hisparse_sglang.integration.sglang.pool import HiSparseDevicePool
 
         self.config = HiSparseConfig(
-            top_k=128, device_buffer_size=256, host_to_device_ratio=HOST_TO_DEVICE_RATIO,
-            pd_quarantine_s=PD_QUARANTINE_S,
+            top_k=128, device_buffer_size=256, host_to_device_ratio=HOST_TO_DEVICE_RATIO, pd_quarantine_s=quarantine_s
         )
         self.pool = HiSparseDevicePool(
-            size=DEVICE_TOKENS, page_size=PAGE, kv_lora_rank=512, dtype=_torch_dtype(layout), qk_rope_head_dim=64,
+            size=DEVICE_TOKENS, page_size=PAGE, kv_lora_rank=512, dtype=torch_dtype(layout), qk_rope_head_dim=64,
             layer_num=LAYERS, device="cpu", index_head_dim=128, enable_memory_saver=False,
             kv_cache_dim=layout.kv_cache_dim, host_to_device_ratio=HOST_TO_DEVICE_RATIO,
         )
         self.allocator = HiSparseTokenAllocator(
-            DEVICE_TOKENS, page_size=PAGE, dtype=_torch_dtype(layout), device="cpu", kvcache=self.pool,
+            DEVICE_TOKENS, page_size=PAGE, dtype=torch_dtype(layout), device="cpu", kvcache=self.pool,
             need_sort=True, host_to_device_ratio=HOST_TO_DEVICE_RATIO,
         )
         self.req_to_token_pool = DecodeReqToTokenPool(
@@ -371,6 +437,8 @@ class DecodeSide:
         self.metadata_buffers = MetadataBuffers(METADATA_SLOTS, hidden_size=16, hidden_states_dtype=torch.bfloat16)
         self.metadata_allocator = ReqToMetadataIdxAllocator(METADATA_SLOTS)
         self.streamer = OutputStreamer()
+        self.tokenizer_aborts: list[str] = []
+        self.waiting_queue: list = []
         self.view = SchedulerView(
             server_args=self.server_args,
             ps=types.SimpleNamespace(tp_rank=0, dp_rank=0, gpu_id=0, pp_size=1),
@@ -382,13 +450,25 @@ class DecodeSide:
             hisparse_coordinator=self.coordinator,
             running_batch=types.SimpleNamespace(reqs=[]),
             last_batch=None,
-            waiting_queue=[],
+            waiting_queue=self.waiting_queue,
             enable_priority_scheduling=False,
             enable_decode_hicache=False,
             spec_algorithm=SpeculativeAlgorithm.NONE,
             sliding_window_size=None,
             metrics_reporter=types.SimpleNamespace(enable_metrics=False),
             output_streamer=self.streamer,
+            # what Scheduler.abort_request reads besides the above
+            chunked_req=None,
+            enable_hicache_storage=False,
+            ipc_channels=types.SimpleNamespace(
+                send_to_tokenizer=types.SimpleNamespace(
+                    send_output=lambda output, req=None: self.tokenizer_aborts.append(output.rid)
+                )
+            ),
+            disaggregation_mode=DisaggregationMode.DECODE,
+            tree_cache=self.tree_cache,
+            dllm_config=None,
+            grammar_manager=types.SimpleNamespace(abort_requests=lambda recv_req: None),
         )
         gloo_group = parallel_state.get_attn_tp_group().cpu_group
         self.transfer_queue = DecodeTransferQueue(
@@ -400,144 +480,48 @@ class DecodeSide:
             draft_token_to_kv_pool=None, req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=self.metadata_buffers, scheduler=self.view, transfer_queue=self.transfer_queue,
             tree_cache=self.tree_cache, gloo_group=gloo_group, tp_rank=0, tp_size=1, dp_size=1, gpu_id=0,
-            bootstrap_port=bootstrap_port, max_total_num_tokens=DEVICE_TOKENS, pp_rank=0,
+            bootstrap_port=0, max_total_num_tokens=DEVICE_TOKENS, pp_rank=0,
             num_reserved_decode_tokens=RESERVED_DECODE_TOKENS, transfer_backend=TransferBackend.MOONCAKE,
         )
+        self.view.disagg_decode_prealloc_queue = self.prealloc_queue
+        self.view.disagg_decode_transfer_queue = self.transfer_queue
         self.kv_manager = self.prealloc_queue.kv_manager
-        self.poison()
-
-    def poison(self) -> None:
         for layer in range(LAYERS):
             self.host.layers[layer].fill_(POISON)
-            byte_rows(self.pool.kv_buffer[layer]).fill_(POISON)
+            self.device_rows(layer).fill_(POISON)
             self.pool.index_k_with_scale_buffer[layer].fill_(POISON)
 
     def device_rows(self, layer: int) -> torch.Tensor:
         return byte_rows(self.pool.kv_buffer[layer])
 
+    def registration_report(self) -> dict:
+        """What the decode KV manager registered and will send to the prefill."""
+        from sglang.srt.disaggregation.base.conn import StateType
 
-def _registration_report(side: DecodeSide) -> dict:
-    """What the decode KV manager registered and will send to the prefill."""
-    from sglang.srt.disaggregation.base.conn import StateType
+        kv_args = self.kv_manager.kv_args
+        host_ptrs, host_lens, host_item_lens = self.coordinator.mem_pool_host.get_contiguous_buf_infos()
+        state_ptrs, _, state_item_lens = self.pool.get_state_buf_infos()
+        return {
+            "kv_data_is_host_pool": (
+                list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens), list(kv_args.kv_item_lens)
+            ) == (host_ptrs, host_lens, host_item_lens),
+            "kv_item_lens": list(kv_args.kv_item_lens),
+            "kv_data_lens": list(kv_args.kv_data_lens),
+            "page_size": kv_args.page_size,
+            "state_types": [str(t) for t in kv_args.state_types],
+            "dsa_state_is_index_k": kv_args.state_types == [StateType.DSA]
+            and kv_args.state_data_ptrs == [state_ptrs]
+            and kv_args.state_item_lens == [state_item_lens],
+            "is_mla_backend": self.kv_manager.is_mla_backend,
+        }
 
-    kv_args = side.kv_manager.kv_args
-    host_ptrs, host_lens, host_item_lens = side.coordinator.mem_pool_host.get_contiguous_buf_infos()
-    state_ptrs, _, state_item_lens = side.pool.get_state_buf_infos()
-    return {
-        "kv_data_is_host_pool": (list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens), list(kv_args.kv_item_lens))
-        == (host_ptrs, host_lens, host_item_lens),
-        "kv_item_lens": list(kv_args.kv_item_lens),
-        "page_size": kv_args.page_size,
-        "state_types": [str(t) for t in kv_args.state_types],
-        "dsa_state_is_index_k": kv_args.state_types == [StateType.DSA]
-        and kv_args.state_data_ptrs == [state_ptrs]
-        and kv_args.state_item_lens == [state_item_lens],
-        "is_mla_backend": side.kv_manager.is_mla_backend,
-    }
-
-
-def _page_rows(pages: torch.Tensor) -> torch.Tensor:
-    return (pages.to(torch.int64)[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
-
-
-def _verify_landed(side: DecodeSide, done: list[RequestSpec], failed: list[RequestSpec], granted: dict) -> dict:
-    """Host rows, index-K pages and device rows once every transfer concluded, before any admission.
-
-    A transferred request's pages hold the prefill's pages; a failed request's pages hold exactly its
-    first chunk (what arrived before the decode gave up) and no index-K page; nothing else was written.
-    """
-    problems = []
-    row_bytes = side.layout.row_bytes
-    host_expected = torch.zeros(side.host.num_rows, dtype=torch.bool)
-    index_expected = torch.zeros(side.pool.index_k_with_scale_buffer[0].shape[0], dtype=torch.bool)
-    for spec in done + failed:
-        locations = granted[spec.rid]
-        pages = locations[::PAGE] // PAGE
-        if not torch.equal(locations, _page_rows(pages)[: spec.tokens]):
-            problems.append(f"{spec.rid}: granted locations are not page-aligned runs")
-        arrived = len(pages) if spec in done else spec.first_chunk_pages()
-        host_rows = _page_rows(pages[:arrived])
-        host_expected[host_rows] = True
-        for layer in range(LAYERS):
-            problems.append(
-                first_difference(
-                    side.host.layers[layer][host_rows],
-                    kv_words(layer, spec.prefill_rows()[: arrived * PAGE], row_bytes),
-                    f"{spec.rid} layer {layer} host rows",
-                )
-            )
-        if spec in done:
-            index_expected[pages] = True
-            for layer in range(LAYERS):
-                problems.append(
-                    first_difference(
-                        side.pool.index_k_with_scale_buffer[layer][pages],
-                        index_words(layer, torch.tensor(spec.prefill_pages)),
-                        f"{spec.rid} layer {layer} index-K pages",
-                    )
-                )
-    for layer in range(LAYERS):
-        problems.append(first_not_poison(side.host.layers[layer][~host_expected], f"layer {layer} other host rows"))
-        other_pages = side.pool.index_k_with_scale_buffer[layer][~index_expected]
-        problems.append(first_not_poison(other_pages, f"layer {layer} other index-K pages"))
-        problems.append(first_not_poison(side.device_rows(layer), f"layer {layer} device KV rows before admission"))
-    return {
-        "problems": [p for p in problems if p],
-        "host_rows_written": int(host_expected.sum()),
-        "index_pages_written": int(index_expected.sum()),
-    }
-
-
-def _verify_admitted(side: DecodeSide, specs: list[RequestSpec], reqs: dict, granted: dict[str, torch.Tensor]) -> dict:
-    """After admit_request_direct: short requests resident on device rows, long ones offloaded."""
-    from hisparse_sglang.coordinator import OFFLOADED, RESIDENT
-
-    problems, modes = [], {}
-    row_bytes = side.layout.row_bytes
-    device_written = torch.zeros(side.device_rows(0).shape[0], dtype=torch.bool)
-    for spec in specs:
-        req = reqs[spec.rid]
-        record = side.coordinator.core.requests[req.req_pool_idx]
-        modes[spec.rid] = record.mode
-        rows = side.pool.translate_loc_to_hisparse_device(granted[spec.rid]).to(torch.int64)
-        if record.mode == RESIDENT:
-            if not bool((rows > 0).all()):
-                problems.append(f"{spec.rid}: resident but {int((rows <= 0).sum())} locations have no device row")
-                continue
-            device_written[rows] = True
-            for layer in range(LAYERS):
-                problems.append(
-                    first_difference(
-                        side.device_rows(layer)[rows], kv_words(layer, spec.prefill_rows()[: spec.tokens], row_bytes),
-                        f"{spec.rid} layer {layer} device rows",
-                    )
-                )
-        elif record.mode == OFFLOADED:
-            if not bool((rows == 0).all()):
-                problems.append(f"{spec.rid}: offloaded but {int((rows != 0).sum())} locations map to device rows")
-        else:
-            problems.append(f"{spec.rid}: unexpected mode {record.mode}")
-    for layer in range(LAYERS):
-        problems.append(first_not_poison(side.device_rows(layer)[~device_written], f"layer {layer} other device rows"))
-    return {
-        "problems": [p for p in problems if p],
-        "modes": modes,
-        "buffers_used": side.coordinator.buffers.used_buffers,
-    }
-
-
-def _alloc_logical(allocator, num_tokens: int) -> torch.Tensor:
-    """Logical locations of a request that is not part of the transfer (a running one)."""
-    zero, length = torch.tensor([0]), torch.tensor([num_tokens])
-    return allocator.alloc_logical_only(
-        prefix_lens=zero, prefix_lens_cpu=zero, seq_lens=length, seq_lens_cpu=length, last_loc=torch.tensor([-1]),
-        extend_num_tokens=num_tokens,
-    )
-
-
-def _wait_for(conn, word: str, deadline_s: float) -> None:
-    if not conn.poll(deadline_s) or conn.recv() != word:
-        raise TimeoutError(f"the test did not say '{word}' within {deadline_s} s")
+    def alloc_logical(self, num_tokens: int) -> torch.Tensor:
+        """Logical locations of a request that is not part of the transfer (a running one)."""
+        zero, length = torch.tensor([0]), torch.tensor([num_tokens])
+        return self.allocator.alloc_logical_only(
+            prefix_lens=zero, prefix_lens_cpu=zero, seq_lens=length, seq_lens_cpu=length,
+            last_loc=torch.tensor([-1]), extend_num_tokens=num_tokens,
+        )
 
 
 # A decode side with nothing left to hold (request slots: DecodeReqToTokenPool size 8 + pre_alloc_size 8).
@@ -547,6 +531,7 @@ NO_LEAKS = {
     "buffers_in_use": 0,
     "coordinator_requests": 0,
     "preallocated_entries": 0,
+    "quarantined_pages": 0,
     "metadata_slots_free": 8,
     "request_slots_free": 16,
 }
@@ -558,134 +543,19 @@ def leak_report(side) -> dict:
     in-process DecodeQueues of pd_decode_harness)."""
     rows = side.allocator.rows
     return {
-        "logical_pages_in_use": _logical_pages_in_use(side),
+        "logical_pages_in_use": logical_pages_in_use(side.allocator),
         "device_pages_in_use": rows.device_rows.capacity_pages - rows.device_rows.free_pages,
         "buffers_in_use": side.coordinator.buffers.used_buffers,
         "coordinator_requests": len(side.coordinator.core.requests),
         "preallocated_entries": len(side.coordinator.mem_pool_host.preallocated),
+        "quarantined_pages": side.allocator.quarantine.pages_held,
         "metadata_slots_free": side.metadata_allocator.available_size(),
         "request_slots_free": side.req_to_token_pool.available_size(),
     }
 
 
-def _logical_pages_in_use(side) -> int:
-    # SGLang reads this budget every scheduling step; it also returns quarantined rows whose time is up
-    side.allocator.logical_attn_allocator.available_size()
-    logical = side.allocator.rows.logical
+def logical_pages_in_use(allocator) -> int:
+    # SGLang reads this budget every scheduling step; it also returns quarantined pages whose time is up
+    allocator.logical_attn_allocator.available_size()
+    logical = allocator.rows.logical
     return logical.capacity_pages - logical.free_pages
-
-
-class _DecodeLoop:
-    """``process_decode_queue`` (decode.py:2333-2342) step by step, with admission deferred so the
-    bytes can be checked first; records what each request was granted and how failures ended."""
-
-    def __init__(self, side: DecodeSide, specs: list[RequestSpec], reqs: dict, deadline_s: float) -> None:
-        self.side, self.reqs, self.deadline_s = side, reqs, deadline_s
-        self.by_rid = {spec.rid: spec for spec in specs}
-        self.granted: dict[str, torch.Tensor] = {}
-        self.captured: dict[str, bool] = {}
-        self.transferred: dict = {}
-        self.released_on_failure: dict[str, dict] = {}
-        self.failed_at: float | None = None
-
-    def run(self, rids: list[str]) -> None:
-        side = self.side
-        side.prealloc_queue.extend([self.reqs[rid] for rid in rids])
-        started = time.monotonic()
-        while not all(rid in self.transferred or rid in side.streamer.aborted for rid in rids):
-            if time.monotonic() - started > self.deadline_s:
-                raise TimeoutError(f"transfers unfinished after {self.deadline_s} s: done {sorted(self.transferred)}")
-            preallocated, _ = side.prealloc_queue.pop_preallocated()
-            for decode_req in preallocated:
-                req = decode_req.req
-                slot = req.req_pool_idx
-                locations = side.req_to_token_pool.req_to_token[slot, : self.by_rid[req.rid].tokens].to(torch.int64)
-                self.granted[req.rid] = locations
-                hooked = side.coordinator.mem_pool_host.preallocated.get(slot)
-                self.captured[req.rid] = hooked is not None and torch.equal(hooked.to(torch.int64), locations)
-            side.transfer_queue.extend(preallocated)
-            aborted_before = set(side.streamer.aborted)
-            slots = {decode_req.req.rid: decode_req.req.req_pool_idx for decode_req in side.transfer_queue.queue}
-            for req in side.transfer_queue.pop_transferred():
-                self.transferred[req.rid] = req
-            for rid in set(side.streamer.aborted) - aborted_before:
-                # SGLang's failure path ran request_finished and release_kv_cache for this request
-                self.failed_at = time.monotonic()
-                slot = slots.get(rid)  # None: failed before preallocation
-                self.released_on_failure[rid] = {
-                    "slot_released": self.reqs[rid].req_pool_idx is None,
-                    "coordinator_forgot": slot not in side.coordinator.core.requests
-                    and slot not in side.coordinator.mem_pool_host.preallocated,
-                    "finished_reason": type(self.reqs[rid].finished_reason).__name__,
-                }
-            time.sleep(0.005)
-
-
-def run_decode(
-    conn, layout_name: str, specs: list[RequestSpec], bootstrap_port: int, deadline_s: float, env: dict[str, str]
-) -> None:
-    """Decode peer: preallocate, receive, verify, admit, release; reports everything it saw.
-
-    Requests marked ``after_failures`` are only added once every other request concluded. Talks to
-    the test in steps: "ready" -> waits "go" (the prefill registered) -> "concluded" (every transfer
-    succeeded or failed) -> waits "check" (the prefill finished, late sends included) -> "done".
-    """
-    try:
-        side = DecodeSide(LAYOUTS[layout_name], bootstrap_port, env)
-        from sglang.srt.mem_cache.common import release_kv_cache
-        from sglang.srt.plugins.hook_registry import HookRegistry
-
-        report = {"registration": _registration_report(side)}
-        report["prealloc_hook_applied"] = (
-            "sglang.srt.disaggregation.decode.alloc_for_decode_prealloc_hisparse" in HookRegistry._patched
-        )
-        # A running request holds a page in the middle of the free list, so the first preallocation
-        # gets non-contiguous logical pages and the transfers must leave that page alone.
-        freed = _alloc_logical(side.allocator, 2 * PAGE)
-        held = _alloc_logical(side.allocator, PAGE)
-        side.allocator.free(freed)
-        reqs = {spec.rid: _new_req(spec, bootstrap_port) for spec in specs}
-        loop = _DecodeLoop(side, specs, reqs, deadline_s)
-        conn.send({"event": "ready"})
-        _wait_for(conn, "go", deadline_s)
-
-        started = time.monotonic()
-        loop.run([spec.rid for spec in specs if not spec.after_failures])
-        report["logical_pages_in_use_after_first_wave"] = _logical_pages_in_use(side)
-        later = [spec.rid for spec in specs if spec.after_failures]
-        if later:
-            loop.run(later)
-        report["transfer_seconds"] = time.monotonic() - started
-        report["aborted"] = sorted(side.streamer.aborted)
-        report["released_on_failure"] = loop.released_on_failure
-        report["transferred"] = sorted(loop.transferred)
-        report["hook_captured_locations"] = loop.captured
-        report["first_tokens"] = {rid: list(req.output_ids) for rid, req in loop.transferred.items()}
-        report["dst_pages"] = {rid: (locs[::PAGE] // PAGE).tolist() for rid, locs in loop.granted.items()}
-        conn.send({"event": "concluded"})
-        _wait_for(conn, "check", deadline_s)
-
-        done = [spec for spec in specs if spec.rid in loop.transferred]
-        failed = [spec for spec in specs if spec.rid in side.streamer.aborted]
-        report["landed"] = _verify_landed(side, done, failed, loop.granted)
-        report["held_rows_untouched"] = all(
-            bool((side.host.layers[layer][held] == POISON).all()) for layer in range(LAYERS)
-        )
-        for spec in done:
-            side.coordinator.admit_request_direct(loop.transferred[spec.rid])
-        report["admitted"] = _verify_admitted(side, done, loop.transferred, loop.granted)
-
-        for req in loop.transferred.values():
-            side.coordinator.request_finished(req)
-            release_kv_cache(req, side.tree_cache, is_insert=False)
-        side.allocator.free(held)
-        if loop.failed_at is not None:
-            # rows of a failed transfer come back once the quarantine is over
-            time.sleep(max(0.0, loop.failed_at + side.config.pd_quarantine_s - time.monotonic()) + 0.05)
-        report["leaks"] = leak_report(side)
-        conn.send({"event": "done", "report": report})
-    except BaseException:
-        conn.send({"event": "error", "traceback": traceback.format_exc()})
-    finally:
-        conn.close()
-        os._exit(0)

@@ -394,7 +394,8 @@ def test_pd_request_ending_before_its_transfer_holds_its_host_rows_for_the_quara
     stack.release(failed)
     held = stack.allocator.rows.logical.free_rows
     assert held == free_before - 5 * PAGE, "the failed request's pages were freed at once"
-    assert stack.allocator.quarantine.rows_held == 300
+    assert (stack.allocator.quarantine.rows_held, stack.allocator.quarantine.pages_held) == (300, 5)
+    assert stack.coordinator.report()["host_rows_quarantined"] == 5 * PAGE
 
     # a new request (and the admission budget) cannot get those rows during the quarantine
     other = stack.new_req("other", 1000)
@@ -407,7 +408,7 @@ def test_pd_request_ending_before_its_transfer_holds_its_host_rows_for_the_quara
 
     now[0] += stack.config.pd_quarantine_s
     assert stack.allocator.logical_attn_allocator.available_size() == free_before
-    assert stack.allocator.quarantine.rows_held == 0
+    assert (stack.allocator.quarantine.rows_held, stack.allocator.quarantine.pages_held) == (0, 0)
     stack.assert_all_free()
 
 

@@ -62,3 +62,21 @@ def test_load_plugins_applies_every_hook_in_a_scheduler_like_process():
     assert report["patched"] == sorted(spec.target for spec in HOOKS)
     assert report["pool"] and report["allocator"]
     assert report["coordinator_wrapped"]
+
+
+def test_a_failed_mooncake_registration_of_the_host_pool_raises_a_typed_error():
+    from hisparse_sglang.errors import MooncakeRegistrationError
+    from hisparse_sglang.integration.sglang.hooks import _batch_register_after
+    from hisparse_sglang.integration.sglang.mooncake import HostRegions
+
+    regions, lengths = HostRegions([1 << 40, 2 << 40]), [3 << 30, 3 << 30]
+    with pytest.raises(MooncakeRegistrationError) as failure:
+        _batch_register_after(-202, None, regions, lengths)
+    message = str(failure.value)
+    assert "2 regions, 6.00 GiB" in message and "return code -202 (ERR_CONTEXT" in message
+    assert "ulimit -l unlimited" in message and "host_to_device_ratio" in message
+    with pytest.raises(MooncakeRegistrationError, match=r"return code -9 \(unknown code"):
+        _batch_register_after(-9, None, regions, lengths)
+    # registered: the code passes through; other regions (SGLang's own buffers) are not ours to judge
+    assert _batch_register_after(0, None, regions, lengths) == 0
+    assert _batch_register_after(-7, None, [1 << 40], [4096]) == -7

@@ -3,8 +3,9 @@
 The prefill is plain SGLang (DSA pool, PrefillBootstrapQueue, MooncakeKVSender, bootstrap server);
 the decode is SGLang's DecodePreallocQueue / DecodeTransferQueue on hisparse-sglang's pool,
 allocator and coordinator, with the plugin loaded through ``load_plugins()``. Mooncake runs over TCP
-(``--disaggregation-transfer-backend mooncake_tcp``); no GPU is involved. ``pd_peer.py`` holds both
-peers and says what each side runs.
+(``--disaggregation-transfer-backend mooncake_tcp``); no GPU is involved. ``pd_peer.py`` and
+``pd_decode_peer.py`` hold the peers and say what each side runs. The faults are in
+``test_pd_mooncake_faults.py``.
 
 What must hold:
 * the decode KV manager registers the host pool (``coordinator.mem_pool_host``), page size 64 and the
@@ -15,23 +16,18 @@ What must hold:
   no other host row, index page or device row is written (all poisoned first);
 * ``admit_request_direct`` makes short requests resident on device rows holding those bytes and
   starts long ones offloaded; releasing everything leaves no row, buffer or slot in use;
-* a request the decode gives up on (waiting timeout) goes through SGLang's failure path, which
-  drops its HiSparse state and puts its rows in quarantine (a later request gets other rows; the
-  prefill's late chunk is dropped by SGLang), while the other requests complete.
+* our hook saw Mooncake register the host pool (return code 0), and a registration Mooncake refuses
+  (the same regions once more: ERR_ADDRESS_OVERLAPPED) raises our typed error instead of being
+  ignored as SGLang 0.5.17 does.
 
-A run takes 10-30 s (two SGLang imports on 2 cores); the peers and the test have deadlines, so a
-stuck transfer fails the test instead of hanging it.
+A run takes 40-75 s on 2 busy cores (two SGLang imports); every wait has a deadline.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
-import time
-
 import pytest
-
-from pd_peer import LAYERS, LAYOUTS, NO_LEAKS, PAGE, RequestSpec, run_decode, run_prefill
+from pd_peer import LAYERS, LAYOUTS, NO_LEAKS, PAGE, RequestSpec
+from pd_session import PeerSession
 
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
 
@@ -47,142 +43,61 @@ SPECS = [
 ]
 # device_buffer_size is 256: a request whose KV fits a buffer becomes resident at admission
 EXPECTED_MODES = {"short": "resident", "mid": "resident", "long": "offloaded", "long2": "offloaded"}
-PEER_DEADLINE_S = 45.0  # each peer gives up on its own after this
-TEST_DEADLINE_S = 75.0  # and the test kills both after this (a normal run takes 10-30 s on 2 cores)
 
 
-class Peers:
-    """The prefill and decode processes (spawned, like SGLang's scheduler processes)."""
-
-    def __init__(self, layout: str, specs: list[RequestSpec], decode_env: dict[str, str]) -> None:
-        context = multiprocessing.get_context("spawn")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            bootstrap_port = sock.getsockname()[1]
-        self.started = time.monotonic()
-        self.prefill_conn, prefill_child = context.Pipe()
-        self.decode_conn, decode_child = context.Pipe()
-        self.processes = [
-            context.Process(
-                target=run_prefill, args=(prefill_child, layout, specs, bootstrap_port, PEER_DEADLINE_S, {}),
-                daemon=True,
-            ),
-            context.Process(
-                target=run_decode, args=(decode_child, layout, specs, bootstrap_port, PEER_DEADLINE_S, decode_env),
-                daemon=True,
-            ),
-        ]
-        for process in self.processes:
-            process.start()
-
-    def receive(self, conn, expected_event: str) -> dict:
-        remaining = TEST_DEADLINE_S - (time.monotonic() - self.started)
-        if remaining <= 0 or not conn.poll(remaining):
-            pytest.fail(f"no '{expected_event}' from a peer within {TEST_DEADLINE_S} s")
-        message = conn.recv()
-        if message["event"] == "error":
-            pytest.fail(f"peer failed while waiting for '{expected_event}':\n{message['traceback']}")
-        assert message["event"] == expected_event, message
-        return message
-
-    def close(self) -> None:
-        for conn in (self.prefill_conn, self.decode_conn):
-            try:
-                conn.send("exit")
-            except OSError:
-                pass
-        for process in self.processes:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-
-
-def run_pair(layout: str, specs: list[RequestSpec], decode_env: dict[str, str] | None = None) -> tuple[dict, dict]:
-    """Runs both peers; returns the decode's report and the prefill's final message."""
-    peers = Peers(layout, specs, decode_env or {})
-    try:
-        peers.receive(peers.prefill_conn, "registered")
-        peers.receive(peers.decode_conn, "ready")
-        peers.decode_conn.send("go")
-        peers.receive(peers.decode_conn, "concluded")
-        prefill = peers.receive(peers.prefill_conn, "done")
-        peers.decode_conn.send("check")
-        decode = peers.receive(peers.decode_conn, "done")["report"]
-        return decode, prefill
-    finally:
-        peers.close()
-
-
-def assert_registration(decode: dict, layout: str) -> None:
-    registration = decode["registration"]
+def assert_registration(ready: dict, layout: str) -> None:
+    registration = ready["registration"]
     assert registration["kv_data_is_host_pool"]
     assert registration["kv_item_lens"] == [LAYOUTS[layout].row_bytes * PAGE] * LAYERS
     assert registration["page_size"] == PAGE and registration["is_mla_backend"]
     assert registration["dsa_state_is_index_k"], registration["state_types"]
-    assert decode["prealloc_hook_applied"]
+    assert ready["prealloc_hook_applied"]
+    assert ready["registration_log"] == [
+        f"HiSparse: host KV pool registered with Mooncake ({LAYERS} regions, "
+        f"{registration['kv_data_lens'][0] * LAYERS / 2**30:.2f} GiB in all)."
+    ], ready["registration_log"]
+
+
+def full(spec: RequestSpec) -> list:
+    """A ``check`` expectation: every page and the index-K pages arrived."""
+    return [len(spec.prefill_pages), True]
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_sglang_mooncake_connector_writes_prefill_pages_into_hisparse_host_rows(layout):
-    decode, prefill = run_pair(layout, SPECS)
     rids = sorted(spec.rid for spec in SPECS)
+    with PeerSession(layout) as session:
+        ready = session.wait_started()
+        session.send("prefill0", "add", specs=SPECS)
+        session.send("decode", "add", specs=SPECS, bootstrap_port=session.ports[0])
+        transferred = {rid: session.wait("decode", "transferred", rid) for rid in rids}
+        statuses = {rid: session.wait("prefill0", "status", rid)["status"] for rid in rids}
+        session.send("decode", "check", expect={spec.rid: full(spec) for spec in SPECS})
+        check = session.wait("decode", "checked")
+        session.send("decode", "admit", rids=rids)
+        admitted = session.wait("decode", "admitted")
+        session.send("decode", "release", rids=rids)
+        session.send("decode", "drain", timeout_s=10)
+        leaks = session.wait("decode", "drained")["leaks"]
+        session.send("decode", "register_again")
+        register_again = session.wait("decode", "registered_again")
+        preallocated = {m["rid"]: m for m in session.take("decode", "preallocated")}
+        failed = session.take("decode", "failed")
 
-    assert_registration(decode, layout)
-    assert decode["hook_captured_locations"] == {rid: True for rid in rids}
-    assert prefill["status"] == {rid: "Success" for rid in rids}
-    assert prefill["aborted"] == [] and decode["aborted"] == []
-    assert decode["transferred"] == rids
-    assert decode["first_tokens"] == {spec.rid: [spec.first_token] for spec in SPECS}
-    dst_pages = decode["dst_pages"]
+    assert_registration(ready, layout)
+    assert {rid: m["captured"] for rid, m in preallocated.items()} == {rid: True for rid in rids}
+    assert statuses == {rid: "Success" for rid in rids} and failed == []
+    assert {rid: m["output_ids"] for rid, m in transferred.items()} == {s.rid: [s.first_token] for s in SPECS}
+    dst_pages = {rid: m["pages"] for rid, m in preallocated.items()}
     assert any(b - a != 1 for pages in dst_pages.values() for a, b in zip(pages, pages[1:])), dst_pages
 
-    landed = decode["landed"]
-    assert landed["problems"] == []
-    assert landed["host_rows_written"] == sum(len(spec.prefill_pages) for spec in SPECS) * PAGE
-    assert landed["index_pages_written"] == sum(len(spec.prefill_pages) for spec in SPECS)
-    assert decode["held_rows_untouched"]
+    assert check["problems"] == []
+    assert check["host_rows_written"] == sum(len(spec.prefill_pages) for spec in SPECS) * PAGE
+    assert check["index_pages_written"] == sum(len(spec.prefill_pages) for spec in SPECS)
 
-    admitted = decode["admitted"]
     assert admitted["problems"] == []
     assert admitted["modes"] == EXPECTED_MODES
     assert admitted["buffers_used"] == 2
-    assert decode["leaks"] == NO_LEAKS
-
-
-FAILURE_SPECS = [
-    RequestSpec("good", room=2001, tokens=150, prefill_pages=(5, 2, 7), first_token=11),
-    RequestSpec(
-        "stalled", room=2002, tokens=700, prefill_pages=(9, 1, 12, 3, 14, 4, 16, 6, 18, 8, 20), first_token=12,
-        chunk_end=400, stall=True,
-    ),
-    RequestSpec("after", room=2003, tokens=100, prefill_pages=(21, 10), first_token=13, after_failures=True),
-]
-
-
-def test_request_the_decode_gives_up_on_is_released_through_the_quarantine():
-    """The prefill sends the first chunk of "stalled", then nothing until the decode's waiting
-    timeout fails it: SGLang aborts it and calls request_finished and release_kv_cache, which hold
-    its host rows in quarantine; the prefill's late last chunk is dropped by SGLang. "after",
-    preallocated during the quarantine, must get other rows; once it is over every row is free."""
-    decode, prefill = run_pair("bf16", FAILURE_SPECS, decode_env={"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "3"})
-
-    assert_registration(decode, "bf16")
-    assert prefill["status"] == {"good": "Success", "stalled": "Failed", "after": "Success"}
-    assert decode["transferred"] == ["after", "good"] and decode["aborted"] == ["stalled"]
-    assert decode["released_on_failure"] == {
-        "stalled": {"slot_released": True, "coordinator_forgot": True, "finished_reason": "FINISH_ABORT"}
-    }
-    # right after the failure: good (3 pages) + the running request's page + stalled's 11 quarantined pages
-    assert decode["logical_pages_in_use_after_first_wave"] == 3 + 1 + 11
-    assert not set(decode["dst_pages"]["after"]) & set(decode["dst_pages"]["stalled"]), decode["dst_pages"]
-    # stalled's first chunk (6 pages) sits in its quarantined rows; its other pages and its index-K
-    # pages were never written: the late chunk did not reach the decode
-    landed = decode["landed"]
-    assert landed["problems"] == []
-    assert landed["host_rows_written"] == (3 + 400 // PAGE + 2) * PAGE
-    assert landed["index_pages_written"] == 3 + 2
-    assert decode["held_rows_untouched"]
-    assert decode["admitted"]["problems"] == []
-    assert decode["admitted"]["modes"] == {"good": "resident", "after": "resident"}
-    assert decode["leaks"] == NO_LEAKS
+    assert leaks == NO_LEAKS
+    error = register_again["error"]
+    assert error and "return code -7 (ERR_ADDRESS_OVERLAPPED" in error and "ulimit -l" in error, error

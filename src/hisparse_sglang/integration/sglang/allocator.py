@@ -53,7 +53,7 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
         self.coordinator_adapter = None  # the SGLang-facing coordinator (hooks reach it through here)
         # Host rows of PD requests whose transfer did not complete; the coordinator sets the
         # grace period from the HiSparse config.
-        self.quarantine = RowQuarantine(0.0)
+        self.quarantine = RowQuarantine(0.0, page_size)
         self.logical_attn_allocator = _Capacity(self._logical_free_rows)
         self.hisparse_attn_allocator = _Capacity(self._device_rows_obtainable)
         self.compress_ratio = 1
@@ -84,8 +84,9 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
         return self.rows.logical.free_rows
 
     def _release_quarantine(self) -> None:
-        for locs in self.quarantine.expired():
-            self.rows.free(locs)
+        rows = self.quarantine.expired()
+        if rows.numel():
+            self.rows.free(rows.to(self.rows.device))
 
     def debug_print(self) -> str:
         stats = self.rows.stats()

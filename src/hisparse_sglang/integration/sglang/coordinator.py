@@ -19,6 +19,7 @@ from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.coordinator import Coordinator
 from hisparse_sglang.errors import HiSparseMemoryError
 from hisparse_sglang.integration.sglang import compat
+from hisparse_sglang.integration.sglang.mooncake import HostRegions
 from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 from hisparse_sglang.memory.host_pool import HostKVPool
 from hisparse_sglang.streams import StreamSet
@@ -57,9 +58,11 @@ class PDHostPool:
         self.layer_num = host_pool.layer_num
         self.preallocated: dict[int, torch.Tensor | None] = {}
 
-    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+    def get_contiguous_buf_infos(self) -> tuple[HostRegions, list[int], list[int]]:
+        """Per-layer base addresses (marked as ours: a failed Mooncake registration of them raises),
+        byte lengths, and bytes per page."""
         pointers, lengths = self.host_pool.region_infos()
-        return pointers, lengths, [self.host_pool.item_bytes * self.page_size] * self.layer_num
+        return HostRegions(pointers), lengths, [self.host_pool.item_bytes * self.page_size] * self.layer_num
 
     def alloc_paged_token_slots(self, req_to_host_pool, req_to_host_pool_allocated_len, req_pool_idx, start_pos, num_tokens):
         slot = int(req_pool_idx)
@@ -228,17 +231,18 @@ class SGLangHiSparseCoordinator:
     # ------------------------------------------------------------------ request end
     def request_finished(self, req) -> None:
         """SGLang calls this (and abort_staging_request) before releasing a request's KV."""
-        self.release_slot(getattr(req, "req_pool_idx", None))
+        self.release_request(req)
 
     abort_staging_request = request_finished
 
     def retract_req(self, req) -> None:
         """Before a retracted request's KV is released; in PD decode SGLang then copies the KV out
         (``get_cpu_copy``) to restore it on resume, so the host rows are completed first."""
-        self.release_slot(getattr(req, "req_pool_idx", None), retract=True)
+        self.release_request(req, retract=True)
 
-    def release_slot(self, slot, retract: bool = False) -> None:
-        """Drop everything held for a request slot; a no-op for slots HiSparse does not know."""
+    def release_request(self, req, retract: bool = False) -> None:
+        """Drop everything held for a request's slot; a no-op for slots HiSparse does not know."""
+        slot = getattr(req, "req_pool_idx", None)
         if slot is None:
             return
         slot = int(slot)
@@ -247,12 +251,14 @@ class SGLangHiSparseCoordinator:
         if untransferred is not None and untransferred.numel() and self.allocator.quarantine.seconds > 0:
             # PD decode: the request ends before its KV transfer completed; writes of the prefill
             # instance may still land in these host rows.
+            reason = getattr(getattr(req, "finished_reason", None), "message", None) or "no abort message"
             logger.warning(
-                "HiSparse: request slot %d ended before its KV transfer completed; its %d host rows are held "
-                "for %.0f s (pd_quarantine_s) so that a late write cannot reach another request.",
-                slot, untransferred.numel(), self.allocator.quarantine.seconds,
+                "HiSparse: PD request %s ended before its KV transfer completed (%s); its %d host rows (slot %d) "
+                "are held for %.0f s (pd_quarantine_s) so that a late write of the prefill instance cannot reach "
+                "another request.",
+                getattr(req, "rid", "?"), reason, untransferred.numel(), slot, self.allocator.quarantine.seconds,
             )
-            self.allocator.quarantine.expect(untransferred)
+            self.allocator.quarantine.expect(slot, untransferred)
         if retract:
             self.core.retract(slot)
         else:
@@ -300,6 +306,7 @@ class SGLangHiSparseCoordinator:
             "device_rows_total": pools.device_rows_total,
             "host_rows_used": pools.host_rows_used,
             "host_rows_total": pools.host_rows_total,
+            "host_rows_quarantined": self.allocator.quarantine.pages_held * self.config.page_size,
         }
 
     # ------------------------------------------------------------------ helpers

@@ -131,7 +131,7 @@ def _release_kv_cache_before(req, tree_cache, is_insert=True):
     """BEFORE release_kv_cache: every release of a request's KV also releases its HiSparse state."""
     coordinator = _current_coordinator(tree_cache)
     if coordinator is not None:
-        coordinator.release_slot(getattr(req, "req_pool_idx", None))
+        coordinator.release_request(req)
 
 
 def _abort_request_after(result, self, recv_req):
@@ -154,6 +154,16 @@ def _alloc_for_decode_prealloc_after(result, allocator, *, req, fill_len, uses_s
     if coordinator is not None:
         # None (no logical rows left) is kept too, so that alloc_paged_token_slots names the cause.
         coordinator.mem_pool_host.preallocated[int(req.req_pool_idx)] = result
+    return result
+
+
+def _batch_register_after(result, self, ptrs, lengths):
+    """AFTER MooncakeTransferEngine.batch_register: a failed registration of our host pool stops the
+    decode instance with a typed error (SGLang 0.5.17 ignores the code); other regions pass."""
+    from hisparse_sglang.integration.sglang import mooncake
+
+    if isinstance(ptrs, mooncake.HostRegions):
+        mooncake.check_host_pool_registration(result, ptrs, lengths)
     return result
 
 
@@ -388,6 +398,13 @@ HOOKS: tuple[HookSpec, ...] = (
         lambda: _alloc_for_decode_prealloc_after,
         why="PD decode asks the host pool for rows before writing req_to_token; host rows are the logical locations",
         upstream="pass the preallocated locations to alloc_paged_token_slots",
+    ),
+    HookSpec(
+        "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine.batch_register",
+        "AFTER", lambda: _batch_register_after,
+        why="MooncakeKVManager.register_buffer_to_engine ignores the code: an unregistered host pool failed every "
+        "transfer later instead of the startup",
+        upstream="register_buffer_to_engine raising when batch_register returns non-zero",
     ),
     HookSpec(
         "sglang.srt.managers.schedule_batch.Req.load_kv_cache", "AFTER", lambda: _load_kv_cache_after,

@@ -24,6 +24,7 @@ _GAUGES = (
     ("device_rows_total", "GPU KV rows in the pool"),
     ("host_rows_used", "Host KV rows in use"),
     ("host_rows_total", "Host KV rows in the pool"),
+    ("host_rows_quarantined", "Host KV rows (whole pages) held back after PD transfers that did not complete"),
 )
 _COUNTERS = (
     ("lookups", "Top-k entries (not the newest token) looked up for offloaded requests"),
@@ -39,11 +40,12 @@ def report(coordinator, log: bool, prometheus_labels: dict | None) -> dict:
         hit = f"{100 * values['hit_rate']:.1f}%" if values["hit_rate"] is not None else "n/a"
         logger.info(
             "HiSparse: hit rate %s, moved %.1f MiB, resident %d, offloaded %d (promoting %d), "
-            "demotions %.1f/min, promotions %.1f/min, device rows %d/%d, host rows %d/%d, "
+            "demotions %.1f/min, promotions %.1f/min, device rows %d/%d, host rows %d/%d (quarantined %d), "
             "switch work max %.2f ms/step, step host work %.3f ms (max %.2f)",
             hit, values["bytes_moved"] / 2**20, values["resident"], values["offloaded"], values["promoting"],
             values["demotions_per_min"], values["promotions_per_min"], values["device_rows_used"],
             values["device_rows_total"], values["host_rows_used"], values["host_rows_total"],
+            values["host_rows_quarantined"],
             values["switch_ms_max"], values["step_host_ms"], values["step_host_ms_max"],
         )
     if prometheus_labels is not None:
