@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hisparse_sglang.config import HiSparseConfig
-from hisparse_sglang.sim import SimulatedServer
+from hisparse_sglang.testing.sim import SimulatedServer
 
 TOTAL_EXAMPLES = int(os.environ.get("HISPARSE_PROPERTY_EXAMPLES", "10000"))
 

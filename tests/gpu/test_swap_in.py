@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hisparse_sglang.ops import reference
-from hisparse_sglang.ops.cases import POISON, make_case
+from hisparse_sglang.testing.cases import POISON, make_case
 
 pytestmark = pytest.mark.gpu
 
