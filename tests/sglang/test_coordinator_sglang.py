@@ -425,3 +425,16 @@ def test_buffer_tables_that_do_not_fit_the_gpu_are_refused_before_allocation(mon
     assert "device buffer tables take" in caplog.text
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * needed, 80 << 30))
     adapter._check_device_memory(needed, torch.device("cuda", 0), shape)  # fits: no error
+
+
+def test_gpu_pool_smaller_than_one_buffer_stops_startup_before_the_host_pool(monkeypatch):
+    """Issue #18: a GPU KV pool that cannot hold one offloaded request's buffer started and failed
+    later in the scheduler. Now the coordinator refuses it before pinning anything."""
+    from hisparse_sglang.errors import HiSparseMemoryError
+    from hisparse_sglang.integration.sglang import coordinator as adapter
+
+    pinned = []
+    monkeypatch.setattr(adapter, "HostKVPool", lambda *args, **kwargs: pinned.append(args))
+    with pytest.raises(HiSparseMemoryError, match=r"holds 256 tokens \(4 pages of 64\).*256 \+ one page = 320 rows"):
+        Stack(device_tokens=PAGE * 4, buffer_size=256, top_k=128)
+    assert pinned == []
