@@ -55,7 +55,7 @@ class KVAllocator:
         page_size: rows per page in both spaces.
         device: where tables and free lists live.
         sort_frees: keep logical free pages sorted (PD disaggregation transfers page runs).
-        checked: verify every free (tests, debugging).
+        checked: on a GPU, check every free at once (a host sync; tests, debugging); see PagedAllocator.
     """
 
     def __init__(
@@ -130,11 +130,13 @@ class KVAllocator:
         if locs.numel() == 0:
             return
         rows = self.translate(locs)
+        # The logical pages first: a double free of these locations raises before anything changes
+        # (at once where frees are checked eagerly).
+        self.logical.free_locs(locs)
         mapped = rows[rows > 0].to(torch.int64)
         if mapped.numel():
             self.device_rows.free_pages_(torch.unique(mapped // self.page_size))
         self.unmap_(locs)
-        self.logical.free_locs(locs)
 
     def free_device_pages(self, pages: torch.Tensor) -> None:
         """Free distinct device pages (ids, not rows) without waiting for the GPU: the count is
