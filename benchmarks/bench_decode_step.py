@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "src"))
 from hisparse_sglang.config import HiSparseConfig  # noqa: E402
 from hisparse_sglang.coordinator import OFFLOADED, RESIDENT  # noqa: E402
 from hisparse_sglang.ops import reference  # noqa: E402
-from hisparse_sglang.sim import SimulatedServer  # noqa: E402
+from hisparse_sglang.testing.sim import SimulatedServer  # noqa: E402
 
 PAGE = 64
 TOP_K = 256  # the swap-in is not timed here; a small top-k keeps the simulated steps quick

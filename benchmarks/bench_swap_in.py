@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks" / "baseline"))
 
 from hisparse_sglang.ops import swap_in as ours  # noqa: E402
-from hisparse_sglang.ops.cases import make_case  # noqa: E402
+from hisparse_sglang.testing.cases import make_case  # noqa: E402
 
 TOP_K = 2048
 BUFFER = 4096

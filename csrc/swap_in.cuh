@@ -42,6 +42,40 @@ constexpr int32_t kMissBase = -3;
 // flags[b]: 0 before the plan, kPlanReady when the missed entries' outputs are published.
 constexpr int32_t kPlanReady = 1;
 
+// Byte offsets of the regions of a swap_in CTA's dynamic shared memory, and its size. The host
+// computes them (hisparse_sglang/ops/swap_in_limits.py::swap_in_plan, the one owner of the layout
+// and of the size the config is checked against) and passes them with every launch; every role
+// carves its regions from here. Field order = swap_in_limits.PLAN_FIELDS.
+struct SwapInSmemPlan {
+  int64_t hash_bits;        // hash table of 1 << hash_bits >= 2 * K entries (indices fit int16)
+  int64_t total_bytes;      // dynamic shared memory of every CTA
+  int64_t warp_sums;        // uint64 [THREADS / 32 + 1]: block scans (every role)
+  int64_t selection;        // int32 [4]: coarse bucket, count above it, fine bucket, count above it
+  int64_t role;             // planner: its tables below; copier: miss list, then staged rows
+  int64_t keys;             // int32 [H]: missed token per hash entry
+  int64_t first;            // int32 [H]: its first entry
+  int64_t hash_host_row;    // int32 [H]: its host row (planner copies alone)
+  int64_t hash_device_row;  // int32 [H]: its device row
+  int64_t row_of_slot;      // int32 [D]
+  int64_t token_of_slot;    // int32 [D]
+  int64_t entry_state;      // int32 [K]
+  int64_t slot_hit;         // uint32 [(D + 31) / 32]
+  int64_t coarse;           // int32 [kCoarseBuckets]
+  int64_t fine;             // int32 [kFineBuckets]
+  int64_t miss_hash;        // int16 [K]: hash index per miss rank
+  int64_t victim_slot;      // int16 [K]: victim slot per miss rank
+  int64_t slot_age;         // int16 [D] (-1: hit)
+  int64_t entry_hash;       // int16 [K]: hash index of a missed entry
+};
+constexpr int kPlanFields = sizeof(SwapInSmemPlan) / sizeof(int64_t);
+constexpr int kMaxHashBits = 15;       // hash indices are int16
+constexpr int kMaxBufferSize = 32767;  // slot ids are int16
+
+template <typename T>
+__device__ __forceinline__ T* smem_region(uint8_t* smem, int64_t offset) {
+  return reinterpret_cast<T*>(smem + offset);
+}
+
 struct SwapInParams {
   const int32_t* top_k_positions;  // [batch, top_k_stride], positions, -1 = padding
   int64_t top_k_stride;
@@ -73,28 +107,11 @@ struct SwapInParams {
   int32_t* looked;                   // [batch] copiers done with their lookups, 0 between launches
   int batch;
   int num_top_k;                     // K <= buffer_size, K <= 8192
-  int buffer_size;                   // D <= 32767
-  int hash_bits;                     // hash table of 1 << hash_bits >= 2 * K entries
+  int buffer_size;                   // D <= kMaxBufferSize
   int splits;
-  int smem_bytes;                    // dynamic shared memory of every CTA
   int late_copiers_ns;               // test hook: copiers sleep this long before their lookups
+  SwapInSmemPlan plan;
 };
-
-// Dynamic shared memory of a swap_in CTA, in bytes.
-inline size_t swap_in_smem_bytes(int top_k, int buffer_size, int hash_bits) {
-  const size_t hash = size_t(1) << hash_bits;
-  size_t bytes = 0;
-  bytes += hash * 4 * 4;                          // keys, first occurrence, host and device row of a miss
-  bytes += size_t(buffer_size) * 4;               // slot -> device row
-  bytes += size_t(buffer_size) * 4;               // slot -> token
-  bytes += size_t(top_k) * 4;                     // entry_state
-  bytes += (size_t(buffer_size) + 31) / 32 * 4;   // hit bit per slot
-  bytes += (kCoarseBuckets + kFineBuckets) * 4;   // age histograms
-  bytes += size_t(top_k) * 2 * 2;                 // hash index per miss rank, victim slot per rank
-  bytes += size_t(buffer_size) * 2;               // age per slot (-1: hit)
-  bytes += size_t(top_k) * 2;                     // hash index of a missed entry
-  return bytes;
-}
 
 __device__ __forceinline__ int64_t load_index(const void* ptr, int is_64, int i) {
   return is_64 ? static_cast<const int64_t*>(ptr)[i] : static_cast<const int32_t*>(ptr)[i];
@@ -296,14 +313,13 @@ __device__ __forceinline__ void copier(const SwapInParams& p, int b, int begin, 
   const int vectors_per_row = static_cast<int>(p.row_bytes / 16);
   int32_t* out = p.out + int64_t(b) * p.out_stride;
 
-  // Shared memory: the miss list (entry, host row, device row), then as many staged rows as fit.
-  int32_t* list_entry = reinterpret_cast<int32_t*>(smem);
+  // The role's area: the miss list (entry, host row, device row), then as many staged rows as fit.
+  int32_t* list_entry = smem_region<int32_t>(smem, p.plan.role);
   int32_t* list_host = list_entry + chunk;
   int32_t* list_device = list_host + chunk;  // before the compaction: host row of a missed entry, else -1
-  const int header = 3 * chunk * 4;
-  const int staged_offset = (header + 15) / 16 * 16;
-  int4* staged = reinterpret_cast<int4*>(smem + staged_offset);
-  const int capacity = max(0, static_cast<int>((p.smem_bytes - staged_offset) / p.row_bytes));
+  const int64_t staged_offset = p.plan.role + (3 * chunk * 4 + 15) / 16 * 16;
+  int4* staged = smem_region<int4>(smem, staged_offset);
+  const int capacity = max(0, static_cast<int>((p.plan.total_bytes - staged_offset) / p.row_bytes));
 
   if (p.late_copiers_ns > 0) {
     if (tid == 0) {
@@ -388,8 +404,16 @@ __device__ __forceinline__ void copier(const SwapInParams& p, int b, int begin, 
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) {
   static_assert(THREADS % kWarpSize == 0 && THREADS <= 1024, "block size");
-  __shared__ uint64_t warp_sums[THREADS / kWarpSize + 1];
-  __shared__ int coarse_bucket, coarse_above, fine_bucket, fine_above;
+  // Every byte of shared memory is in the host's plan (none is declared statically here).
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint64_t* warp_sums = smem_region<uint64_t>(smem, p.plan.warp_sums);
+  // Victim selection: the coarse bucket of the youngest victim and the victims above it, the same
+  // for its fine bucket.
+  int32_t* selection = smem_region<int32_t>(smem, p.plan.selection);
+  int32_t& coarse_bucket = selection[0];
+  int32_t& coarse_above = selection[1];
+  int32_t& fine_bucket = selection[2];
+  int32_t& fine_above = selection[3];
 
   const int b = blockIdx.x % p.batch;
   const int part = blockIdx.x / p.batch;
@@ -446,7 +470,6 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
     return;
   }
 
-  extern __shared__ __align__(16) uint8_t smem[];
   const int32_t now = static_cast<int32_t>(seq_len);
   const int32_t newest = now - 1;
   int16_t* token_slot = p.token_slot + int64_t(buffer) * p.token_slot_stride;
@@ -461,22 +484,23 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
 
   // ---------------------------------------------------------------- planner
   const int32_t* slot_rows = p.slot_rows + int64_t(buffer) * p.slot_rows_stride;
-  const int H = 1 << p.hash_bits;
+  const int hash_bits = static_cast<int>(p.plan.hash_bits);
+  const int H = 1 << hash_bits;
   const int bitmap_words = (D + 31) / 32;
-  int32_t* keys = reinterpret_cast<int32_t*>(smem);
-  int32_t* first = keys + H;
-  int32_t* hash_host_row = first + H;
-  int32_t* hash_device_row = hash_host_row + H;
-  int32_t* row_of_slot = hash_device_row + H;
-  int32_t* token_of_slot = row_of_slot + D;
-  int32_t* entry_state = token_of_slot + D;
-  uint32_t* slot_hit = reinterpret_cast<uint32_t*>(entry_state + K);
-  int32_t* coarse = reinterpret_cast<int32_t*>(slot_hit + bitmap_words);
-  int32_t* fine = coarse + kCoarseBuckets;
-  int16_t* miss_hash = reinterpret_cast<int16_t*>(fine + kFineBuckets);
-  int16_t* victim_slot = miss_hash + K;
-  int16_t* slot_age = victim_slot + K;
-  int16_t* entry_hash = slot_age + D;
+  int32_t* keys = smem_region<int32_t>(smem, p.plan.keys);
+  int32_t* first = smem_region<int32_t>(smem, p.plan.first);
+  int32_t* hash_host_row = smem_region<int32_t>(smem, p.plan.hash_host_row);
+  int32_t* hash_device_row = smem_region<int32_t>(smem, p.plan.hash_device_row);
+  int32_t* row_of_slot = smem_region<int32_t>(smem, p.plan.row_of_slot);
+  int32_t* token_of_slot = smem_region<int32_t>(smem, p.plan.token_of_slot);
+  int32_t* entry_state = smem_region<int32_t>(smem, p.plan.entry_state);
+  uint32_t* slot_hit = smem_region<uint32_t>(smem, p.plan.slot_hit);
+  int32_t* coarse = smem_region<int32_t>(smem, p.plan.coarse);
+  int32_t* fine = smem_region<int32_t>(smem, p.plan.fine);
+  int16_t* miss_hash = smem_region<int16_t>(smem, p.plan.miss_hash);
+  int16_t* victim_slot = smem_region<int16_t>(smem, p.plan.victim_slot);
+  int16_t* slot_age = smem_region<int16_t>(smem, p.plan.slot_age);
+  int16_t* entry_hash = smem_region<int16_t>(smem, p.plan.entry_hash);
 
   int32_t* slot_tokens = p.slot_tokens + int64_t(buffer) * p.slot_tokens_stride;
   int32_t* stamps = p.slot_stamps + int64_t(buffer) * p.slot_stamps_stride;
@@ -565,7 +589,10 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
     first[i] = kNoFirst;
   }
   for (int j = tid; j < bitmap_words; j += THREADS) slot_hit[j] = 0;
-  for (int j = tid; j < kCoarseBuckets + kFineBuckets; j += THREADS) coarse[j] = 0;
+  for (int j = tid; j < kCoarseBuckets + kFineBuckets; j += THREADS) {
+    if (j < kCoarseBuckets) coarse[j] = 0;
+    else fine[j - kCoarseBuckets] = 0;
+  }
   __syncthreads();
   const int entries_per_thread = (K + THREADS - 1) / THREADS;
   const int entry_begin = min(K, tid * entries_per_thread);
@@ -589,7 +616,7 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
         atomicOr(slot_hit + (state[u] >> 5), 1u << (state[u] & 31));
       } else if (state[u] <= kMissBase) {
         const int32_t token = kMissBase - state[u];
-        uint32_t h = hash_of(token, p.hash_bits);
+        uint32_t h = hash_of(token, hash_bits);
         while (true) {
           const int32_t prev = atomicCAS(keys + h, kEmptyKey, token);
           if (prev == kEmptyKey || prev == token) break;

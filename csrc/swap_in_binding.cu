@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-
 #include <sstream>
 #include <string>
 
@@ -23,10 +22,6 @@ T* data_of(const TensorView& t) {
   return reinterpret_cast<T*>(static_cast<char*>(t.data_ptr()) + t.byte_offset());
 }
 
-void require(bool condition, const std::string& message) {
-  if (!condition) TVM_FFI_THROW(ValueError) << message;
-}
-
 bool is_int(const TensorView& t, int bits) {
   return t.dtype().code == kDLInt && t.dtype().bits == bits && t.dtype().lanes == 1;
 }
@@ -37,57 +32,154 @@ bool is_uint(const TensorView& t, int bits) {
 
 bool on_cuda(const TensorView& t) { return t.device().device_type == kDLCUDA; }
 
+bool on_cpu(const TensorView& t) { return t.device().device_type == kDLCPU; }
+
 bool host_accessible(const TensorView& t) {
   // Pinned host memory is device-accessible under unified addressing; torch reports it as CPU.
   return t.device().device_type == kDLCPU || t.device().device_type == kDLCUDAHost || on_cuda(t);
 }
 
-void check_cuda(cudaError_t status, const char* what) {
+// "int64 [3, 2048] strides [2048, 1] on cuda:0": what an error message shows of a tensor (at most
+// 6 dimensions, so a message stays short whatever is passed).
+std::string describe(const TensorView& t) {
+  std::ostringstream text;
+  const DLDataType dtype = t.dtype();
+  const char* code = dtype.code == kDLInt ? "int" : dtype.code == kDLUInt ? "uint" : dtype.code == kDLFloat ? "float"
+                     : dtype.code == kDLBfloat ? "bfloat" : "dtype";
+  text << code << int(dtype.bits);
+  if (dtype.lanes != 1) text << "x" << int(dtype.lanes);
+  const int shown = t.ndim() < 6 ? t.ndim() : 6;
+  text << " [";
+  for (int d = 0; d < shown; ++d) text << (d ? ", " : "") << t.size(d);
+  text << (t.ndim() > shown ? ", ...]" : "]") << " strides [";
+  for (int d = 0; d < shown; ++d) text << (d ? ", " : "") << t.stride(d);
+  text << (t.ndim() > shown ? ", ...]" : "]");
+  const int type = t.device().device_type;
+  text << " on " << (type == kDLCUDA ? "cuda:" : type == kDLCPU ? "cpu" : type == kDLCUDAHost ? "cuda_host" : "device ");
+  if (type != kDLCPU && type != kDLCUDAHost) text << t.device().device_id;
+  return text.str();
+}
+
+// Rejects an argument: "<op>: <name> must be <expected>; got <tensor>".
+void require_tensor(bool condition, const char* op, const char* name, const char* expected, const TensorView& t) {
+  if (!condition) TVM_FFI_THROW(ValueError) << op << ": " << name << " must be " << expected << "; got " << describe(t);
+}
+
+// Rejects a combination of arguments; the message names the values.
+void require(bool condition, const char* op, const std::string& message) {
+  if (!condition) TVM_FFI_THROW(ValueError) << op << ": " << message;
+}
+
+// A failed CUDA call leaves its error behind as the thread's last error, which the next launch
+// check (ours or another library's) would report as its own: clear it before raising.
+void check_cuda(cudaError_t status, const char* op, const std::string& what) {
   if (status != cudaSuccess) {
-    TVM_FFI_THROW(RuntimeError) << what << " failed: " << cudaGetErrorString(status);
+    cudaGetLastError();
+    TVM_FFI_THROW(RuntimeError) << op << ": " << what << " failed: " << cudaGetErrorString(status);
   }
 }
 
-int64_t row_bytes_of(const TensorView& t) {
-  require(t.ndim() >= 1 && t.size(0) > 0, "KV tensor must have rows along dim 0");
+// Before a launch: a non-sticky error of an earlier, already reported CUDA call (ours or another
+// library's) is still the thread's last error and would be read back as this launch's; drop it.
+// Sticky errors (a device fault) are returned again by the launch itself.
+void clear_stale_error() { cudaGetLastError(); }
+
+int64_t row_bytes_of(const TensorView& t, const char* op, const char* name) {
+  require_tensor(t.ndim() >= 1 && t.size(0) > 0, op, name, "a KV tensor with rows along dim 0", t);
   const int64_t element_bytes = (t.dtype().bits * t.dtype().lanes + 7) / 8;
   return t.numel() / t.size(0) * element_bytes;
 }
 
-int hash_bits_for(int top_k) {
-  int bits = 1;
-  while ((1 << bits) < 2 * top_k) ++bits;
-  return bits;
+int current_device(const char* op) {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
+  return device;
 }
 
-// Raises (never lowers) the kernel's dynamic shared-memory limit; the one place that sets it.
+constexpr int kMaxDevices = 64;
+
+// Raises (never lowers) the kernel's dynamic shared-memory limit on the current device; the one
+// place that sets it. The host checked the plan against the device already (ops/swap_in_limits.py);
+// if CUDA still refuses, the message says what was asked and what the device allows.
 template <int THREADS>
-void ensure_smem(size_t smem) {
-  static size_t configured = 48 * 1024;
-  if (smem > configured) {
-    check_cuda(
-        cudaFuncSetAttribute(hisparse::swap_in_kernel<THREADS>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-        "cudaFuncSetAttribute(swap_in)");
-    configured = smem;
+void ensure_smem(size_t smem, const char* op, const hisparse::SwapInSmemPlan& plan) {
+  static size_t configured[kMaxDevices] = {};
+  const int device = current_device(op);
+  require(device >= 0 && device < kMaxDevices, op, "device index " + std::to_string(device) + " is out of range");
+  if (smem <= 48 * 1024 || smem <= configured[device]) return;
+  const cudaError_t status =
+      cudaFuncSetAttribute(hisparse::swap_in_kernel<THREADS>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    int optin = 0;
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    cudaGetLastError();
+    TVM_FFI_THROW(RuntimeError) << op << ": cudaFuncSetAttribute(MaxDynamicSharedMemorySize = " << smem
+                                << " B, " << THREADS << " threads, hash_bits " << plan.hash_bits << ") failed on cuda:"
+                                << device << ": " << cudaGetErrorString(status) << "; this GPU allows " << optin
+                                << " B per block. Lower device_buffer_size (ops/swap_in_limits.py "
+                                << "largest_device_buffer_size gives the largest that fits).";
   }
+  configured[device] = smem;
+}
+
+// The plan the host computed (an int64 CPU tensor in SwapInSmemPlan's field order), checked for
+// what the binding can check without restating the layout: offsets aligned, in order, in bounds.
+hisparse::SwapInSmemPlan plan_of(const TensorView& plan, const char* op) {
+  require_tensor(on_cpu(plan) && is_int(plan, 64) && plan.ndim() == 1 && plan.size(0) == hisparse::kPlanFields &&
+                     plan.stride(0) == 1,
+                 op, "plan", "a contiguous int64 CPU tensor of swap_in_limits.PLAN_FIELDS", plan);
+  hisparse::SwapInSmemPlan result{};
+  int64_t* fields = reinterpret_cast<int64_t*>(&result);
+  const int64_t* values = data_of<int64_t>(plan);
+  for (int i = 0; i < hisparse::kPlanFields; ++i) fields[i] = values[i];
+  require(result.hash_bits >= 1 && result.hash_bits <= hisparse::kMaxHashBits, op,
+          "plan hash_bits " + std::to_string(result.hash_bits) + " is outside [1, " +
+              std::to_string(hisparse::kMaxHashBits) + "]");
+  // The region offsets, in layout order: uint64 scan scratch, int32 regions, then int16 regions.
+  static const char* const kRegionNames[] = {
+      "warp_sums", "selection", "role", "keys", "first", "hash_host_row", "hash_device_row", "row_of_slot",
+      "token_of_slot", "entry_state", "slot_hit", "coarse", "fine", "miss_hash", "victim_slot", "slot_age",
+      "entry_hash"};
+  static_assert(sizeof(kRegionNames) / sizeof(kRegionNames[0]) == hisparse::kPlanFields - 2, "plan fields");
+  int64_t previous = 0;
+  for (int i = 2; i < hisparse::kPlanFields; ++i) {
+    const int64_t alignment = i == 2 ? 8 : (i >= 15 ? 2 : 4);
+    require(fields[i] >= previous && fields[i] % alignment == 0 && fields[i] <= result.total_bytes, op,
+            std::string("plan region ") + kRegionNames[i - 2] + " at offset " + std::to_string(fields[i]) +
+                " is out of order, not " + std::to_string(alignment) + "-byte aligned or beyond total_bytes " +
+                std::to_string(result.total_bytes));
+    previous = fields[i];
+  }
+  require(result.role % 16 == 0 && result.total_bytes <= INT32_MAX, op, "plan role offset or total_bytes is invalid");
+  return result;
 }
 
 template <int THREADS>
-void launch_swap_in(const hisparse::SwapInParams& params, size_t smem, cudaStream_t stream) {
-  ensure_smem<THREADS>(smem);
+void launch_swap_in(const hisparse::SwapInParams& params, cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>(params.plan.total_bytes);
+  ensure_smem<THREADS>(smem, "swap_in", params.plan);
   const int grid = params.batch * params.splits;
+  clear_stale_error();
   hisparse::swap_in_kernel<THREADS><<<grid, THREADS, smem, stream>>>(params);
-  check_cuda(cudaGetLastError(), "swap_in launch");
+  std::ostringstream what;
+  what << "swap_in launch (grid " << grid << " x " << THREADS << " threads, " << smem << " B shared memory)";
+  check_cuda(cudaGetLastError(), "swap_in", what.str());
 }
 
 template <int THREADS>
-int64_t occupancy(size_t smem) {
+int64_t occupancy(const hisparse::SwapInSmemPlan& plan) {
   int blocks = 0;
-  ensure_smem<THREADS>(smem);
-  check_cuda(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, hisparse::swap_in_kernel<THREADS>, THREADS, smem),
-      "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const size_t smem = static_cast<size_t>(plan.total_bytes);
+  ensure_smem<THREADS>(smem, "swap_in_occupancy", plan);
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, hisparse::swap_in_kernel<THREADS>, THREADS, smem),
+             "swap_in_occupancy", "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   return blocks;
+}
+
+void require_threads(int64_t threads, const char* op) {
+  require(threads == 256 || threads == 512 || threads == 1024, op,
+          "threads must be 256, 512 or 1024; got " + std::to_string(threads));
 }
 
 }  // namespace
@@ -97,50 +189,71 @@ void hisparse_swap_in(
     TensorView top_k, TensorView seq_lens, TensorView req_pool_indices, TensorView num_real_reqs,
     TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
     TensorView slot_tokens, TensorView slot_stamps, TensorView token_slot, TensorView host_kv, TensorView device_kv, TensorView out,
-    TensorView counters, TensorView sync, int64_t splits, int64_t threads, int64_t late_copiers_ns, int64_t stream) {
-  require(top_k.ndim() == 2 && is_int(top_k, 32) && on_cuda(top_k), "top_k must be int32 [batch, top_k] on CUDA");
+    TensorView counters, TensorView sync, TensorView plan, int64_t splits, int64_t threads, int64_t late_copiers_ns,
+    int64_t stream) {
+  constexpr const char* op = "swap_in";
+  require_tensor(top_k.ndim() == 2 && is_int(top_k, 32) && on_cuda(top_k) && top_k.stride(1) == 1, op, "top_k",
+                 "int32 [batch, top_k] on CUDA, rows contiguous", top_k);
   const int64_t batch = top_k.size(0);
   const int64_t K = top_k.size(1);
-  require(top_k.stride(1) == 1, "top_k rows must be contiguous");
-  require(seq_lens.ndim() == 1 && seq_lens.size(0) == batch && (is_int(seq_lens, 32) || is_int(seq_lens, 64)),
-          "seq_lens must be int32/int64 [batch]");
-  require(req_pool_indices.ndim() == 1 && req_pool_indices.size(0) == batch &&
-              (is_int(req_pool_indices, 32) || is_int(req_pool_indices, 64)),
-          "req_pool_indices must be int32/int64 [batch]");
-  require(num_real_reqs.numel() >= 1 && is_int(num_real_reqs, 32), "num_real_reqs must be int32 [1]");
-  require(req_to_token.ndim() == 2 && is_int(req_to_token, 32) && req_to_token.stride(1) == 1,
-          "req_to_token must be int32 [R, C], rows contiguous");
-  require(device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32), "device_row_of_loc must be int32 [N + 1]");
-  require(buffer_of_req.ndim() == 1 && is_int(buffer_of_req, 32), "buffer_of_req must be int32 [R]");
-  require(slot_tokens.ndim() == 2 && is_int(slot_tokens, 32) && slot_tokens.stride(1) == 1,
-          "slot_tokens must be int32 [NB, D] for one layer");
+  require_tensor(seq_lens.ndim() == 1 && seq_lens.size(0) == batch && (is_int(seq_lens, 32) || is_int(seq_lens, 64)) &&
+                     on_cuda(seq_lens),
+                 op, "seq_lens", "int32/int64 [batch] on CUDA", seq_lens);
+  require_tensor(req_pool_indices.ndim() == 1 && req_pool_indices.size(0) == batch &&
+                     (is_int(req_pool_indices, 32) || is_int(req_pool_indices, 64)) && on_cuda(req_pool_indices),
+                 op, "req_pool_indices", "int32/int64 [batch] on CUDA", req_pool_indices);
+  require_tensor(num_real_reqs.numel() >= 1 && is_int(num_real_reqs, 32) && on_cuda(num_real_reqs), op, "num_real_reqs",
+                 "int32 [1] on CUDA", num_real_reqs);
+  require_tensor(req_to_token.ndim() == 2 && is_int(req_to_token, 32) && req_to_token.stride(1) == 1 &&
+                     on_cuda(req_to_token),
+                 op, "req_to_token", "int32 [R, C] on CUDA, rows contiguous", req_to_token);
+  require_tensor(device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32) && on_cuda(device_row_of_loc), op,
+                 "device_row_of_loc", "int32 [N + 1] on CUDA", device_row_of_loc);
+  require_tensor(buffer_of_req.ndim() == 1 && is_int(buffer_of_req, 32) && on_cuda(buffer_of_req), op, "buffer_of_req",
+                 "int32 [R] on CUDA", buffer_of_req);
+  require_tensor(slot_tokens.ndim() == 2 && is_int(slot_tokens, 32) && slot_tokens.stride(1) == 1 && on_cuda(slot_tokens),
+                 op, "slot_tokens", "int32 [NB, D] on CUDA for one layer", slot_tokens);
   const int64_t D = slot_tokens.size(1);
-  require(slot_rows.ndim() == 2 && is_int(slot_rows, 32) && slot_rows.stride(1) == 1 && slot_rows.size(1) > D,
-          "slot_rows must be int32 [NB, D + page]");
-  require(slot_stamps.ndim() == 2 && is_int(slot_stamps, 32) && slot_stamps.size(1) == D && slot_stamps.stride(1) == 1,
-          "slot_stamps must be int32 [NB, D] for one layer");
-  require(token_slot.ndim() == 2 && is_int(token_slot, 16) && token_slot.stride(1) == 1 &&
-              token_slot.size(1) >= req_to_token.size(1),
-          "token_slot must be int16 [NB, C'] for one layer with C' >= req_to_token's width");
+  require_tensor(slot_rows.ndim() == 2 && is_int(slot_rows, 32) && slot_rows.stride(1) == 1 && slot_rows.size(1) > D &&
+                     on_cuda(slot_rows),
+                 op, "slot_rows", "int32 [NB, D + page] on CUDA (D = slot_tokens' width)", slot_rows);
+  require_tensor(slot_stamps.ndim() == 2 && is_int(slot_stamps, 32) && slot_stamps.size(1) == D &&
+                     slot_stamps.stride(1) == 1 && on_cuda(slot_stamps),
+                 op, "slot_stamps", "int32 [NB, D] on CUDA for one layer", slot_stamps);
+  require_tensor(token_slot.ndim() == 2 && is_int(token_slot, 16) && token_slot.stride(1) == 1 &&
+                     token_slot.size(1) >= req_to_token.size(1) && on_cuda(token_slot),
+                 op, "token_slot", "int16 [NB, C'] on CUDA for one layer with C' >= req_to_token's width", token_slot);
   require(slot_stamps.size(0) == slot_tokens.size(0) && token_slot.size(0) == slot_tokens.size(0) &&
               slot_rows.size(0) >= slot_tokens.size(0),
-          "slot_rows, slot_tokens, slot_stamps and token_slot must have one row per buffer");
-  require(K <= D, "top_k must not exceed device_buffer_size");
-  require(K <= 8192, "top_k above 8192 is not supported by the swap-in kernel");
-  require(D <= 32767, "device_buffer_size above 32767 is not supported");
-  require(out.ndim() == 2 && is_int(out, 32) && out.size(0) == batch && out.size(1) == K && out.stride(1) == 1,
-          "out must be int32 [batch, top_k]");
-  require(host_accessible(host_kv), "host_kv must be pinned host memory");
-  require(on_cuda(device_kv), "device_kv must be on CUDA");
-  const int64_t row_bytes = row_bytes_of(device_kv);
-  require(row_bytes == row_bytes_of(host_kv), "host and device KV rows differ in size");
-  require(row_bytes % 16 == 0, "KV rows must be a multiple of 16 bytes");
-  require(splits >= 1, "splits must be >= 1");
-  require(counters.numel() == 0 || (is_int(counters, 64) && counters.numel() >= 2), "counters must be int64 [2] or empty");
-  require(late_copiers_ns >= 0 && late_copiers_ns < (int64_t(1) << 31), "late_copiers_ns out of range");
+          op,
+          "slot_rows, slot_tokens, slot_stamps and token_slot must have one row per buffer; got " +
+              std::to_string(slot_rows.size(0)) + ", " + std::to_string(slot_tokens.size(0)) + ", " +
+              std::to_string(slot_stamps.size(0)) + ", " + std::to_string(token_slot.size(0)));
+  require(K <= D && D <= hisparse::kMaxBufferSize, op,
+          "top_k (" + std::to_string(K) + ") must be <= device_buffer_size (" + std::to_string(D) + ") <= " +
+              std::to_string(hisparse::kMaxBufferSize));
+  require_tensor(out.ndim() == 2 && is_int(out, 32) && out.size(0) == batch && out.size(1) == K && out.stride(1) == 1 &&
+                     on_cuda(out),
+                 op, "out", "int32 [batch, top_k] on CUDA like top_k", out);
+  require_tensor(host_accessible(host_kv), op, "host_kv", "pinned host memory", host_kv);
+  require_tensor(on_cuda(device_kv), op, "device_kv", "on CUDA", device_kv);
+  const int64_t row_bytes = row_bytes_of(device_kv, op, "device_kv");
+  require(row_bytes == row_bytes_of(host_kv, op, "host_kv") && row_bytes % 16 == 0, op,
+          "host and device KV rows must have the same size, a multiple of 16 bytes; got " +
+              std::to_string(row_bytes_of(host_kv, op, "host_kv")) + " and " + std::to_string(row_bytes));
+  require(splits >= 1, op, "splits must be >= 1; got " + std::to_string(splits));
+  require_tensor(counters.numel() == 0 || (is_int(counters, 64) && counters.numel() >= 2 && on_cuda(counters)), op,
+                 "counters", "int64 [2] on CUDA or empty", counters);
+  require(late_copiers_ns >= 0 && late_copiers_ns < (int64_t(1) << 31), op,
+          "late_copiers_ns must be in [0, 2^31); got " + std::to_string(late_copiers_ns));
   // sync = [flags | done | looked], capacity rows each, all zero between launches.
-  require(is_int(sync, 32) && on_cuda(sync) && sync.numel() % 3 == 0 && sync.numel() / 3 >= batch,
-          "sync workspace too small");
+  require_tensor(is_int(sync, 32) && on_cuda(sync) && sync.numel() % 3 == 0 && sync.numel() / 3 >= batch, op, "sync",
+                 "an int32 CUDA workspace of 3 x capacity >= 3 x batch entries", sync);
+  require_threads(threads, op);
+  const hisparse::SwapInSmemPlan smem_plan = plan_of(plan, op);
+  require((int64_t(1) << smem_plan.hash_bits) >= 2 * K, op,
+          "plan hash_bits " + std::to_string(smem_plan.hash_bits) + " is too small for top_k " + std::to_string(K) +
+              "; compute the plan with swap_in_limits.swap_in_plan(top_k, device_buffer_size, threads)");
   if (batch == 0) return;
 
   const int64_t capacity = sync.numel() / 3;
@@ -177,44 +290,46 @@ void hisparse_swap_in(
   p.batch = static_cast<int>(batch);
   p.num_top_k = static_cast<int>(K);
   p.buffer_size = static_cast<int>(D);
-  p.hash_bits = hash_bits_for(static_cast<int>(K));
   p.splits = static_cast<int>(splits);
   p.late_copiers_ns = static_cast<int>(late_copiers_ns);
+  p.plan = smem_plan;
 
-  const size_t smem = hisparse::swap_in_smem_bytes(p.num_top_k, p.buffer_size, p.hash_bits);
-  p.smem_bytes = static_cast<int>(smem);
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   switch (threads) {
-    case 256: launch_swap_in<256>(p, smem, cuda_stream); break;
-    case 512: launch_swap_in<512>(p, smem, cuda_stream); break;
-    case 1024: launch_swap_in<1024>(p, smem, cuda_stream); break;
-    default: TVM_FFI_THROW(ValueError) << "threads must be 256, 512 or 1024, got " << threads;
+    case 256: launch_swap_in<256>(p, cuda_stream); break;
+    case 512: launch_swap_in<512>(p, cuda_stream); break;
+    default: launch_swap_in<1024>(p, cuda_stream); break;
   }
 }
 
-// Resident swap_in CTAs per multiprocessor for a (threads, top_k, buffer_size) shape.
-int64_t hisparse_swap_in_occupancy(int64_t threads, int64_t top_k, int64_t buffer_size) {
-  const size_t smem = hisparse::swap_in_smem_bytes(int(top_k), int(buffer_size), hash_bits_for(int(top_k)));
+// Resident swap_in CTAs per multiprocessor for a block size and shared-memory plan.
+int64_t hisparse_swap_in_occupancy(int64_t threads, TensorView plan) {
+  constexpr const char* op = "swap_in_occupancy";
+  require_threads(threads, op);
+  const hisparse::SwapInSmemPlan smem_plan = plan_of(plan, op);
   switch (threads) {
-    case 256: return occupancy<256>(smem);
-    case 512: return occupancy<512>(smem);
-    case 1024: return occupancy<1024>(smem);
-    default: TVM_FFI_THROW(ValueError) << "threads must be 256, 512 or 1024, got " << threads;
+    case 256: return occupancy<256>(smem_plan);
+    case 512: return occupancy<512>(smem_plan);
+    default: return occupancy<1024>(smem_plan);
   }
-  return 0;
 }
 
 // For every layer l: dst_layers[l][dst_rows[i]] = src_layers[l][src_rows[i]] (any direction).
 void hisparse_copy_rows(
     TensorView src_layers, TensorView dst_layers, TensorView src_rows, TensorView dst_rows, int64_t row_bytes,
     int64_t max_blocks, int64_t stream) {
-  require(on_cuda(src_layers) && is_uint(src_layers, 64) && src_layers.ndim() == 1, "src_layers must be uint64 [L] on CUDA");
-  require(on_cuda(dst_layers) && is_uint(dst_layers, 64) && dst_layers.numel() == src_layers.numel(),
-          "dst_layers must be uint64 [L] on CUDA");
-  require(on_cuda(src_rows) && (is_int(src_rows, 32) || is_int(src_rows, 64)), "src_rows must be int32/int64 on CUDA");
-  require(on_cuda(dst_rows) && (is_int(dst_rows, 32) || is_int(dst_rows, 64)) && dst_rows.numel() == src_rows.numel(),
-          "dst_rows must be int32/int64 on CUDA, as many as src_rows");
-  require(row_bytes > 0 && row_bytes % 16 == 0, "row_bytes must be a positive multiple of 16");
+  constexpr const char* op = "copy_rows";
+  require_tensor(on_cuda(src_layers) && is_uint(src_layers, 64) && src_layers.ndim() == 1, op, "src_layers",
+                 "uint64 [L] on CUDA", src_layers);
+  require_tensor(on_cuda(dst_layers) && is_uint(dst_layers, 64) && dst_layers.numel() == src_layers.numel(), op,
+                 "dst_layers", "uint64 [L] on CUDA like src_layers", dst_layers);
+  require_tensor(on_cuda(src_rows) && (is_int(src_rows, 32) || is_int(src_rows, 64)), op, "src_rows",
+                 "int32/int64 on CUDA", src_rows);
+  require_tensor(on_cuda(dst_rows) && (is_int(dst_rows, 32) || is_int(dst_rows, 64)) &&
+                     dst_rows.numel() == src_rows.numel(),
+                 op, "dst_rows", "int32/int64 on CUDA, as many as src_rows", dst_rows);
+  require(row_bytes > 0 && row_bytes % 16 == 0, op,
+          "row_bytes must be a positive multiple of 16; got " + std::to_string(row_bytes));
   const int64_t count = src_rows.numel();
   if (count == 0 || src_layers.numel() == 0) return;
   hisparse::CopyRowsParams p{};
@@ -231,32 +346,43 @@ void hisparse_copy_rows(
   const int64_t total = count * (row_bytes / 16) * p.layers;
   int multiprocessors = 0;
   check_cuda(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, src_layers.device().device_id),
-             "cudaDeviceGetAttribute");
+             op, "cudaDeviceGetAttribute(MultiProcessorCount)");
   int64_t blocks = (total + kThreads * 4 - 1) / (kThreads * 4);
   const int64_t block_limit = max_blocks > 0 ? max_blocks : 4 * int64_t(multiprocessors);
   if (blocks > block_limit) blocks = block_limit;
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
+  clear_stale_error();
   if (total + int64_t(blocks) * kThreads * 8 < (int64_t(1) << 32)) {
     hisparse::copy_rows_kernel<kThreads, uint32_t><<<int(blocks), kThreads, 0, cuda_stream>>>(p);
   } else {
     hisparse::copy_rows_kernel<kThreads, uint64_t><<<int(blocks), kThreads, 0, cuda_stream>>>(p);
   }
-  check_cuda(cudaGetLastError(), "copy_rows launch");
+  check_cuda(cudaGetLastError(), op,
+             "copy_rows launch (" + std::to_string(blocks) + " blocks, " + std::to_string(count) + " rows of " +
+                 std::to_string(row_bytes) + " B, " + std::to_string(p.layers) + " layers)");
 }
 
 namespace {
 
-// The tables of the decode-row kernels; slot_rows may have no buffer yet (then no entry reads it).
-void require_plan(const TensorView& plan, const char* name) {
-  require(on_cuda(plan) && plan.ndim() == 2 && plan.size(0) == 3 && is_int(plan, 64) &&
-              (plan.size(1) == 0 || (plan.stride(1) == 1 && plan.stride(0) == plan.size(1))),
-          std::string(name) + " must be a contiguous int64 [3, n] tensor on CUDA");
+void require_plan(const TensorView& plan, const char* op) {
+  require_tensor(on_cuda(plan) && plan.ndim() == 2 && plan.size(0) == 3 && is_int(plan, 64) &&
+                     (plan.size(1) == 0 || (plan.stride(1) == 1 && plan.stride(0) == plan.size(1))),
+                 op, "plan", "a contiguous int64 [3, n] tensor on CUDA", plan);
 }
 
-constexpr int kDecodeRowThreads = 128;
-constexpr int kBackupNewestThreads = 128;  // four batch rows (one warp each) per block
+bool is_index(const TensorView& t) { return is_int(t, 32) || is_int(t, 64); }
 
-int decode_row_blocks(int64_t count) { return static_cast<int>((count + kDecodeRowThreads - 1) / kDecodeRowThreads); }
+constexpr int kDecodeRowThreads = 128;
+constexpr int kBackupNewestRowsPerBlock = kDecodeRowThreads / 32;  // one warp per batch row
+
+// Launches a decode-row kernel over `blocks` blocks and checks the launch.
+template <typename Params>
+void launch_decode_rows(void (*kernel)(Params), const Params& params, int64_t blocks, int64_t stream, const char* op,
+                        const std::string& what) {
+  clear_stale_error();
+  kernel<<<static_cast<int>(blocks), kDecodeRowThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(params);
+  check_cuda(cudaGetLastError(), op, "launch (" + what + ")");
+}
 
 }  // namespace
 
@@ -265,34 +391,35 @@ int decode_row_blocks(int64_t count) { return static_cast<int>((count + kDecodeR
 void hisparse_backup_newest(
     TensorView req_pool_indices, TensorView seq_lens, TensorView num_real_reqs, TensorView req_to_token,
     TensorView device_row_of_loc, TensorView device_kv, TensorView host_kv, int64_t stream) {
-  const int64_t batch = req_pool_indices.ndim() == 1 ? req_pool_indices.size(0) : -1;
-  require(on_cuda(req_pool_indices) && batch >= 0 && (is_int(req_pool_indices, 32) || is_int(req_pool_indices, 64)) &&
-              (batch == 0 || req_pool_indices.stride(0) == 1),
-          "backup_newest: req_pool_indices must be a contiguous int32/int64 [B] tensor on CUDA");
-  require(on_cuda(seq_lens) && seq_lens.ndim() == 1 && seq_lens.size(0) == batch &&
-              (is_int(seq_lens, 32) || is_int(seq_lens, 64)) && (batch == 0 || seq_lens.stride(0) == 1),
-          "backup_newest: seq_lens must be a contiguous int32/int64 [B] tensor on CUDA, B = " + std::to_string(batch));
-  require(on_cuda(num_real_reqs) && num_real_reqs.numel() == 1 && is_int(num_real_reqs, 32),
-          "backup_newest: num_real_reqs must be an int32 [1] tensor on CUDA");
-  require(on_cuda(req_to_token) && req_to_token.ndim() == 2 && is_int(req_to_token, 32) && req_to_token.stride(1) == 1,
-          "backup_newest: req_to_token must be int32 [R, C] on CUDA, rows contiguous");
-  require(on_cuda(device_row_of_loc) && device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32),
-          "backup_newest: device_row_of_loc must be int32 [N + 1] on CUDA");
-  require(on_cuda(device_kv) && host_accessible(host_kv) && !on_cuda(host_kv),
-          "backup_newest: device_kv must be on CUDA and host_kv in pinned host memory");
+  constexpr const char* op = "backup_newest";
+  require_tensor(on_cuda(req_pool_indices) && req_pool_indices.ndim() == 1 && is_index(req_pool_indices) &&
+                     (req_pool_indices.size(0) == 0 || req_pool_indices.stride(0) == 1),
+                 op, "req_pool_indices", "a contiguous int32/int64 [B] tensor on CUDA", req_pool_indices);
+  const int64_t batch = req_pool_indices.size(0);
+  require_tensor(on_cuda(seq_lens) && seq_lens.ndim() == 1 && seq_lens.size(0) == batch && is_index(seq_lens) &&
+                     (batch == 0 || seq_lens.stride(0) == 1),
+                 op, "seq_lens", "a contiguous int32/int64 [B] tensor on CUDA, B as req_pool_indices", seq_lens);
+  require_tensor(on_cuda(num_real_reqs) && num_real_reqs.numel() == 1 && is_int(num_real_reqs, 32), op,
+                 "num_real_reqs", "an int32 [1] tensor on CUDA", num_real_reqs);
+  require_tensor(on_cuda(req_to_token) && req_to_token.ndim() == 2 && is_int(req_to_token, 32) &&
+                     req_to_token.stride(1) == 1,
+                 op, "req_to_token", "int32 [R, C] on CUDA, rows contiguous", req_to_token);
+  require_tensor(on_cuda(device_row_of_loc) && device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32), op,
+                 "device_row_of_loc", "int32 [N + 1] on CUDA", device_row_of_loc);
+  require_tensor(on_cuda(device_kv), op, "device_kv", "a KV tensor on CUDA", device_kv);
+  require_tensor(host_accessible(host_kv) && !on_cuda(host_kv), op, "host_kv", "pinned host memory", host_kv);
   cudaPointerAttributes host_attributes{};
   const cudaError_t host_query = cudaPointerGetAttributes(&host_attributes, data_of<char>(host_kv));
   if (host_query != cudaSuccess) cudaGetLastError();  // a failed query must not leak into later calls
-  require(host_query == cudaSuccess && host_attributes.type == cudaMemoryTypeHost,
-          "backup_newest: host_kv is not pinned (page-locked) host memory; the kernel writes it directly");
-  const int64_t row_bytes = row_bytes_of(device_kv);
-  require(row_bytes_of(host_kv) == row_bytes,
-          "backup_newest: device rows of " + std::to_string(row_bytes) + " bytes but host rows of " +
-              std::to_string(row_bytes_of(host_kv)) + " bytes");
+  require_tensor(host_query == cudaSuccess && host_attributes.type == cudaMemoryTypeHost, op, "host_kv",
+                 "pinned (page-locked) host memory: the kernel writes it directly", host_kv);
+  const int64_t row_bytes = row_bytes_of(device_kv, op, "device_kv");
+  require(row_bytes_of(host_kv, op, "host_kv") == row_bytes, op,
+          "device rows of " + std::to_string(row_bytes) + " B but host rows of " +
+              std::to_string(row_bytes_of(host_kv, op, "host_kv")) + " B");
   require(row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(data_of<char>(device_kv)) % 16 == 0 &&
               reinterpret_cast<uintptr_t>(data_of<char>(host_kv)) % 16 == 0,
-          "backup_newest: rows must be 16-byte aligned multiples of 16 bytes, got " + std::to_string(row_bytes) +
-              "-byte rows");
+          op, "rows must be 16-byte aligned multiples of 16 bytes; got " + std::to_string(row_bytes) + "-byte rows");
   if (batch == 0) return;
   hisparse::BackupNewestParams p{};
   p.req_to_token = data_of<int32_t>(req_to_token);
@@ -307,10 +434,8 @@ void hisparse_backup_newest(
   p.host_kv = data_of<uint4>(host_kv);
   p.batch = batch;
   p.row_words = row_bytes / 16;
-  const int64_t rows_per_block = kBackupNewestThreads / 32;
-  const int blocks = static_cast<int>((batch + rows_per_block - 1) / rows_per_block);
-  hisparse::backup_newest_kernel<<<blocks, kBackupNewestThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p);
-  check_cuda(cudaGetLastError(), "backup_newest launch");
+  const int64_t blocks = (batch + kBackupNewestRowsPerBlock - 1) / kBackupNewestRowsPerBlock;
+  launch_decode_rows(hisparse::backup_newest_kernel, p, blocks, stream, op, std::to_string(batch) + " batch rows");
 }
 
 // Binds the new token of batch row plan[0, i] (request slot plan[1, i], location new_locs[row]):
@@ -319,24 +444,24 @@ void hisparse_backup_newest(
 void hisparse_bind_rows(
     TensorView plan, TensorView new_locs, TensorView new_pages, TensorView device_row_of_loc, TensorView buffer_of_req,
     TensorView slot_rows, int64_t buffer_size, int64_t page_size, int64_t stream) {
-  require_plan(plan, "plan");
+  constexpr const char* op = "bind_rows";
+  require_plan(plan, op);
   const int64_t count = plan.size(1);
-  require(on_cuda(new_locs) && new_locs.ndim() == 1 && new_locs.size(0) >= count && is_int(new_locs, 64) &&
-              (new_locs.size(0) == 0 || new_locs.stride(0) == 1),
-          "bind_rows: new_locs must be a contiguous int64 [B] tensor on CUDA with B >= the plan's " +
-              std::to_string(count) + " entries");
-  require(on_cuda(new_pages) && new_pages.ndim() == 1 && is_int(new_pages, 64) &&
-              (new_pages.numel() == 0 || new_pages.stride(0) == 1),
-          "bind_rows: new_pages must be a contiguous int64 [pages] tensor on CUDA");
-  require(on_cuda(device_row_of_loc) && device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32),
-          "bind_rows: device_row_of_loc must be int32 [N + 1] on CUDA");
-  require(on_cuda(buffer_of_req) && buffer_of_req.ndim() == 1 && is_int(buffer_of_req, 32),
-          "bind_rows: buffer_of_req must be int32 [R] on CUDA");
-  require(on_cuda(slot_rows) && slot_rows.ndim() == 2 && is_int(slot_rows, 32) && slot_rows.stride(1) == 1 &&
-              slot_rows.size(1) > buffer_size && buffer_size >= 0,
-          "bind_rows: slot_rows must be int32 [NB, D + page] on CUDA with D = buffer_size (" +
-              std::to_string(buffer_size) + ")");
-  require(page_size >= 1, "bind_rows: page_size must be >= 1, got " + std::to_string(page_size));
+  require_tensor(on_cuda(new_locs) && new_locs.ndim() == 1 && new_locs.size(0) >= count && is_int(new_locs, 64) &&
+                     (new_locs.size(0) == 0 || new_locs.stride(0) == 1),
+                 op, "new_locs", "a contiguous int64 [B] tensor on CUDA with B >= the plan's entries", new_locs);
+  require_tensor(on_cuda(new_pages) && new_pages.ndim() == 1 && is_int(new_pages, 64) &&
+                     (new_pages.numel() == 0 || new_pages.stride(0) == 1),
+                 op, "new_pages", "a contiguous int64 [pages] tensor on CUDA", new_pages);
+  require_tensor(on_cuda(device_row_of_loc) && device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32), op,
+                 "device_row_of_loc", "int32 [N + 1] on CUDA", device_row_of_loc);
+  require_tensor(on_cuda(buffer_of_req) && buffer_of_req.ndim() == 1 && is_int(buffer_of_req, 32), op, "buffer_of_req",
+                 "int32 [R] on CUDA", buffer_of_req);
+  require(buffer_size >= 0, op, "buffer_size must be >= 0; got " + std::to_string(buffer_size));
+  require_tensor(on_cuda(slot_rows) && slot_rows.ndim() == 2 && is_int(slot_rows, 32) && slot_rows.stride(1) == 1 &&
+                     slot_rows.size(1) > buffer_size,
+                 op, "slot_rows", "int32 [NB, D + page] on CUDA with D = buffer_size", slot_rows);
+  require(page_size >= 1, op, "page_size must be >= 1; got " + std::to_string(page_size));
   if (count == 0) return;
   hisparse::BindRowsParams p{};
   p.device_row_of_loc = data_of<int32_t>(device_row_of_loc);
@@ -349,8 +474,8 @@ void hisparse_bind_rows(
   p.new_pages = new_pages.numel() ? data_of<int64_t>(new_pages) : nullptr;
   p.count = count;
   p.page_size = page_size;
-  hisparse::bind_rows_kernel<<<decode_row_blocks(count), kDecodeRowThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p);
-  check_cuda(cudaGetLastError(), "bind_rows launch");
+  launch_decode_rows(hisparse::bind_rows_kernel, p, (count + kDecodeRowThreads - 1) / kDecodeRowThreads, stream, op,
+                     std::to_string(count) + " entries");
 }
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in, hisparse_swap_in);

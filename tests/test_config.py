@@ -1,8 +1,11 @@
 """HiSparseConfig: defaults, model top-k, and actionable errors for malformed input."""
 
 import dataclasses
+import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.errors import HiSparseConfigError
@@ -116,3 +119,134 @@ def test_non_string_input_is_rejected():
 def test_direct_construction_validates_too():
     with pytest.raises(HiSparseConfigError, match="device_buffer_size"):
         HiSparseConfig(top_k=4096, device_buffer_size=2048)
+
+
+# Hostile inputs: (json text, the key the message must name, a fragment of its fix).
+HOSTILE = [
+    ('{"top_k": 1%s}' % ("0" * 400), "top_k", "[1, 8192]"),
+    ('{"pd_quarantine_s": 1%s}' % ("0" * 400), "pd_quarantine_s", "[0, 3600]"),
+    ('{"promote_free_fraction": 1%s}' % ("0" * 400), "promote_free_fraction", "[0, 1)"),
+    ('{"host_to_device_ratio": %s}' % ("9" * 5000), "host_to_device_ratio", "[1, 1024]"),
+    ('{"promote_free_fraction": 1e400}', "promote_free_fraction", "[0, 1)"),
+    ('{"device_buffer_size": -1e999}', "device_buffer_size", "[1, 32767]"),
+    ('{"promote_free_fraction": NaN}', "promote_free_fraction", "[0, 1)"),
+    ('{"pd_quarantine_s": Infinity}', "pd_quarantine_s", "[0, 3600]"),
+    ('{"switch_cooldown_steps": -Infinity}', "switch_cooldown_steps", "[0, 1000000]"),
+    ('{"top_k": %s2048%s}' % ("[" * 50_000, "]" * 50_000), "top_k", "true, false or null"),
+    ('{"top_k": "%s"}' % ("7" * 1_000_000), "top_k", "integer"),
+    ('{"%s": 1}' % ("k" * 1_000_000), "unknown key", "Known keys"),
+    ('{"top_k": [%s]}' % ",".join(["1"] * 100_000), "top_k", "integer"),
+    ('{"resident_first": "%s"}' % ("\u00e9" * 300_000), "resident_first", "true or false"),
+    ("\u00a0", "U+00A0", "'{}' for the defaults"),
+    ("\u2003\u3000 \t", "U+2003", "'{}' for the defaults"),
+    ('\u00a0{"top_k": 2048}', "U+00A0", "Example"),
+    ('\ufeff{"top_k": 2048}', "U+FEFF", "remove it"),
+    ('{"top_k": 2048}\udcff', "U+DCFF", "Example"),
+    ('{"\ud800": 1}', "unknown key", "Known keys"),
+    ('{"TOP_K": 2048}', "TOP_K", "Did you mean 'top_k'"),
+    ('{"top-k": 2048}', "top-k", "Did you mean 'top_k'"),
+    ('{"top_k": 2048, "device_buffer_size": 4096, "top_k": 2048}', "top_k", "keep one"),
+    ('{"top_k": 2048.5}', "top_k", "[1, 8192]"),
+    ('{"top_k": 1e300}', "top_k", "[1, 8192]"),
+    ('{"top_k": "2048"}', "top_k", "without quotes"),
+    ('{"resident_first": 0}', "resident_first", "true or false"),
+    ('{"promote_free_fraction": true}', "promote_free_fraction", "[0, 1)"),
+    ('{"swap_in_block_size": false}', "swap_in_block_size", "256"),
+    ('{"max_switches_per_step": null}', "max_switches_per_step", "remove max_switches_per_step"),
+    ('{"page_size": {"value": 64}}', "page_size", "integer"),
+    ("[" + ",".join(["{}"] * 10_000) + "]", "JSON object", "such as"),
+    ('"' + "x" * 1_000_000 + '"', "JSON object", "such as"),
+    ("{" * 10_000, "JSON", "Example"),
+]
+
+
+@pytest.mark.parametrize("text,key,fix", HOSTILE, ids=[ascii(h[0][:30]) for h in HOSTILE])
+def test_hostile_config_is_rejected_naming_the_key_and_fix_in_a_short_ascii_message(text, key, fix):
+    with pytest.raises(HiSparseConfigError) as info:
+        HiSparseConfig.from_json(text)
+    message = str(info.value)
+    assert key in message and fix in message, message
+    assert len(message) <= 500, f"{len(message)} characters: {message[:200]}..."
+    assert message.isascii(), message
+
+
+def test_json_whitespace_alone_means_defaults_and_nothing_else_does():
+    for blank in ["", " ", "\t\r\n ", None]:
+        assert HiSparseConfig.from_json(blank) == HiSparseConfig()
+    assert HiSparseConfig.from_json("  {}\n") == HiSparseConfig()
+
+
+def test_negative_zero_and_integer_floats_for_float_keys_are_plain_numbers():
+    config = HiSparseConfig.from_json('{"promote_free_fraction": -0.0, "pd_quarantine_s": 30}')
+    assert config.promote_free_fraction == 0.0 and str(config.promote_free_fraction) == "0.0"
+    assert config.pd_quarantine_s == 30.0 and isinstance(config.pd_quarantine_s, float)
+
+
+def test_direct_construction_of_unbounded_values_stays_bounded():
+    for kwargs in [dict(top_k=10**400), dict(pd_quarantine_s=10**400), dict(promote_free_fraction=float("nan")),
+                   dict(device_buffer_size="x" * 10**6), dict(host_to_device_ratio=[0] * 10**5)]:
+        with pytest.raises(HiSparseConfigError) as info:
+            HiSparseConfig(**kwargs)
+        assert next(iter(kwargs)) in str(info.value) and len(str(info.value)) <= 500
+
+
+def test_from_dict_rejects_non_objects_and_non_string_keys():
+    with pytest.raises(HiSparseConfigError, match="must be a JSON object"):
+        HiSparseConfig.from_dict([("top_k", 2048)])  # type: ignore[arg-type]
+    with pytest.raises(HiSparseConfigError, match="keys must be strings"):
+        HiSparseConfig.from_dict({7: 1})  # type: ignore[dict-item]
+
+
+def test_messages_do_not_blame_a_key_the_user_left_out():
+    with pytest.raises(HiSparseConfigError) as info:
+        HiSparseConfig.from_json('{"device_buffer_size": 1024}', model_index_topk=2048)
+    assert "top_k is the model's index_topk" in str(info.value)
+    # the default buffer follows the user's page size and top_k
+    assert HiSparseConfig.from_json('{"page_size": 128, "top_k": 1000}').device_buffer_size == 2048
+
+
+PAGE_SIZE_CASES = [
+    # (hisparse config, SGLang --page-size, fragments the message must hold, fragments it must not)
+    ("{}", 32, ["--page-size 32", "remove --page-size or set it to 64"], ["in --hisparse-config"]),
+    ('{"page_size": 32}', 64, ["page_size in --hisparse-config (32)", "SGLang's page size (64)"], ["use --page-size"]),
+    ('{"page_size": 32}', 128, ["page_size in --hisparse-config (32)", "use --page-size 64"], []),
+    ('{"page_size": 32}', 32, ["page_size (32) must be 64", "page_size in --hisparse-config and --page-size"], []),
+    ('{"page_size": 32}', None, ["page_size (32) must be 64", "remove page_size in --hisparse-config."], []),
+]
+
+
+@pytest.mark.parametrize("text,server_page,wanted,unwanted", PAGE_SIZE_CASES)
+def test_page_size_mismatch_blames_the_setting_the_user_wrote(text, server_page, wanted, unwanted):
+    import types
+
+    from hisparse_sglang.integration.sglang.validation import config_from_server_args
+
+    args = types.SimpleNamespace(hisparse_config=text, page_size=server_page)
+    with pytest.raises(HiSparseConfigError) as info:
+        config_from_server_args(args, model_index_topk=2048)
+    message = str(info.value)
+    assert all(f in message for f in wanted) and not any(f in message for f in unwanted), message
+    assert config_from_server_args(types.SimpleNamespace(hisparse_config="{}", page_size=64)).page_size == 64
+
+
+json_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20)
+)
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.text(max_size=8), inner, max_size=3), max_leaves=8)
+config_keys = st.sampled_from(HiSparseConfig.known_keys()) | st.text(max_size=12)
+
+
+@settings(max_examples=int(os.environ.get("HISPARSE_PROPERTY_EXAMPLES", "10000")) // 20 or 1, deadline=None)
+@given(values=st.dictionaries(config_keys, json_values, max_size=5), raw=st.text(max_size=40), model_topk=st.none()
+       | st.integers(-3, 10_000))
+def test_any_object_or_text_gives_a_config_or_a_bounded_config_error(values, raw, model_topk):
+    import json
+
+    for text in (json.dumps(values), raw, json.dumps(values)[: len(raw)]):
+        try:
+            config = HiSparseConfig.from_json(text, model_index_topk=model_topk)
+        except HiSparseConfigError as exc:
+            assert len(str(exc)) <= 500 and str(exc).isascii(), str(exc)
+        else:
+            assert config.top_k <= config.device_buffer_size and HiSparseConfig.from_json(config.to_json()) == config

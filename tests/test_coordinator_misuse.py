@@ -10,7 +10,7 @@ import torch
 
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.errors import HiSparseMemoryError
-from hisparse_sglang.sim import SimulatedServer
+from hisparse_sglang.testing.sim import SimulatedServer
 
 PAGE = 4
 

@@ -6,7 +6,7 @@ import pytest
 
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.ops import reference
-from hisparse_sglang.sim import SimulatedServer
+from hisparse_sglang.testing.sim import SimulatedServer
 
 
 def recording_ops(calls: list):

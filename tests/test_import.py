@@ -12,7 +12,7 @@ def test_import_is_free_of_side_effects(tmp_path):
         import json, os, sys
         import hisparse_sglang
         import hisparse_sglang.config, hisparse_sglang.memory, hisparse_sglang.ops.reference
-        import hisparse_sglang.coordinator, hisparse_sglang.sim
+        import hisparse_sglang.coordinator, hisparse_sglang.testing.sim
         import torch
         print(json.dumps({
             "sglang": sorted(m for m in sys.modules if m == "sglang" or m.startswith("sglang.")),

@@ -1,5 +1,6 @@
 """Lifecycle fuzzing: random admit / decode / finish / abort / retract sequences, with demotions and
-promotions, checking every ownership and content invariant after every operation.
+promotions, checking every ownership and content invariant after every operation, and then that
+every admitted request ends within the simulator's progress bound (no stall).
 
 HISPARSE_PROPERTY_EXAMPLES sets the number of random sequences (default 10,000 across the tests).
 """
@@ -10,12 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hisparse_sglang.config import HiSparseConfig
-from hisparse_sglang.sim import SimulatedServer
+import pytest
+
+from hisparse_sglang.testing.sim import SimulatedServer, SimulationStalled
 
 TOTAL_EXAMPLES = int(os.environ.get("HISPARSE_PROPERTY_EXAMPLES", "10000"))
 
 operation = st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 30)),
+    st.tuples(st.just("add"), st.integers(1, 40), st.integers(0, 30)),
     st.tuples(st.just("step"), st.integers(1, 4)),
     st.tuples(st.just("finish"), st.integers(0, 7)),
     st.tuples(st.just("abort"), st.integers(0, 7)),
@@ -25,7 +28,7 @@ operation = st.one_of(
 
 setup = st.fixed_dictionaries(
     {
-        "page_size": st.sampled_from([2, 4]),
+        "page_size": st.sampled_from([1, 2, 4]),
         "buffer_pages": st.integers(2, 4),
         "top_k_fraction": st.sampled_from([0.25, 0.5, 1.0]),
         "ratio": st.integers(2, 4),
@@ -41,7 +44,7 @@ setup = st.fixed_dictionaries(
 )
 
 
-def build(params) -> SimulatedServer:
+def build(params, max_context: int = 160) -> SimulatedServer:
     page = params["page_size"]
     buffer_size = page * params["buffer_pages"]
     config = HiSparseConfig(
@@ -60,7 +63,7 @@ def build(params) -> SimulatedServer:
         item_bytes=16,
         device_pages=params["device_pages"],
         max_reqs=5,
-        max_context=160,
+        max_context=max_context,
         seed=params["seed"],
         cpu_event_delay_steps=params["event_delay"],
     )
@@ -83,10 +86,13 @@ def run(params, operations) -> None:
             uid = live[op[1] % len(live)]
             getattr(server, kind)(uid)
         server.check_invariants()
-    server.retracted.clear()
-    for uid in sorted(server.requests):
-        server.abort(uid)
-        server.check_invariants()
+    drain(server)
+
+
+def drain(server: SimulatedServer) -> None:
+    """Run until every admitted request has ended, within the progress bound; nothing may leak."""
+    server.run_until_idle(check=server.check_invariants)
+    server.check_every_admitted_request_ended()
     server.check_all_free()
 
 
@@ -109,21 +115,63 @@ def test_random_lifecycles_keep_every_invariant(params, operations):
 )
 @given(
     params=setup,
-    prompts=st.lists(st.tuples(st.integers(8, 60), st.integers(5, 40)), min_size=1, max_size=6),
-    steps=st.integers(5, 60),
+    prompts=st.lists(st.tuples(st.integers(8, 60), st.integers(0, 40)), min_size=1, max_size=6),
 )
-def test_decode_to_completion_under_memory_pressure(params, prompts, steps):
-    """Long decodes with more demand than device memory: demotions, promotions, retractions."""
+def test_decode_to_completion_under_memory_pressure(params, prompts):
+    """Long decodes with more demand than device memory (demotions, promotions, retractions), run to
+    the end: every submitted request finishes (or is rejected as too large for an idle server)."""
     params = dict(params, device_pages=min(params["device_pages"], 14))
     server = build(params)
-    for prompt_len, output_len in prompts:
-        server.add_request(prompt_len, output_len)
-    for _ in range(steps):
-        server.step()
-        server.check_invariants()
-        server.readmit_retracted()
-        server.check_invariants()
-    server.retracted.clear()
-    for uid in sorted(server.requests):
-        server.finish(uid)
-    server.check_all_free()
+    uids = [server.submit(prompt_len, output_len) for prompt_len, output_len in prompts]
+    drain(server)
+    assert set(uids) == set(server.finished) | set(server.rejected)
+    for uid, (prompt_len, output_len) in zip(uids, prompts):
+        # rejected at once exactly when too large; later only after a retraction made its prompt too long
+        too_large = not server.fits_when_idle(prompt_len, output_len)
+        assert (server.rejected.get(uid) == "too large") == too_large
+        assert server.rejected.get(uid) in (None, "too large", "outgrew the GPU pool")
+
+
+def regression_setup(**overrides):
+    params = dict(
+        page_size=4, buffer_pages=2, top_k_fraction=0.5, ratio=2, resident_first=True, cooldown=0, max_switches=1,
+        promote_free_fraction=0.0, device_pages=12, event_delay=0, layers=1, seed=0,
+    )
+    params.update(overrides)
+    return params
+
+
+# The stalls of issue #18, each of which made the simulator wait (or fail) forever.
+STALLS = {
+    # a request that must be demoted at its first step waits for its staging copy, whose event
+    # needs decode steps that never ran (nothing else was decoding)
+    "staging_event_without_decode": (dict(resident_first=False, event_delay=2), 160, [(30, 5)]),
+    # a zero-output request that exactly fills the host pool was retracted at its first step and
+    # readmitted, forever
+    "zero_output_fills_host_pool": (dict(device_pages=12, ratio=1), 160, [(44, 0)]),
+    # a prompt of the full context with zero output decoded past the context (IndexError)
+    "full_context_zero_output": (dict(device_pages=12), 32, [(32, 0), (31, 1)]),
+    # page size 1: the second prefill chunk ended before the first
+    "page_size_one_chunks": (dict(page_size=1, device_pages=24), 64, [(3, 2), (5, 1), (20, 3)]),
+    # a retracted request whose prompt (prompt + its output so far) outgrew the GPU pool
+    "retracted_past_the_gpu_pool": (dict(device_pages=9, ratio=4, event_delay=1), 160, [(28, 12), (28, 12)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STALLS))
+def test_issue_stalls_end_within_the_bound(name):
+    overrides, max_context, prompts = STALLS[name]
+    server = build(regression_setup(**overrides), max_context=max_context)
+    uids = [server.submit(prompt_len, output_len) for prompt_len, output_len in prompts]
+    drain(server)
+    assert set(uids) == set(server.finished) | set(server.rejected)
+    assert set(uids) & set(server.finished), "nothing finished"
+
+
+def test_a_stalled_run_is_reported_with_what_is_left():
+    """A request whose staging copy does not complete within the allowed steps is reported, not waited for."""
+    server = build(regression_setup(resident_first=False, event_delay=1000))
+    server.submit(30, 5)
+    assert server.progress_bound() >= (5 + 3) * 1003
+    with pytest.raises(SimulationStalled, match=r"requests did not end within 50 steps: live \[uid 1 staging 30/35\]"):
+        server.run_until_idle(max_steps=50)

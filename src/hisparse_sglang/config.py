@@ -1,7 +1,9 @@
 """HiSparse configuration: the `--hisparse-config` JSON, parsed once into a frozen dataclass.
 
-Every key is optional. Unknown keys, wrong types and out-of-range values raise
-:class:`HiSparseConfigError`, whose message names the offending value and how to fix it.
+Every key is optional. Whatever the text holds (malformed or hostile JSON included), parsing either
+returns a valid :class:`HiSparseConfig` or raises :class:`HiSparseConfigError`, whose message
+names the key, the offending value (shortened) and how to fix it, and stays a few hundred
+characters long.
 """
 
 from __future__ import annotations
@@ -10,17 +12,31 @@ import dataclasses
 import difflib
 import json
 import math
+import unicodedata
 from typing import Any
 
 from hisparse_sglang.errors import HiSparseConfigError
+from hisparse_sglang.ops.swap_in_limits import (
+    MAX_DEVICE_BUFFER_SIZE,
+    MAX_TOP_K,
+    SWAP_IN_BLOCK_SIZES,
+    check_swap_in_fits,
+    largest_device_buffer_size,
+    shared_memory_per_block,
+)
 
-__all__ = ["HiSparseConfig", "HiSparseConfigError", "DEFAULT_TOP_K"]
+__all__ = ["HiSparseConfig", "HiSparseConfigError", "DEFAULT_TOP_K", "DEFAULT_PAGE_SIZE", "parse_config_text"]
 
 DEFAULT_TOP_K = 2048
-# LRU order entries are int16, so a slot index must fit in 15 bits.
-MAX_DEVICE_BUFFER_SIZE = 32767
-# Thread counts the swap-in kernel is instantiated for (csrc/swap_in_binding.cu).
-SWAP_IN_BLOCK_SIZES = (256, 512, 1024)
+DEFAULT_PAGE_SIZE = 64  # SGLang's DSA KV cache pages
+# Characters of a user's text or value quoted in a message.
+_QUOTE_LIMIT = 60
+# Integers longer than this are outside every key's range; they are not even converted (a JSON
+# number of thousands of digits would otherwise exceed Python's int conversion limit).
+_MAX_INT_DIGITS = 30
+# JSON allows only these as whitespace (RFC 8259); str.strip() would also remove U+00A0 and others.
+_JSON_WHITESPACE = " \t\n\r"
+_EXAMPLE = '{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 10}'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +47,8 @@ class HiSparseConfig:
         top_k: tokens the sparse indexer selects per layer and decode step; must equal the
             model's ``index_topk`` when the model declares one.
         device_buffer_size: LRU slots per request in the GPU buffer of an offloaded request;
-            a multiple of ``page_size`` and at least ``top_k``.
+            a multiple of ``page_size`` and at least ``top_k``; the swap-in kernel's shared memory
+            bounds it from above (``ops/swap_in_limits.py``).
         host_to_device_ratio: the host pool (and SGLang's logical token space) holds this many
             times the device KV pool's tokens.
         page_size: tokens per KV page; SGLang's DSA backend requires 64.
@@ -55,7 +72,7 @@ class HiSparseConfig:
     top_k: int = DEFAULT_TOP_K
     device_buffer_size: int = 2 * DEFAULT_TOP_K
     host_to_device_ratio: int = 2
-    page_size: int = 64
+    page_size: int = DEFAULT_PAGE_SIZE
     swap_in_block_size: int | None = None
     resident_first: bool = True
     promote_free_fraction: float = 0.25
@@ -64,7 +81,7 @@ class HiSparseConfig:
     pd_quarantine_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _validate(self)
+        _validate(dataclasses.asdict(self), origins={})
 
     @property
     def padded_buffer_size(self) -> int:
@@ -80,50 +97,55 @@ class HiSparseConfig:
         """Parse the ``--hisparse-config`` JSON object.
 
         Args:
-            text: the JSON text; None or blank means all defaults.
+            text: the JSON text; None, empty or JSON whitespace only means all defaults.
             model_index_topk: the model's ``index_topk`` if it has one. It is the default
                 ``top_k``, and an explicit ``top_k`` must agree with it.
 
         Raises:
             HiSparseConfigError: malformed JSON, unknown key, wrong type or bad value.
         """
-        values = _parse_object(text)
-        return cls.from_dict(values, model_index_topk=model_index_topk)
+        return cls.from_dict(parse_config_text(text), model_index_topk=model_index_topk)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], model_index_topk: int | None = None) -> "HiSparseConfig":
+        """Build from the parsed object; keys not given take their defaults (see from_json)."""
+        if not isinstance(values, dict):
+            raise HiSparseConfigError(
+                f"--hisparse-config must be a JSON object such as '{_EXAMPLE}', got {_shown(values)}."
+            )
         known = cls.known_keys()
         for key in values:
             if key not in known:
-                close = difflib.get_close_matches(key, known, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise HiSparseConfigError(
-                    f"unknown key {key!r} in --hisparse-config.{hint} Known keys: {', '.join(known)}."
-                )
+                raise HiSparseConfigError(_unknown_key_message(key, known))
+        origins: dict[str, str] = {}
         if model_index_topk is not None:
-            _check_int("model index_topk", model_index_topk, minimum=1)
-        kwargs: dict[str, Any] = {}
-        for field in dataclasses.fields(cls):
-            if field.name in values:
-                kwargs[field.name] = _coerce(field.name, values[field.name])
-
+            _check_int("model index_topk", model_index_topk, 1, MAX_TOP_K, "check index_topk in the model's config.json")
+        kwargs = {name: _coerce(name, value) for name, value in values.items()}
         if "top_k" in kwargs and model_index_topk is not None and kwargs["top_k"] != model_index_topk:
             raise HiSparseConfigError(
                 f"top_k ({kwargs['top_k']}) differs from the model's index_topk ({model_index_topk}); "
                 f"the indexer always selects index_topk tokens. Remove top_k or set it to {model_index_topk}."
             )
-        top_k = kwargs.setdefault("top_k", model_index_topk if model_index_topk is not None else DEFAULT_TOP_K)
-        page_size = kwargs.setdefault("page_size", 64)
-        if "device_buffer_size" not in kwargs and isinstance(top_k, int) and isinstance(page_size, int):
-            if top_k >= 1 and page_size >= 1:
-                kwargs["device_buffer_size"] = _round_up(2 * top_k, page_size)
+        if "top_k" not in kwargs and model_index_topk is not None:
+            kwargs["top_k"] = model_index_topk
+            origins["top_k"] = "the model's index_topk"
+        kwargs.setdefault("top_k", DEFAULT_TOP_K)
+        kwargs.setdefault("page_size", DEFAULT_PAGE_SIZE)
+        if "device_buffer_size" not in kwargs:
+            default = _default_buffer_size(kwargs)
+            if default is not None:
+                kwargs["device_buffer_size"] = default
+                origins["device_buffer_size"] = "its default, 2 x top_k rounded up to a page"
+        _validate({**_defaults(), **kwargs}, origins)
         return cls(**kwargs)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-_EXPECTED_TYPES: dict[str, str] = {
+# ----------------------------------------------------------------------------------- key specs
+# name -> (kind, default); kind "int", "int or null", "bool" or "float".
+_KINDS = {
     "top_k": "int",
     "device_buffer_size": "int",
     "host_to_device_ratio": "int",
@@ -135,120 +157,353 @@ _EXPECTED_TYPES: dict[str, str] = {
     "max_switches_per_step": "int",
     "pd_quarantine_s": "float",
 }
+# Integer keys: (minimum, maximum, what to do), the one statement of each range.
+_INT_RANGES = {
+    "top_k": (1, MAX_TOP_K, "remove top_k: it defaults to the model's index_topk"),
+    "device_buffer_size": (1, MAX_DEVICE_BUFFER_SIZE, "2 x top_k (4096 for top_k 2048) is a good choice"),
+    "host_to_device_ratio": (1, 1024, "size it from host RAM (README.md, Configuration)"),
+    "page_size": (1, 4096, "remove page_size: SGLang's DSA backend uses 64"),
+    "swap_in_block_size": (min(SWAP_IN_BLOCK_SIZES), max(SWAP_IN_BLOCK_SIZES), "use 256, 512, 1024 or null"),
+    "switch_cooldown_steps": (0, 1_000_000, "32 is the default"),
+    "max_switches_per_step": (1, 65536, "8 is the default"),
+}
+# Float keys: the range in words (the bounds themselves are checked in _validate).
+_FLOAT_RANGES = {
+    "promote_free_fraction": "a share of the device pool in [0, 1) (0.25 is the default)",
+    "pd_quarantine_s": "seconds in [0, 3600] (60 is the default)",
+}
 
 
-def _parse_object(text: str | None) -> dict[str, Any]:
-    if text is None or (isinstance(text, str) and not text.strip()):
-        return {}
-    if not isinstance(text, str):
-        raise HiSparseConfigError(
-            f"--hisparse-config must be a JSON string, got {type(text).__name__} ({text!r})."
-        )
-
-    def reject_constant(name: str) -> None:
-        raise HiSparseConfigError(
-            f"--hisparse-config contains {name}, which is not a valid number; use a finite number."
-        )
-
-    def reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in result:
-                raise HiSparseConfigError(
-                    f"key {key!r} appears twice in --hisparse-config; keep one of the two values."
-                )
-            result[key] = value
-        return result
-
-    try:
-        value = json.loads(text, object_pairs_hook=reject_duplicates, parse_constant=reject_constant)
-    except json.JSONDecodeError as exc:
-        raise HiSparseConfigError(
-            f"--hisparse-config is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): "
-            f"{text!r}. Example: '{{\"top_k\": 2048, \"device_buffer_size\": 4096, \"host_to_device_ratio\": 10}}'."
-        ) from None
-    if not isinstance(value, dict):
-        raise HiSparseConfigError(
-            f"--hisparse-config must be a JSON object such as '{{\"top_k\": 2048}}', got {type(value).__name__}: {text!r}."
-        )
-    return value
-
-
-def _coerce(name: str, value: Any) -> Any:
-    """Type-check one raw JSON value; range checks happen in _validate."""
-    expected = _EXPECTED_TYPES[name]
-    if expected == "bool":
-        if not isinstance(value, bool):
-            raise HiSparseConfigError(f"{name} must be true or false, got {value!r}.")
-        return value
-    if expected == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise HiSparseConfigError(f"{name} must be a number, got {type(value).__name__} {value!r}.")
-        return float(value)
-    if value is None and expected == "int or null":
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            raise HiSparseConfigError(f"{name} must be an integer, got {value!r}; write {int(value)}.")
-        raise HiSparseConfigError(f"{name} must be an integer, got {type(value).__name__} {value!r}.")
-    return value
-
-
-def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise HiSparseConfigError(f"{name} must be an integer, got {type(value).__name__} {value!r}.")
-    if value < minimum:
-        raise HiSparseConfigError(f"{name} ({value}) must be >= {minimum}.")
-    if maximum is not None and value > maximum:
-        raise HiSparseConfigError(f"{name} ({value}) must be <= {maximum}.")
+def _defaults() -> dict[str, Any]:
+    return {field.name: field.default for field in dataclasses.fields(HiSparseConfig)}
 
 
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-def _validate(config: HiSparseConfig) -> None:
-    _check_int("top_k", config.top_k, minimum=1, maximum=MAX_DEVICE_BUFFER_SIZE)
-    _check_int("page_size", config.page_size, minimum=1, maximum=4096)
-    if config.page_size & (config.page_size - 1):
+def _default_buffer_size(values: dict[str, Any]) -> int | None:
+    """2 x top_k rounded up to a page, capped at the largest buffer the swap-in kernel can run on
+    sm_90 (never below top_k); None while top_k or page_size is invalid (their own check reports it)."""
+    top_k, page_size = values["top_k"], values["page_size"]
+    threads = values.get("swap_in_block_size")
+    if not all(_is_int(v) and 1 <= v <= 32768 for v in (top_k, page_size)) or not (
+        threads is None or threads in SWAP_IN_BLOCK_SIZES
+    ):
+        return None
+    preferred = min(_round_up(2 * top_k, page_size), MAX_DEVICE_BUFFER_SIZE // page_size * page_size)
+    if top_k > MAX_TOP_K:
+        return preferred
+    largest = largest_device_buffer_size(top_k, page_size, threads, shared_memory_per_block())
+    if largest is None:
+        return preferred  # top_k itself does not fit: the kernel check names top_k
+    return max(min(preferred, largest), _round_up(top_k, page_size))
+
+
+# ----------------------------------------------------------------------------------- parsing
+class _Unrepresentable:
+    """A JSON number that is no usable value: NaN, +-Infinity, one that overflows a float, or an
+    integer with more than _MAX_INT_DIGITS digits. Kept as its text until a key's check names it."""
+
+    def __init__(self, text: str, why: str) -> None:
+        self.text = text
+        self.why = why
+
+
+def _parse_int(text: str) -> int | _Unrepresentable:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        return _Unrepresentable(text, f"an integer of {len(text.lstrip('-'))} digits")
+    return int(text)
+
+
+def _parse_float(text: str) -> float | _Unrepresentable:
+    value = float(text)
+    if not math.isfinite(value):
+        return _Unrepresentable(text, "a number too large for a float")
+    return value
+
+
+def _parse_constant(text: str) -> _Unrepresentable:
+    return _Unrepresentable(text, "not a finite number")
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise HiSparseConfigError(
+                f"key {_quoted(key)} appears twice in --hisparse-config; keep one of the two values."
+            )
+        result[key] = value
+    return result
+
+
+def parse_config_text(text: Any) -> dict[str, Any]:
+    """The ``--hisparse-config`` text as a JSON object (raw values; keys are checked by from_dict).
+
+    None, the empty string and JSON whitespace alone mean all defaults ({}).
+
+    Raises:
+        HiSparseConfigError: not a string, not JSON, not an object, or nested too deeply.
+    """
+    if text is None:
+        return {}
+    if not isinstance(text, str):
+        raise HiSparseConfigError(f"--hisparse-config must be a JSON string, got {_shown(text)}; pass the JSON text.")
+    if not text.strip(_JSON_WHITESPACE):
+        return {}
+    if text.startswith("\ufeff"):
         raise HiSparseConfigError(
-            f"page_size ({config.page_size}) must be a power of two; SGLang's DSA backend uses 64."
+            "--hisparse-config starts with a byte-order mark (U+FEFF), which JSON does not allow; remove it "
+            "(e.g. save the file as UTF-8 without BOM)."
         )
-    _check_int("device_buffer_size", config.device_buffer_size, minimum=1, maximum=MAX_DEVICE_BUFFER_SIZE)
-    if config.device_buffer_size < config.top_k:
+    if not text.strip():
         raise HiSparseConfigError(
-            f"device_buffer_size ({config.device_buffer_size}) must be >= top_k ({config.top_k}): every "
-            f"selected token needs a slot. Use at least {_round_up(config.top_k, config.page_size)} "
-            f"(2 x top_k = {_round_up(2 * config.top_k, config.page_size)} is a good default)."
+            f"--hisparse-config holds only whitespace, including {_character_name(_first_non_json_space(text))}, "
+            f"which JSON does not allow; pass nothing or '{{}}' for the defaults, or an object such as '{_EXAMPLE}'."
         )
-    if config.device_buffer_size % config.page_size:
+    try:
+        value = json.loads(
+            text,
+            object_pairs_hook=_reject_duplicates,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
+            parse_constant=_parse_constant,
+        )
+    except json.JSONDecodeError as exc:
         raise HiSparseConfigError(
-            f"device_buffer_size ({config.device_buffer_size}) must be a multiple of page_size "
-            f"({config.page_size}); use {_round_up(config.device_buffer_size, config.page_size)}."
-        )
-    _check_int("host_to_device_ratio", config.host_to_device_ratio, minimum=1, maximum=1024)
-    if config.swap_in_block_size is not None and config.swap_in_block_size not in SWAP_IN_BLOCK_SIZES:
+            f"--hisparse-config is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}"
+            f"{_character_at(text, exc.pos)}): {_excerpt(text, exc.pos)}. Example: '{_EXAMPLE}'."
+        ) from None
+    except RecursionError:
         raise HiSparseConfigError(
-            f"swap_in_block_size ({config.swap_in_block_size!r}) must be one of {SWAP_IN_BLOCK_SIZES} "
-            f"or null (automatic)."
-        )
-    if not isinstance(config.resident_first, bool):
-        raise HiSparseConfigError(f"resident_first must be true or false, got {config.resident_first!r}.")
-    fraction = config.promote_free_fraction
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not math.isfinite(fraction):
-        raise HiSparseConfigError(f"promote_free_fraction must be a finite number, got {fraction!r}.")
-    if not 0.0 <= fraction < 1.0:
+            f"--hisparse-config nests arrays or objects too deeply{_deep_key_text(text)}; every value is a "
+            f"number, true, false or null. Example: '{_EXAMPLE}'."
+        ) from None
+    if not isinstance(value, dict):
         raise HiSparseConfigError(
-            f"promote_free_fraction ({fraction}) must be in [0, 1): it is the share of the device pool "
-            f"that must stay free after a promotion (0.25 is the default)."
+            f"--hisparse-config must be a JSON object such as '{_EXAMPLE}', got {_shown(value)}."
         )
-    _check_int("switch_cooldown_steps", config.switch_cooldown_steps, minimum=0, maximum=1_000_000)
-    _check_int("max_switches_per_step", config.max_switches_per_step, minimum=1, maximum=65536)
-    quarantine = config.pd_quarantine_s
-    if isinstance(quarantine, bool) or not isinstance(quarantine, (int, float)) or not math.isfinite(quarantine):
-        raise HiSparseConfigError(f"pd_quarantine_s must be a finite number of seconds, got {quarantine!r}.")
-    if not 0.0 <= quarantine <= 3600.0:
+    return value
+
+
+def _first_non_json_space(text: str) -> str:
+    return next(char for char in text if char not in _JSON_WHITESPACE)
+
+
+def _character_name(char: str) -> str:
+    return f"U+{ord(char):04X} ({unicodedata.name(char, 'unnamed character')})"
+
+
+def _character_at(text: str, position: int) -> str:
+    """', at U+00A0 (NO-BREAK SPACE)' when the offending character is not plain ASCII."""
+    if 0 <= position < len(text) and not (32 <= ord(text[position]) < 127):
+        return f", at {_character_name(text[position])}"
+    return ""
+
+
+def _excerpt(text: str, position: int) -> str:
+    """Up to 40 characters around ``position``, escaped to ASCII."""
+    start = max(0, position - 20)
+    part = ascii(text[start : position + 20])
+    return ("..." if start else "") + part + ("..." if position + 20 < len(text) else "")
+
+
+def _deep_key_text(text: str) -> str:
+    """' in the value of "top_k"': the top-level key whose value nests deepest (a linear scan, no
+    recursion), or '' when none is found."""
+    depth = 0
+    in_string = escaped = False
+    key_start = -1
+    last_key = None
+    for index, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+                if depth == 1 and key_start >= 0:
+                    last_key = text[key_start : index + 1]
+            continue
+        if char == '"':
+            in_string = True
+            key_start = index if depth == 1 else -1
+        elif char in "[{":
+            depth += 1
+            if depth > 64 and last_key is not None:
+                try:
+                    return f" in the value of {_quoted(json.loads(last_key))}"
+                except (ValueError, RecursionError):
+                    return ""
+        elif char in "]}":
+            depth -= 1
+    return ""
+
+
+# ----------------------------------------------------------------------------------- messages
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _quoted(text: str) -> str:
+    """A user's string, escaped to ASCII and shortened: safe to print whatever it holds."""
+    shown = ascii(text[:_QUOTE_LIMIT])
+    return shown + (f"... ({len(text)} characters)" if len(text) > _QUOTE_LIMIT else "")
+
+
+def _shown(value: Any) -> str:
+    """A JSON value as a message shows it: its JSON spelling, shortened."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, _Unrepresentable):
+        return f"{_quoted(value.text)} ({value.why})"
+    if isinstance(value, int):
+        digits = len(str(abs(value))) if abs(value) < 10**_MAX_INT_DIGITS else None
+        return str(value) if digits is not None else f"an integer of more than {_MAX_INT_DIGITS} digits"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return f"the string {_quoted(value)}"
+    if isinstance(value, list):
+        return f"an array (list) of {len(value)} item{'s' if len(value) != 1 else ''}"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} key{'s' if len(value) != 1 else ''}"
+    return f"a {type(value).__name__}"
+
+
+def _unknown_key_message(key: Any, known: tuple[str, ...]) -> str:
+    if not isinstance(key, str):
+        return f"--hisparse-config keys must be strings, got {_shown(key)}. Known keys: {', '.join(known)}."
+    normalized = key.strip().lower().replace("-", "_").replace(" ", "_")
+    close = [normalized] if normalized in known else []
+    if not close and len(key) <= 64:
+        close = difflib.get_close_matches(normalized, known, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"unknown key {_quoted(key)} in --hisparse-config.{hint} Known keys: {', '.join(known)}."
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Type-check one raw JSON value; range checks happen in _validate."""
+    kind = _KINDS[name]
+    if isinstance(value, _Unrepresentable):
+        expected = "true or false" if kind == "bool" else _range_text(name)
+        raise HiSparseConfigError(f"{name} is {_shown(value)}; use {expected}.")
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise HiSparseConfigError(f"{name} must be true or false, got {_shown(value)}; write true or false.")
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise HiSparseConfigError(f"{name} must be a number, got {_shown(value)}; use {_range_text(name)}.")
+        return float(value) + 0.0  # -0.0 becomes 0.0
+    if value is None and kind == "int or null":
+        return None
+    if not _is_int(value):
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+            hint = f"write {int(value)}"
+        elif isinstance(value, str) and value.strip().lstrip("-").isdigit() and len(value) <= _MAX_INT_DIGITS:
+            hint = f"write {value.strip()} without quotes"
+        elif value is None:
+            hint = f"remove {name} to use its default"
+        else:
+            hint = f"use {_range_text(name)}"
+        raise HiSparseConfigError(f"{name} must be an integer, got {_shown(value)}; {hint}.")
+    return value
+
+
+def _range_text(name: str) -> str:
+    if name in _INT_RANGES:
+        minimum, maximum, _ = _INT_RANGES[name]
+        return f"an integer in [{minimum}, {maximum}]"
+    return _FLOAT_RANGES[name]
+
+
+def _origin_note(name: str, origin: str | None) -> str:
+    """' (top_k is the model's index_topk)' for a value the user did not set, else ''."""
+    return f" ({name} is {origin})" if origin else ""
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int, fix: str, origin: str | None = None) -> None:
+    shown_name = f"{name} ({_shown(value)}){_origin_note(name, origin)}"
+    if not _is_int(value):
+        raise HiSparseConfigError(f"{name} must be an integer, got {_shown(value)}; {fix}.")
+    if value < minimum:
+        raise HiSparseConfigError(f"{shown_name} must be >= {minimum}; {fix}.")
+    if value > maximum:
+        raise HiSparseConfigError(f"{shown_name} must be <= {maximum}; {fix}.")
+
+
+def _check_number(name: str, value: Any, low: float, high: float, high_open: bool, why: str) -> None:
+    """A finite number in [low, high) or [low, high]; ``why`` explains the range in the message."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise HiSparseConfigError(f"{name} must be a finite number, got {_shown(value)}; use {_range_text(name)}.")
+    if isinstance(value, int) and abs(value) >= 10**_MAX_INT_DIGITS:
+        shown = _shown(value)
+    else:
+        value = float(value)
+        shown = _shown(value)
+        if not math.isfinite(value):
+            raise HiSparseConfigError(f"{name} must be a finite number, got {shown}; use {_range_text(name)}.")
+        if (low <= value < high) if high_open else (low <= value <= high):
+            return
+    interval = f"[{low:g}, {high:g}{')' if high_open else ']'}"
+    raise HiSparseConfigError(f"{name} ({shown}) must be in {interval}{why}")
+
+
+# ----------------------------------------------------------------------------------- validation
+def _validate(values: dict[str, Any], origins: dict[str, str]) -> None:
+    """Check every value; ``origins`` says where a value came from when the user did not set it,
+    so that a message never blames a key the user left out without saying so."""
+
+    def check(name: str, extra_fix: str | None = None) -> None:
+        minimum, maximum, fix = _INT_RANGES[name]
+        _check_int(name, values[name], minimum, maximum, extra_fix or fix, origins.get(name))
+
+    check("top_k")
+    check("page_size")
+    page_size = values["page_size"]
+    if page_size & (page_size - 1):
         raise HiSparseConfigError(
-            f"pd_quarantine_s ({quarantine}) must be in [0, 3600] seconds; it should outlast the prefill "
-            f"instance's transfer timeout (Mooncake: MC_TRANSFER_TIMEOUT, 30 s by default)."
+            f"page_size ({page_size}) must be a power of two; remove page_size (SGLang's DSA backend uses 64)."
         )
+    top_k = values["top_k"]
+    top_k_origin = origins.get("top_k")
+    buffer = values["device_buffer_size"]
+    check("device_buffer_size")
+    if buffer < top_k:
+        raise HiSparseConfigError(
+            f"device_buffer_size ({buffer}) must be >= top_k ({top_k}){_origin_note('top_k', top_k_origin)}: every "
+            f"selected token needs a slot. Use at least {_round_up(top_k, page_size)} (2 x top_k = "
+            f"{_round_up(2 * top_k, page_size)} is a good choice)."
+        )
+    if buffer % page_size:
+        raise HiSparseConfigError(
+            f"device_buffer_size ({buffer}){_origin_note('device_buffer_size', origins.get('device_buffer_size'))} "
+            f"must be a multiple of page_size ({page_size}); use {_round_up(buffer, page_size)}."
+        )
+    threads = values["swap_in_block_size"]
+    if threads is not None and threads not in SWAP_IN_BLOCK_SIZES:
+        raise HiSparseConfigError(
+            f"swap_in_block_size ({_shown(threads)}) must be one of {SWAP_IN_BLOCK_SIZES} or null (automatic)."
+        )
+    check_swap_in_fits(top_k, buffer, page_size, threads, top_k_origin=top_k_origin)
+    check("host_to_device_ratio")
+    if not isinstance(values["resident_first"], bool):
+        raise HiSparseConfigError(
+            f"resident_first must be true or false, got {_shown(values['resident_first'])}; write true or false."
+        )
+    _check_number(
+        "promote_free_fraction", values["promote_free_fraction"], 0.0, 1.0, True,
+        ": it is the share of the device pool that must stay free after a promotion (0.25 is the default).",
+    )
+    check("switch_cooldown_steps")
+    check("max_switches_per_step")
+    _check_number(
+        "pd_quarantine_s", values["pd_quarantine_s"], 0.0, 3600.0, False,
+        " seconds; it should outlast the prefill instance's transfer timeout (Mooncake: MC_TRANSFER_TIMEOUT, "
+        "30 s by default).",
+    )

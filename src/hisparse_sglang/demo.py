@@ -16,7 +16,7 @@ import time
 
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.memory import BF16_MLA_ITEM_BYTES
-from hisparse_sglang.sim import SimulatedServer
+from hisparse_sglang.testing.sim import SimulatedServer
 
 
 def run(resident_first: bool, args: argparse.Namespace) -> None:

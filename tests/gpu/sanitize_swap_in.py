@@ -9,7 +9,7 @@ import torch
 
 from hisparse_sglang.ops import reference
 from hisparse_sglang.ops import swap_in as ops
-from hisparse_sglang.ops.cases import make_case
+from hisparse_sglang.testing.cases import make_case
 
 
 def main() -> int:

@@ -140,7 +140,7 @@ def test_bind_rows_empty_plan_and_bad_arguments():
     with pytest.raises(Exception, match="plan must be a contiguous int64"):
         ops.bind_rows(empty.to(torch.int32), no_pages, no_pages, device_row_of_loc, buffer_of_req, slot_rows, BUFFER,
                       PAGE)
-    with pytest.raises(Exception, match="backup_newest: device_kv must be on CUDA"):
+    with pytest.raises(Exception, match="backup_newest: device_kv must be a KV tensor on CUDA"):
         kv = torch.zeros((4, 1152), dtype=torch.uint8)
         ops.backup_newest(no_pages, no_pages, torch.zeros(1, dtype=torch.int32, device="cuda"),
                           torch.zeros((1, 4), dtype=torch.int32, device="cuda"), device_row_of_loc, kv, kv)

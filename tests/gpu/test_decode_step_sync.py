@@ -16,7 +16,7 @@ import torch
 
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.coordinator import OFFLOADED, RESIDENT
-from hisparse_sglang.sim import SimulatedServer
+from hisparse_sglang.testing.sim import SimulatedServer
 
 pytestmark = pytest.mark.gpu
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hisparse_sglang.ops import reference
-from hisparse_sglang.ops.cases import POISON, make_case
+from hisparse_sglang.testing.cases import POISON, make_case
 
 pytestmark = pytest.mark.gpu
 
@@ -236,3 +236,92 @@ def test_copy_rows_every_layer_both_directions(row_bytes, index_dtype):
         expected[dst] = host[layer][src]
         assert_same(f"device layer {layer}", expected, device[layer])
         assert_same(f"host layer {layer}", host[layer][src], back[layer][src])
+
+
+def test_the_largest_buffer_that_fits_this_gpu_runs_and_matches_reference():
+    """The plan at the device's shared-memory limit (14272 slots for top_k 2048 on sm_90) launches."""
+    from hisparse_sglang.ops.swap_in_limits import largest_device_buffer_size, shared_memory_per_block
+
+    largest = largest_device_buffer_size(2048, 64, 1024, shared_memory_per_block(torch.cuda.current_device()))
+    case = make_case(2, 2048, largest, 1152, miss_rate=0.5, duplicate_fraction=0.02, seed=50)
+    check(case, threads=1024)
+    check(case, threads=1024, splits=1)
+
+
+def raw_swap_in(case, plan_values, threads=1024):
+    """The binding called directly, past the op's Python checks (as a caller that skips them would)."""
+    from hisparse_sglang.ops.jit import load_module
+
+    gpu = case.clone(device="cuda", pin_host=True)
+    batch, top_k = case.top_k.shape
+    load_module().swap_in(
+        *gpu.args(), torch.empty((batch, top_k), dtype=torch.int32, device="cuda"),
+        torch.empty(0, dtype=torch.int64, device="cuda"), torch.zeros(3 * batch, dtype=torch.int32, device="cuda"),
+        torch.tensor(plan_values, dtype=torch.int64), 1, threads, 0, torch.cuda.current_stream().cuda_stream,
+    )
+
+
+def fail_in_shared_memory_setup():
+    from hisparse_sglang.ops.swap_in_limits import swap_in_plan
+
+    case = make_case(1, 2048, 16384, 64, miss_rate=0.5, seed=51)
+    with pytest.raises(RuntimeError) as info:
+        raw_swap_in(case, swap_in_plan(2048, 16384, 1024).as_ints())
+    return str(info.value), ["swap_in", "cudaFuncSetAttribute", str(swap_in_plan(2048, 16384, 1024).total_bytes)]
+
+
+def fail_in_occupancy_query():
+    from hisparse_sglang.ops.jit import load_module
+    from hisparse_sglang.ops.swap_in_limits import swap_in_plan
+
+    plan = torch.tensor(swap_in_plan(2048, 16384, 512).as_ints(), dtype=torch.int64)
+    with pytest.raises(RuntimeError) as info:
+        load_module().swap_in_occupancy(512, plan)
+    return str(info.value), ["swap_in_occupancy", "512 threads"]
+
+
+def fail_in_argument_check():
+    case = make_case(1, 512, 1024, 64, miss_rate=0.5, seed=52).clone(device="cuda", pin_host=True)
+    case.top_k = case.top_k.to(torch.int64)
+    with pytest.raises(ValueError) as info:
+        cuda_ops().swap_in(*case.args())
+    return str(info.value), ["swap_in: top_k must be int32", "got int64 [1, 512]", "on cuda:"]
+
+
+@pytest.mark.parametrize("fail", [fail_in_shared_memory_setup, fail_in_occupancy_query, fail_in_argument_check])
+def test_a_failed_call_leaves_no_error_for_the_next_valid_call(fail):
+    """Issue #18: after a refused launch the next valid launch in the same process failed with the
+    stale 'invalid argument'. Every failure path clears CUDA's last error."""
+    message, fragments = fail()
+    assert all(fragment in message for fragment in fragments), message
+    check(make_case(3, 1024, 2048, 656, miss_rate=0.3, seed=53), splits=2)
+    rows = torch.arange(8, device="cuda")
+    layers = [torch.zeros((16, 64), dtype=torch.uint8, device="cuda")]
+    cuda_ops().copy_rows(layers, layers, rows, rows + 8)
+    torch.cuda.synchronize()
+
+
+def test_the_op_and_reserve_reject_a_shape_beyond_this_gpu_naming_the_key_and_the_fix():
+    from hisparse_sglang.errors import HiSparseConfigError
+
+    case = make_case(1, 2048, 14336, 64, miss_rate=0.5, seed=54).clone(device="cuda", pin_host=True)
+    for call in (lambda: cuda_ops().swap_in(*case.args()), lambda: cuda_ops().reserve("cuda", 4, 2048, 14336)):
+        with pytest.raises(HiSparseConfigError) as info:
+            call()
+        assert "device_buffer_size (14336)" in str(info.value) and "device_buffer_size <= 14272" in str(info.value)
+    check(make_case(2, 2048, 4096, 1152, miss_rate=0.2, seed=55))
+
+
+def test_binding_errors_name_the_op_and_the_values():
+    ops = cuda_ops()
+    layers = [torch.zeros((16, 64), dtype=torch.uint8, device="cuda")]
+    with pytest.raises(ValueError, match=r"copy_rows: src_rows must be int32/int64 on CUDA; got int64 \[4\] .* on cpu"):
+        ops.copy_rows(layers, layers, torch.arange(4), torch.arange(4, device="cuda"))
+    with pytest.raises(ValueError, match=r"bind_rows: plan must be a contiguous int64 \[3, n\].*got int64 \[2, 5\]"):
+        empty = torch.zeros(0, dtype=torch.int64, device="cuda")
+        ops.bind_rows(torch.zeros((2, 5), dtype=torch.int64, device="cuda"), empty, empty, *[
+            torch.zeros(shape, dtype=torch.int32, device="cuda") for shape in ((9,), (4,), (1, 80))], 64, 16)
+    with pytest.raises(ValueError, match=r"backup_newest: seq_lens must be a contiguous int32/int64 \[B\].*got int64 \[3\]"):
+        ops.backup_newest(torch.zeros(2, dtype=torch.int64, device="cuda"), torch.zeros(3, dtype=torch.int64, device="cuda"),
+                          *[torch.zeros(shape, dtype=torch.int32, device="cuda") for shape in ((1,), (4, 8), (9,))],
+                          layers[0], torch.zeros((16, 64), dtype=torch.uint8).pin_memory())

@@ -426,3 +426,39 @@ def test_buffer_tables_that_do_not_fit_the_gpu_are_refused_before_allocation(mon
     assert "device buffer tables take" in caplog.text
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * needed, 80 << 30))
     adapter._check_device_memory(needed, torch.device("cuda", 0), shape)  # fits: no error
+
+
+def test_gpu_pool_smaller_than_one_buffer_stops_startup_before_the_host_pool(monkeypatch):
+    """Issue #18: a GPU KV pool that cannot hold one offloaded request's buffer started and failed
+    later in the scheduler. Now the coordinator refuses it before pinning anything."""
+    from hisparse_sglang.errors import HiSparseMemoryError
+    from hisparse_sglang.integration.sglang import coordinator as adapter
+
+    pinned = []
+    monkeypatch.setattr(adapter, "HostKVPool", lambda *args, **kwargs: pinned.append(args))
+    with pytest.raises(HiSparseMemoryError, match=r"holds 256 tokens \(4 pages of 64\).*256 \+ one page = 320 rows"):
+        Stack(device_tokens=PAGE * 4, buffer_size=256, top_k=128)
+    assert pinned == []
+
+
+def test_a_second_release_of_the_same_locations_is_refused():
+    """Issue #18: the production allocator accepted a second free of the same locations, after which
+    two requests shared pages. SGLang's allocator adapter now refuses it, naming the page."""
+    from hisparse_sglang.errors import HiSparseMemoryError
+
+    stack = Stack()
+    req = stack.new_req("a", 300)
+    stack.prefill(req, 300)
+    stack.coordinator.collect_ready_reqs()
+    stack.decode([req])
+    locs = stack.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv.kv_allocated_len].clone()
+    stack.coordinator.request_finished(req)
+    stack.release(req)
+    with pytest.raises(HiSparseMemoryError, match=r"host pool: double free of page \d+ \(it is not allocated\)"):
+        stack.allocator.free(locs)
+    stack.assert_all_free()
+    other, third = stack.new_req("b", 300), stack.new_req("c", 300)
+    stack.prefill(other, 300)
+    stack.prefill(third, 300)
+    rows = stack.req_to_token_pool.req_to_token
+    assert not set(rows[other.req_pool_idx, :300].tolist()) & set(rows[third.req_pool_idx, :300].tolist())

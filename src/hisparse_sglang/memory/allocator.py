@@ -57,7 +57,7 @@ class KVAllocator:
         page_size: rows per page in both spaces.
         device: where tables and free lists live.
         sort_frees: keep logical free pages sorted (PD disaggregation transfers page runs).
-        checked: verify every free (tests, debugging).
+        checked: on a GPU, check every free at once (a host sync; tests, debugging); see PagedAllocator.
     """
 
     def __init__(
@@ -156,6 +156,9 @@ class KVAllocator:
         if locs.numel() == 0:
             return
         pages = torch.unique(locs // self.page_size)
+        # The logical pages first: a double free of these locations raises before anything changes
+        # (at once where frees are checked eagerly).
+        self.logical.free_pages_(pages)
         starts = pages * self.page_size
         rows = self.translate(starts)
         mapped = rows[rows > 0].to(torch.int64)
@@ -163,7 +166,6 @@ class KVAllocator:
             self.device_rows.free_pages_(mapped // self.page_size)
         offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
         self.unmap_((starts.reshape(-1, 1) + offsets).reshape(-1))
-        self.logical.free_pages_(pages)
 
     def free_device_pages(self, pages: torch.Tensor) -> None:
         """Free distinct device pages (ids, not rows) without waiting for the GPU: the count is

@@ -14,11 +14,11 @@ A page of ``page_size`` rows sits at byte offset ``page * page_size * item_bytes
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from hisparse_sglang.errors import HiSparseMemoryError
+from hisparse_sglang.memory.pinning import REGISTER_ALIGN, CudaRegistrar, HostRegion
 
 __all__ = ["HostKVPool", "BF16_MLA_ITEM_BYTES", "FP8_DSA_ITEM_BYTES"]
 
@@ -31,17 +31,32 @@ FP8_DSA_ITEM_BYTES = 512 + 4 * 4 + 64 * 2
 class HostKVPool:
     """``layer_num`` regions of ``num_rows`` rows of ``item_bytes`` bytes each.
 
+    All layers live in one host region (memory/pinning.py: touched by a thread pool, then pinned
+    layer by layer from the same pool, with a progress line every few seconds); pinned, each layer
+    starts on a 2 MiB boundary, so that its registration shares no page with another layer's.
+
     Args:
         layer_num: layers (one region each).
         num_rows: rows per layer; the logical token space of SGLang plus its padding page.
         item_bytes: bytes per row (1152 bf16 MLA, 656 DSA fp8).
         pin: pin the regions (page-locked, device-accessible); default: when CUDA is available.
+        device: the GPU whose context registers the memory (default: the current one); the memory
+            is portable, usable from every GPU of the process.
+        threads: threads that touch and pin (default: memory.pinning.default_threads()).
 
     Attributes:
         layers: ``layer_num`` uint8 tensors of shape ``[num_rows, item_bytes]``.
     """
 
-    def __init__(self, layer_num: int, num_rows: int, item_bytes: int, pin: bool | None = None) -> None:
+    def __init__(
+        self,
+        layer_num: int,
+        num_rows: int,
+        item_bytes: int,
+        pin: bool | None = None,
+        device: torch.device | None = None,
+        threads: int | None = None,
+    ) -> None:
         if layer_num < 1 or num_rows < 1 or item_bytes < 1:
             raise HiSparseMemoryError(
                 f"host pool needs positive sizes, got layer_num={layer_num}, num_rows={num_rows}, "
@@ -57,31 +72,33 @@ class HostKVPool:
         self.num_rows = num_rows
         self.item_bytes = item_bytes
         self.pinned = pin
-        total = layer_num * num_rows * item_bytes
+        layer_bytes = num_rows * item_bytes
+        # Pinned layers start on a registration boundary; pageable ones only on a cache line.
+        align = REGISTER_ALIGN if pin else 64
+        stride = -(-layer_bytes // align) * align
+        total = layer_num * layer_bytes
         logger.info(
             "HiSparse host pool: %d layers x %d rows x %d B = %.2f GiB%s",
-            layer_num,
-            num_rows,
-            item_bytes,
-            total / 2**30,
-            " (pinned)" if pin else "",
+            layer_num, num_rows, item_bytes, total / 2**30, " (pinned)" if pin else "",
         )
-        started = time.monotonic()
-        self.layers: list[torch.Tensor] = []
-        for layer_id in range(layer_num):
-            try:
-                region = torch.empty((num_rows, item_bytes), dtype=torch.uint8, pin_memory=pin)
-            except RuntimeError as exc:
-                raise HiSparseMemoryError(
-                    f"could not allocate host KV region {layer_id} of {num_rows * item_bytes / 2**30:.2f} GiB "
-                    f"({layer_num} layers, {total / 2**30:.2f} GiB in all): {exc}. Lower host_to_device_ratio "
-                    f"in --hisparse-config or --mem-fraction-static."
-                ) from exc
-            self.layers.append(region)
-            if pin and total > 8 * 2**30 and (layer_id + 1) % max(1, layer_num // 8) == 0:
-                logger.info(
-                    "HiSparse host pool: pinned %d/%d layers in %.1f s", layer_id + 1, layer_num, time.monotonic() - started
-                )
+        registrar = CudaRegistrar(device if device is not None else torch.device("cuda")) if pin else None
+        self.region = HostRegion(
+            stride * layer_num,
+            register_units=[(layer * stride, stride) for layer in range(layer_num)],
+            registrar=registrar,
+            threads=threads,
+        )
+        self.layers: list[torch.Tensor] = [
+            self.region.tensor[layer * stride : layer * stride + layer_bytes].view(num_rows, item_bytes)
+            for layer in range(layer_num)
+        ]
+        timing = self.region.timing
+        ready = timing.touch_s + timing.register_s
+        logger.info(
+            "HiSparse host pool: %.2f GiB ready in %.1f s (%.1f GiB/s; touched in %.1f s%s, %d threads)",
+            total / 2**30, ready, total / 2**30 / max(ready, 1e-9), timing.touch_s,
+            f", pinned in {timing.register_s:.1f} s" if pin else "", self.region.threads,
+        )
 
     @property
     def nbytes(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
+from hisparse_sglang.memory.ownership import PageOwnership
 
 __all__ = ["PagedAllocator", "extend_layout", "upload", "upload_ints"]
 
@@ -96,8 +97,10 @@ class PagedAllocator:
         device: where the free list and the returned tensors live.
         sort_frees: keep the free list sorted so that allocations stay contiguous (SGLang's
             ``need_sort``, used by PD disaggregation to merge transfers into page runs).
-        checked: verify every free against an ownership table (a host sync per call on GPUs;
-            meant for tests and debugging).
+        checked: on a GPU, check every free before it changes anything (a host sync per call; for
+            tests and debugging). Otherwise a GPU checks frees on the device and reports a bad one at
+            the next allocation or free, without waiting (memory/ownership.py); the CPU always
+            checks at once.
     """
 
     def __init__(
@@ -122,7 +125,7 @@ class PagedAllocator:
         self.checked = checked
         # A stack: the next page handed out is the last free entry.
         self._free = torch.empty(num_pages, dtype=torch.int64, device=self.device)
-        self._owned = torch.zeros(num_pages, dtype=torch.bool, device=self.device) if checked else None
+        self.ownership = PageOwnership(name, num_pages, self.device, deferred=self.device.type == "cuda" and not checked)
         self._num_free = 0
         self.clear()
 
@@ -149,12 +152,11 @@ class PagedAllocator:
 
     def clear(self) -> None:
         """Free every page; the lowest page ids are handed out first."""
+        self.ownership.clear()
         self._num_free = self.num_pages - 1
         self._free[: self._num_free] = torch.arange(
             self.num_pages - 1, 0, -1, dtype=torch.int64, device=self.device
         )
-        if self._owned is not None:
-            self._owned.zero_()
 
     # ------------------------------------------------------------------ pages
     def alloc_pages(self, count: int) -> torch.Tensor:
@@ -172,24 +174,22 @@ class PagedAllocator:
             )
         start = self._num_free - count
         pages = self._free[start : self._num_free].flip(0)
+        self.ownership.claim(pages)
         self._num_free = start
-        if self._owned is not None:
-            self._owned[pages] = True
         return pages
 
     def free_pages_(self, pages: torch.Tensor) -> None:
         """Return pages (distinct ids) to the free list.
 
         Raises:
-            HiSparseMemoryError: (checked mode) a page is reserved, out of range, repeated or free.
+            HiSparseMemoryError: a page is reserved, out of range, repeated or free (double free):
+                at once on the CPU or with ``checked``, else at the next call on a GPU.
         """
         pages = pages.reshape(-1).to(device=self.device, dtype=torch.int64)
         count = pages.numel()
         if count == 0:
             return
-        if self._owned is not None:
-            self._check_owned(pages)
-            self._owned[pages] = False
+        self.ownership.release(pages)
         if count > self.num_pages - 1 - self._num_free:
             raise HiSparseMemoryError(
                 f"{self.name} pool: freeing {count} pages but only {self.used_pages} are allocated (double free)."
@@ -198,20 +198,6 @@ class PagedAllocator:
         self._num_free += count
         if self.sort_frees:
             self._free[: self._num_free] = torch.sort(self._free[: self._num_free], descending=True).values
-
-    def _check_owned(self, pages: torch.Tensor) -> None:
-        low, high = int(pages.min()), int(pages.max())
-        if low < 1 or high >= self.num_pages:
-            raise HiSparseMemoryError(
-                f"{self.name} pool: page {low if low < 1 else high} is outside [1, {self.num_pages})."
-            )
-        if torch.unique(pages).numel() != pages.numel():
-            raise HiSparseMemoryError(f"{self.name} pool: a page is freed twice in one call.")
-        owned = self._owned[pages]
-        if not bool(owned.all()):
-            raise HiSparseMemoryError(
-                f"{self.name} pool: double free of page {int(pages[~owned][0])} (it is not allocated)."
-            )
 
     def page_rows(self, pages: torch.Tensor) -> torch.Tensor:
         """Rows of the given pages, page after page (int64)."""

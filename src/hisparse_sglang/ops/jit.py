@@ -29,11 +29,12 @@ import time
 from hisparse_sglang import __version__
 from hisparse_sglang.errors import KernelBuildError
 
-__all__ = ["load_module", "cache_dir", "source_dir", "cuda_arch"]
+__all__ = ["load_module", "cache_dir", "source_dir", "source_files", "cuda_arch"]
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("swap_in.cuh", "decode_rows.cuh", "swap_in_binding.cu")
+_BINDING = "swap_in_binding.cu"  # the translation unit nvcc compiles; it includes the headers
+_KERNEL_SUFFIXES = (".cuh", ".cu", ".h")  # what setup.py and MANIFEST.in ship
 _NVCC_FLAGS = (
     "-O3",
     "-std=c++17",
@@ -46,16 +47,22 @@ _NVCC_FLAGS = (
 
 
 def source_dir() -> pathlib.Path:
-    """The kernel sources: shipped as package data, or ``csrc/`` of a source checkout."""
+    """The kernel sources: inside the package (a wheel), else ``csrc/`` next to ``src/`` (a source
+    checkout, an editable install or an unpacked sdist)."""
     package_copy = pathlib.Path(__file__).resolve().parent.parent / "csrc"
-    if (package_copy / _SOURCES[0]).exists():
-        return package_copy
     checkout = pathlib.Path(__file__).resolve().parents[3] / "csrc"
-    if (checkout / _SOURCES[0]).exists():
-        return checkout
+    for candidate in (package_copy, checkout):
+        if (candidate / _BINDING).is_file():
+            return candidate
     raise KernelBuildError(
-        f"CUDA sources not found in {package_copy} or {checkout}; reinstall hisparse-sglang."
+        f"CUDA sources not found in {package_copy} or {checkout}; reinstall hisparse-sglang (a wheel carries "
+        f"them as hisparse_sglang/csrc, an sdist as csrc/)."
     )
+
+
+def source_files(sources: pathlib.Path) -> list[pathlib.Path]:
+    """Every kernel source in ``sources`` (what the build depends on), in a stable order."""
+    return sorted(path for path in sources.iterdir() if path.suffix in _KERNEL_SUFFIXES)
 
 
 def cache_dir() -> pathlib.Path:
@@ -109,9 +116,9 @@ def _tvm_ffi_paths() -> tuple[list[str], pathlib.Path, str]:
 
 def _build_key(sources: pathlib.Path, arch: str, flags: list[str], tvm_version: str) -> str:
     digest = hashlib.sha256()
-    for name in _SOURCES:
-        digest.update(name.encode())
-        digest.update((sources / name).read_bytes())
+    for path in source_files(sources):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
     digest.update(" ".join(flags).encode())
     digest.update(arch.encode())
     digest.update(__version__.encode())
@@ -150,7 +157,7 @@ def _build(sources: pathlib.Path, target: pathlib.Path, flags: list[str], includ
                 str(nvcc),
                 *flags,
                 *(f"-I{path}" for path in includes),
-                str(sources / "swap_in_binding.cu"),
+                str(sources / _BINDING),
                 "-o",
                 str(output),
                 f"-L{library.parent}",

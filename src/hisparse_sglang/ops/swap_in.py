@@ -10,16 +10,17 @@ from typing import Sequence
 
 import torch
 
+from hisparse_sglang.config import DEFAULT_PAGE_SIZE
 from hisparse_sglang.errors import HiSparseError
 from hisparse_sglang.ops.jit import load_module
 from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT
+from hisparse_sglang.ops.swap_in_limits import DEFAULT_THREADS, check_swap_in_fits, shared_memory_per_block
 
 __all__ = [
     "swap_in", "copy_rows", "backup_newest", "bind_rows", "reserve", "choose_splits", "resident_ctas",
-    "DEFAULT_THREADS", "BIND_BUFFER_SLOT",
+    "launch_plan", "DEFAULT_THREADS", "BIND_BUFFER_SLOT",
 ]
 
-DEFAULT_THREADS = 1024
 MAX_SPLITS = 65
 TARGET_COPIERS = 64
 
@@ -50,6 +51,7 @@ class _Workspace:
 _workspaces: dict[torch.device, _Workspace] = {}
 _layer_pointers: dict[tuple[int, ...], torch.Tensor] = {}
 _occupancy: dict[tuple[int, int, int, int], int] = {}
+_launch_plans: dict[tuple[int, int, int, int], torch.Tensor] = {}
 _multiprocessors: dict[int, int] = {}
 _empty_counters: dict[torch.device, torch.Tensor] = {}
 
@@ -71,14 +73,43 @@ def _workspace_for(device: torch.device) -> "_Workspace":
 
 
 def reserve(
-    device: torch.device | str, max_batch: int, top_k: int, buffer_size: int | None = None, threads: int | None = None
+    device: torch.device | str,
+    max_batch: int,
+    top_k: int,
+    buffer_size: int | None = None,
+    threads: int | None = None,
+    page_size: int = DEFAULT_PAGE_SIZE,
 ) -> None:
-    """Allocate the swap-in workspace for batches up to ``max_batch`` and query the kernel's
-    occupancy for ``threads`` per block (call before CUDA-graph capture)."""
+    """Allocate the swap-in workspace for batches up to ``max_batch``, check that the kernel fits
+    this GPU for the shape and query its occupancy for ``threads`` per block (call before CUDA-graph
+    capture; a shape that does not fit raises HiSparseConfigError naming the key and the fix, the
+    largest device_buffer_size that fits in multiples of ``page_size``)."""
     device = _normalized(device)
     _workspace_for(device).get(device, max_batch)
     if buffer_size is not None:
+        launch_plan(top_k, buffer_size, threads or DEFAULT_THREADS, device, page_size)
         choose_splits(1, top_k, buffer_size, threads or DEFAULT_THREADS, device)
+
+
+def launch_plan(
+    top_k: int, buffer_size: int, threads: int, device: torch.device, page_size: int = DEFAULT_PAGE_SIZE
+) -> torch.Tensor:
+    """The kernel's shared-memory plan for this shape (int64 CPU tensor, swap_in_limits.PLAN_FIELDS),
+    checked once per shape and GPU against the GPU's shared memory per block.
+
+    Raises:
+        HiSparseConfigError: the shape needs more shared memory than the GPU has per block.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (top_k, buffer_size, threads, index)
+    plan = _launch_plans.get(key)
+    if plan is None:
+        checked = check_swap_in_fits(
+            top_k, buffer_size, page_size, threads, limit=shared_memory_per_block(index),
+            device_name=torch.cuda.get_device_name(index),
+        )
+        plan = _launch_plans[key] = torch.tensor(checked.as_ints(), dtype=torch.int64)
+    return plan
 
 
 def resident_ctas(top_k: int, buffer_size: int, threads: int, device: torch.device) -> int:
@@ -86,7 +117,8 @@ def resident_ctas(top_k: int, buffer_size: int, threads: int, device: torch.devi
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (threads, top_k, buffer_size, index)
     if key not in _occupancy:
-        _occupancy[key] = int(load_module().swap_in_occupancy(threads, top_k, buffer_size))
+        plan = launch_plan(top_k, buffer_size, threads, torch.device("cuda", index))
+        _occupancy[key] = int(load_module().swap_in_occupancy(threads, plan))
         _multiprocessors[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return max(1, _multiprocessors[index] * _occupancy[key])
 
@@ -144,6 +176,7 @@ def swap_in(
     if out is None:
         out = torch.empty((batch, k), dtype=torch.int32, device=device)
     threads = threads or DEFAULT_THREADS
+    plan = launch_plan(k, slot_tokens.shape[1], threads, device)
     if splits is None:
         splits = choose_splits(batch, k, slot_tokens.shape[1], threads, device)
     elif splits > 1:
@@ -174,6 +207,7 @@ def swap_in(
         out,
         counters,
         sync,
+        plan,
         splits,
         threads,
         late_copiers_ns,

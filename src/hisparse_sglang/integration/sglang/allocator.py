@@ -42,7 +42,7 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
         self.device_tokens = size
         self.host_to_device_ratio = host_to_device_ratio
         self.rows = KVAllocator(
-            host_pages=size * host_to_device_ratio // page_size + 1,
+            host_pages=self.host_pages_for(size, host_to_device_ratio, page_size),
             device_pages=size // page_size + 1,
             page_size=page_size,
             device=device,
@@ -59,6 +59,11 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
         self.compress_ratio = 1
 
     # ---------------------------------------------------------------- capacity
+    @staticmethod
+    def host_pages_for(device_tokens: int, host_to_device_ratio: int, page_size: int) -> int:
+        """Pages of the logical (= host) space for a device pool of ``device_tokens``, page 0 included."""
+        return device_tokens * host_to_device_ratio // page_size + 1
+
     @property
     def size(self) -> int:
         return self.rows.logical.capacity_rows

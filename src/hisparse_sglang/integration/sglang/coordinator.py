@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import time
 from typing import NamedTuple
 
@@ -18,7 +19,7 @@ import torch
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.coordinator import Coordinator
 from hisparse_sglang.errors import HiSparseMemoryError
-from hisparse_sglang.integration.sglang import compat
+from hisparse_sglang.integration.sglang import compat, limits
 from hisparse_sglang.integration.sglang.mooncake import HostRegions
 from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 from hisparse_sglang.memory.host_pool import HostKVPool
@@ -109,7 +110,10 @@ class SGLangHiSparseCoordinator:
         rows = allocator.rows
         layers = pool.kv_rows()
         item_bytes = layers[0].shape[1]
-        _check_host_memory(len(layers) * rows.num_locs * item_bytes, config)
+        _check_host_memory(
+            len(layers) * rows.num_locs * item_bytes, config, allocator=allocator, row_bytes=len(layers) * item_bytes,
+            tp_group=tp_group, device_pool_pages=rows.device_rows.capacity_pages,
+        )
         self.host_pool = HostKVPool(len(layers), rows.num_locs, item_bytes, pin=self.device.type == "cuda")
         num_req_slots, context_len = req_to_token_pool.req_to_token.shape
         # No more requests can be offloaded at once than there are request slots.
@@ -338,15 +342,33 @@ def _check_device_memory(needed: int, device: torch.device, shape: tuple) -> Non
         )
 
 
-def _check_host_memory(needed: int, config: HiSparseConfig) -> None:
-    try:
-        import psutil
-    except ImportError:
-        return
-    available = psutil.virtual_memory().available
-    if needed > 0.9 * available:
-        raise HiSparseMemoryError(
-            f"the HiSparse host pool needs {needed / 2**30:.1f} GiB of pinned memory but only "
-            f"{available / 2**30:.1f} GiB is available; lower host_to_device_ratio ({config.host_to_device_ratio}) "
-            f"in --hisparse-config or --mem-fraction-static."
-        )
+def _check_host_memory(
+    needed: int, config: HiSparseConfig, allocator=None, row_bytes: int | None = None, tp_group=None,
+    device_pool_pages: int | None = None,
+) -> None:
+    """What must hold before the host pool is pinned (minutes on a large host): the GPU KV pool
+    (``device_pool_pages``, sized by SGLang) holds one offloaded request's buffer, and the host pools
+    of every rank of ``tp_group`` on this host (``needed`` bytes each) fit the memory the host, or
+    its cgroup, has available.
+
+    With ``allocator`` (device pool size, page size) and ``row_bytes`` (one token of every layer) the
+    message gives the largest host_to_device_ratio that fits. ``tp_group`` is the CPU group the
+    coordinator agrees on (ranks outside it, e.g. other DP-attention groups, are not counted).
+    """
+    if device_pool_pages is not None:
+        limits.check_device_pool(device_pool_pages, config)
+    pools_on_host = 1
+    if tp_group is not None and torch.distributed.get_world_size(group=tp_group) > 1:
+        hosts: list = [None] * torch.distributed.get_world_size(group=tp_group)
+        torch.distributed.all_gather_object(hosts, socket.gethostname(), group=tp_group)
+        pools_on_host = hosts.count(socket.gethostname())
+
+    def bytes_for_ratio(ratio: int) -> int:
+        if allocator is None or row_bytes is None:
+            return needed * ratio // config.host_to_device_ratio
+        pages = allocator.host_pages_for(allocator.device_tokens, ratio, allocator.page_size)
+        return pages * allocator.page_size * row_bytes
+
+    limits.check_host_pool(
+        needed, pools_on_host, bytes_for_ratio, config.host_to_device_ratio, limits.host_memory_available()
+    )

@@ -1,4 +1,5 @@
-"""Request-length limits of a HiSparse scheduler process, and the notes that explain them.
+"""Request-length limits of a HiSparse scheduler process, the notes that explain them, and the
+start-up checks that its pools fit the host and the GPU (section "start-up sizing").
 
 SGLang 0.5.17 sizes every request-length check by the device KV pool (``max_total_num_tokens``).
 On a PD **decode** instance with hisparse-sglang a request's KV lives in the logical (host) pool
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pathlib
 
-from hisparse_sglang.errors import UnsupportedSetupError
+from hisparse_sglang.errors import HiSparseMemoryError, UnsupportedSetupError
 
 __all__ = [
     "our_coordinator",
@@ -22,6 +24,11 @@ __all__ = [
     "explain_rejection",
     "colocated_note",
     "decode_note",
+    "HostMemory",
+    "host_memory_available",
+    "check_host_pool",
+    "check_device_pool",
+    "HOST_MEMORY_USABLE_FRACTION",
 ]
 
 logger = logging.getLogger(__name__)
@@ -117,4 +124,161 @@ def decode_note(max_req_input_len: int, capacity: int, logical_tokens: int, rese
         f"{logical_tokens} tokens (GPU KV pool x host_to_device_ratio {ratio}) less "
         f"--num-reserved-decode-tokens ({reserved}) leaves {capacity}, which limits prompts to fewer than "
         f"{max_req_input_len} tokens. Raise host_to_device_ratio in --hisparse-config to admit longer prompts."
+    )
+
+
+# ------------------------------------------------------------------------------ start-up sizing
+# The host pool may take this share of the memory the host (or its cgroup) has available: the rest
+# is for the scheduler process itself, SGLang's own pinned buffers and the page cache.
+HOST_MEMORY_USABLE_FRACTION = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemory:
+    """Memory this process can still take: ``available`` bytes, limited by ``source``."""
+
+    available: int
+    source: str
+
+
+def host_memory_available(root: str = "/") -> HostMemory | None:
+    """The smaller of the kernel's MemAvailable and the headroom of every memory cgroup above this
+    process (limit less usage, page cache that can be dropped counted free); None where neither can
+    be read (not Linux). ``root`` is the file-system root to read from (tests pass a fake tree)."""
+    base = pathlib.Path(root)
+    candidates = []
+    meminfo = _read_meminfo_available(base / "proc" / "meminfo")
+    if meminfo is not None:
+        candidates.append(HostMemory(meminfo, "MemAvailable of /proc/meminfo"))
+    headroom = _cgroup_headroom(base)
+    if headroom is not None:
+        candidates.append(HostMemory(headroom, "the memory cgroup's limit less its usage"))
+    return min(candidates, key=lambda memory: memory.available) if candidates else None
+
+
+def _read_meminfo_available(path: pathlib.Path) -> int | None:
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _read_int(path: pathlib.Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _inactive_file(path: pathlib.Path) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("inactive_file", "total_inactive_file"):
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _cgroup_headroom(root: pathlib.Path) -> int | None:
+    """Smallest (limit - usage + inactive page cache) over this process's memory cgroups (v2 and v1),
+    from its own cgroup up to the mount's root; None when no level has a limit."""
+    try:
+        lines = (root / "proc" / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    headrooms = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # cgroup v2
+            mount, limit_name, usage_name = root / "sys" / "fs" / "cgroup", "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            mount, limit_name, usage_name = root / "sys" / "fs" / "cgroup" / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        # Inside a container the own cgroup is usually mounted at the root: try the path, else the mount.
+        directory = mount / path.strip("/")
+        if not directory.is_dir():
+            directory = mount
+        while True:
+            limit = _read_int(directory / limit_name)
+            usage = _read_int(directory / usage_name)
+            if limit is not None and usage is not None and limit < 2**60:
+                headrooms.append(max(0, limit - usage + _inactive_file(directory / "memory.stat")))
+            if directory == mount or mount not in directory.parents:
+                break
+            directory = directory.parent
+    return min(headrooms) if headrooms else None
+
+
+def check_host_pool(
+    pool_bytes: int,
+    pools_on_host: int,
+    bytes_for_ratio,
+    host_to_device_ratio: int,
+    memory: HostMemory | None,
+) -> None:
+    """Refuse a host pool that this host cannot pin, before any of it is allocated.
+
+    Args:
+        pool_bytes: this scheduler process's host pool.
+        pools_on_host: host pools of this size that start on this host (one per TP rank on it).
+        bytes_for_ratio: host pool bytes of one process for a given host_to_device_ratio.
+        host_to_device_ratio: the configured ratio.
+        memory: what the host has available (:func:`host_memory_available`); None skips the check.
+    Raises:
+        HiSparseMemoryError: the pools need more than HOST_MEMORY_USABLE_FRACTION of it; the message
+            gives the sizes and the largest host_to_device_ratio that fits.
+    """
+    if memory is None:
+        logger.warning("HiSparse: the host's available memory could not be read; the host pool is not checked.")
+        return
+    usable = int(memory.available * HOST_MEMORY_USABLE_FRACTION)
+    if pool_bytes * pools_on_host <= usable:
+        return
+    largest = next(
+        (ratio for ratio in range(host_to_device_ratio - 1, 0, -1) if bytes_for_ratio(ratio) * pools_on_host <= usable),
+        None,
+    )
+    processes = f" x {pools_on_host} scheduler processes on this host" if pools_on_host > 1 else ""
+    fix = (
+        f"use host_to_device_ratio <= {largest} in --hisparse-config (now {host_to_device_ratio})"
+        if largest is not None
+        else "even host_to_device_ratio 1 does not fit: lower --mem-fraction-static (a smaller GPU KV pool, and a "
+        "host pool that many times as large) or run fewer ranks on this host"
+    )
+    raise HiSparseMemoryError(
+        f"the HiSparse host pool needs {pool_bytes / 2**30:,.1f} GiB of pinned memory{processes}, more than "
+        f"{HOST_MEMORY_USABLE_FRACTION:.0%} of the {memory.available / 2**30:,.1f} GiB available ({memory.source}); "
+        f"{fix}."
+    )
+
+
+def check_device_pool(capacity_pages: int, config) -> None:
+    """Refuse a GPU KV pool that cannot hold one offloaded request's buffer (device_buffer_size plus
+    the page of its newest token): no request longer than the buffer could ever be offloaded, and
+    the scheduler would fail on the first one.
+
+    Raises:
+        HiSparseMemoryError: naming the pool, the buffer and the largest device_buffer_size that fits.
+    """
+    page_size = config.page_size
+    buffer_pages = config.padded_buffer_size // page_size
+    if capacity_pages >= buffer_pages:
+        return
+    largest = (capacity_pages - 1) * page_size
+    smaller = (
+        f", or lower device_buffer_size to <= {largest} in --hisparse-config (now {config.device_buffer_size})"
+        if largest >= config.top_k
+        else ""
+    )
+    raise HiSparseMemoryError(
+        f"the GPU KV pool holds {capacity_pages * page_size} tokens ({capacity_pages} pages of {page_size}), fewer "
+        f"than one offloaded request's device buffer needs: device_buffer_size {config.device_buffer_size} + one "
+        f"page = {config.padded_buffer_size} rows. Give the KV pool more GPU memory (--mem-fraction-static, or "
+        f"fewer --max-running-requests){smaller}."
     )

@@ -5,7 +5,7 @@ Every rejected setup raises a typed error naming the offending value and the fix
 
 from __future__ import annotations
 
-from hisparse_sglang.config import HiSparseConfig
+from hisparse_sglang.config import HiSparseConfig, parse_config_text
 from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
 
 __all__ = ["validate_server_args", "config_from_server_args", "ALLOWED_BACKENDS"]
@@ -16,8 +16,38 @@ DSA_PAGE_SIZE = 64
 
 
 def config_from_server_args(server_args, model_index_topk: int | None = None) -> HiSparseConfig:
-    """HiSparseConfig from ``--hisparse-config`` (raises HiSparseConfigError)."""
-    return HiSparseConfig.from_json(getattr(server_args, "hisparse_config", None), model_index_topk=model_index_topk)
+    """HiSparseConfig from ``--hisparse-config``, its page size checked against SGLang's
+    ``--page-size`` (raises HiSparseConfigError naming whichever of the two the user set)."""
+    values = parse_config_text(getattr(server_args, "hisparse_config", None))
+    config = HiSparseConfig.from_dict(values, model_index_topk=model_index_topk)
+    _check_page_size(config.page_size, "page_size" in values, getattr(server_args, "page_size", None))
+    return config
+
+
+def _check_page_size(config_page_size: int, set_in_config: bool, server_page_size: int | None) -> None:
+    """HiSparse's page size is SGLang's, and SGLang's DSA KV cache uses pages of DSA_PAGE_SIZE.
+
+    A message blames the setting the user wrote: page_size in --hisparse-config when it is there,
+    else --page-size.
+    """
+    if server_page_size is not None and server_page_size != config_page_size:
+        if set_in_config:
+            also = "" if server_page_size == DSA_PAGE_SIZE else f" and use --page-size {DSA_PAGE_SIZE}"
+            raise HiSparseConfigError(
+                f"page_size in --hisparse-config ({config_page_size}) differs from SGLang's page size "
+                f"({server_page_size}); remove page_size from --hisparse-config{also}."
+            )
+        raise HiSparseConfigError(
+            f"--page-size {server_page_size} does not work with --enable-hisparse: SGLang's DSA KV cache, and "
+            f"HiSparse with it, uses pages of {DSA_PAGE_SIZE} tokens; remove --page-size or set it to {DSA_PAGE_SIZE}."
+        )
+    if config_page_size != DSA_PAGE_SIZE:
+        written = ["page_size in --hisparse-config"] * set_in_config + ["--page-size"] * (server_page_size is not None)
+        where = " and ".join(written)
+        raise HiSparseConfigError(
+            f"page_size ({config_page_size}) must be {DSA_PAGE_SIZE}: SGLang's DSA KV cache uses pages of "
+            f"{DSA_PAGE_SIZE}; remove {where}."
+        )
 
 
 def validate_server_args(args, hf_config, kv_cache_dtype: str, is_dsa: bool, is_dsv4: bool) -> HiSparseConfig:
@@ -76,15 +106,4 @@ def validate_server_args(args, hf_config, kv_cache_dtype: str, is_dsa: bool, is_
             raise UnsupportedSetupError(
                 f"HiSparse with a {dtype} KV cache needs {flag} {' or '.join(allowed)}, got {backend!r}."
             )
-    page_size = getattr(args, "page_size", None)
-    config = config_from_server_args(args, model_index_topk=getattr(hf_config, "index_topk", None))
-    if page_size not in (None, config.page_size):
-        raise HiSparseConfigError(
-            f"page_size in --hisparse-config ({config.page_size}) differs from SGLang's page size ({page_size}); "
-            f"remove page_size from --hisparse-config."
-        )
-    if config.page_size != DSA_PAGE_SIZE:
-        raise HiSparseConfigError(
-            f"page_size ({config.page_size}) must be {DSA_PAGE_SIZE}: SGLang's DSA KV cache uses pages of {DSA_PAGE_SIZE}."
-        )
-    return config
+    return config_from_server_args(args, model_index_topk=getattr(hf_config, "index_topk", None))

@@ -3,10 +3,18 @@
 Used by the demo and by the lifecycle property tests. Every KV row the "model" writes carries its
 identity (request uid, position, layer), so any row read back through the swap-in op can be
 checked against the token it should hold.
+
+Progress: a step with nothing to decode still lets time pass for the copies in flight (on the CPU
+an event completes a number of steps after it was recorded, and a real copy completes while the
+scheduler idles), a request with no output ends when its prefill is collected, and a request that
+could not run even on an idle server is rejected (as SGLang rejects it) instead of waiting forever.
+:meth:`SimulatedServer.run_until_idle` drives everything to its end and raises
+:class:`SimulationStalled` if that takes longer than :meth:`SimulatedServer.progress_bound`.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 
@@ -21,7 +29,7 @@ from hisparse_sglang.memory.host_pool import HostKVPool
 from hisparse_sglang.ops import reference
 from hisparse_sglang.streams import StreamSet
 
-__all__ = ["SimulatedServer", "StepReport", "token_rows"]
+__all__ = ["SimulatedServer", "SimulationStalled", "StepReport", "token_rows"]
 
 _WORD = 4
 
@@ -47,6 +55,10 @@ class _SimRequest:
     target_len: int
     state: str  # "staging" or "decoding"
     selection: list[torch.Tensor]  # per-layer persistent top-k interest set
+
+
+class SimulationStalled(AssertionError):
+    """Admitted requests did not all end within the simulator's progress bound."""
 
 
 @dataclasses.dataclass
@@ -133,14 +145,51 @@ class SimulatedServer:
             ops=ops,
             streams=self.streams,
         )
+        self.max_reqs = max_reqs
         self.free_slots = list(range(max_reqs - 1, -1, -1))
         self.requests: dict[int, _SimRequest] = {}
         self.finished: list[int] = []
+        self.aborted: list[int] = []
+        # Requests that could not run even on an idle server, with why: "too large" when submitted,
+        # "outgrew the GPU pool" when retracted with more tokens than an idle server can prefill.
+        self.rejected: dict[int, str] = {}
+        self.admitted: set[int] = set()
         self.retracted: list[tuple[int, int, int]] = []
+        self.waiting: collections.deque[tuple[int, int, int]] = collections.deque()  # uid, prompt, output
         self.last_rows: list[torch.Tensor] = []  # swap-in output of each layer in the last step
         self._next_uid = 1
 
     # ------------------------------------------------------------------ scheduler-facing
+    def fits_when_idle(self, prompt_len: int, output_len: int) -> bool:
+        """Whether the request could run on an otherwise idle server: its prefill on the GPU, its
+        whole length in the host pool and the context of a request slot."""
+        pages = self.allocator.device_rows.capacity_pages
+        return (
+            1 <= prompt_len
+            and prompt_len + output_len <= self.max_context
+            and -(-prompt_len // self.page_size) <= pages
+            and -(-(prompt_len + output_len) // self.page_size) <= self.allocator.logical.capacity_pages
+        )
+
+    def submit(self, prompt_len: int, output_len: int) -> int:
+        """Queue a request (admitted by :meth:`admit_waiting`); returns its uid. A request that could
+        not run even on an idle server is rejected at once (listed in ``rejected``)."""
+        uid = self._next_uid
+        self._next_uid += 1
+        if self.fits_when_idle(prompt_len, output_len):
+            self.waiting.append((uid, prompt_len, output_len))
+        else:
+            self.rejected[uid] = "too large"
+        return uid
+
+    def admit_waiting(self) -> None:
+        """Admit queued requests in order while they fit now (the first that does not waits)."""
+        while self.waiting:
+            uid, prompt_len, output_len = self.waiting[0]
+            if self.add_request(prompt_len, output_len, uid=uid) is None:
+                return
+            self.waiting.popleft()
+
     def add_request(self, prompt_len: int, output_len: int, uid: int | None = None) -> int | None:
         """Prefill a request (two chunks when long); None if slots or memory are short."""
         if prompt_len < 1 or prompt_len + output_len > self.max_context:
@@ -158,7 +207,8 @@ class SimulatedServer:
             uid = self._next_uid
             self._next_uid += 1
         slot = self.free_slots.pop()
-        chunks = [prompt_len] if prompt_len <= 2 * self.page_size else [prompt_len // 2 + 3, prompt_len]
+        # Two chunks split off a page boundary (any page size, page size 1 included).
+        chunks = [prompt_len] if prompt_len <= 2 * self.page_size else [min(prompt_len // 2 + 3, prompt_len - 1), prompt_len]
         start = 0
         for end in chunks:
             last_loc = (
@@ -176,17 +226,21 @@ class SimulatedServer:
         self.requests[uid] = _SimRequest(
             uid, slot, prompt_len, prompt_len + output_len, "staging", [self._initial_selection(prompt_len) for _ in range(self.layer_num)]
         )
+        self.admitted.add(uid)
         return uid
 
     def step(self) -> StepReport:
         """One scheduler iteration: collect staged requests, decode one token for every request."""
         for slot in self.coordinator.collect_ready():
-            self._by_slot(slot).state = "decoding"
+            request = self._by_slot(slot)
+            request.state = "decoding"
+            if request.seq_len >= request.target_len:  # no output to decode: done after its prefill
+                self.finish(request.uid)
         batch = [r for r in self.requests.values() if r.state == "decoding"]
         batch.sort(key=lambda r: r.slot)
         lookups_before, misses_before = self.coordinator.swap_counters.tolist()
         if not batch:
-            return self._report(0, lookups_before, misses_before)
+            return self._idle(lookups_before, misses_before)
 
         # Like SGLang's check_decode_mem: retract the longest request while memory for the new
         # tokens is short (logical pages for every request, device pages for resident ones).
@@ -198,7 +252,7 @@ class SimulatedServer:
             self.retract(victim.uid)
             batch.remove(victim)
         if not batch:
-            return self._report(0, lookups_before, misses_before)
+            return self._idle(lookups_before, misses_before)
         seq_lens = torch.tensor([r.seq_len + 1 for r in batch], dtype=torch.int64)
         slots = torch.tensor([r.slot for r in batch], dtype=torch.int64)
         slots = slots.to(self.device)
@@ -233,6 +287,7 @@ class SimulatedServer:
 
     def abort(self, uid: int) -> None:
         self._release(self.requests.pop(uid))
+        self.aborted.append(uid)
 
     def retract(self, uid: int) -> None:
         """Give a request's memory back; it comes back later as a longer prefill of the same tokens."""
@@ -241,12 +296,65 @@ class SimulatedServer:
         self.retracted.append((uid, request.seq_len, request.target_len - request.seq_len))
 
     def readmit_retracted(self) -> None:
-        """Prefill retracted requests again (their KV is recomputed from the same tokens)."""
+        """Prefill retracted requests again (their KV is recomputed from the same tokens). One whose
+        prompt has grown past what an idle server could prefill is rejected (SGLang aborts it)."""
         kept = []
         for uid, prompt_len, output_len in self.retracted:
-            if self.add_request(prompt_len, output_len, uid=uid) is None:
+            if not self.fits_when_idle(prompt_len, output_len):
+                self.rejected[uid] = "outgrew the GPU pool"
+            elif self.add_request(prompt_len, output_len, uid=uid) is None:
                 kept.append((uid, prompt_len, output_len))
         self.retracted = kept
+
+    # ------------------------------------------------------------------ progress
+    def progress_bound(self) -> int:
+        """Steps of :meth:`run_until_idle` within which every request now live, retracted or waiting
+        must end when nothing else arrives.
+
+        Each step decodes a token of some request (tokens are never lost: a retracted request comes
+        back with them as its prompt) or is idle; an idle run lasts at most ``cpu_event_delay_steps``
+        + 2 steps (a staged request is ready that many steps after its prefill; a retracted or
+        waiting one is prefilled the step after the server empties). Hence (tokens to decode +
+        2 x requests + 1) x (delay + 3).
+        """
+        tokens = sum(r.target_len - r.seq_len for r in self.requests.values())
+        tokens += sum(output for _, _, output in self.retracted) + sum(output for _, _, output in self.waiting)
+        count = len(self.requests) + len(self.retracted) + len(self.waiting)
+        return (tokens + 2 * count + 1) * (self.streams.cpu_event_delay_steps + 3)
+
+    def run_until_idle(self, check=None, max_steps: int | None = None) -> int:
+        """Step (readmitting retracted and admitting waiting requests) until no request is left;
+        returns the steps taken. ``check`` runs after every step (e.g. check_invariants).
+
+        Raises:
+            SimulationStalled: more than ``max_steps`` (default :meth:`progress_bound`) steps; the
+                message lists what is left.
+        """
+        bound = self.progress_bound() if max_steps is None else max_steps
+        steps = 0
+        while self.requests or self.retracted or self.waiting:
+            if steps == bound:
+                left = ", ".join(
+                    f"uid {r.uid} {r.state} {r.seq_len}/{r.target_len}" for r in list(self.requests.values())[:8]
+                )
+                raise SimulationStalled(
+                    f"requests did not end within {bound} steps: live [{left}], retracted {self.retracted[:8]}, "
+                    f"waiting {list(self.waiting)[:8]}, coordinator pending {self.coordinator.pending[:8]}"
+                )
+            self.readmit_retracted()
+            self.admit_waiting()
+            self.step()
+            steps += 1
+            if check is not None:
+                check()
+        return steps
+
+    def check_every_admitted_request_ended(self) -> None:
+        """Every request admitted so far finished, was aborted or was rejected (none is lost)."""
+        ended = set(self.finished) | set(self.aborted) | set(self.rejected)
+        live = set(self.requests) | {uid for uid, _, _ in self.retracted}
+        lost = self.admitted - ended - live
+        assert not lost, f"admitted requests neither ended nor live: {sorted(lost)[:8]}"
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
@@ -374,6 +482,12 @@ class SimulatedServer:
             got = self.device_layers[layer_id][rows].cpu()
             want = token_rows(request.uid, held.cpu(), layer_id, self.item_bytes)
             assert torch.equal(got, want), f"request {request.uid} layer {layer_id}: a buffer slot holds the wrong KV"
+
+    def _idle(self, lookups_before: int, misses_before: int) -> StepReport:
+        """A step with nothing to decode: time passes for the copies in flight (a CPU event completes
+        a number of steps after it was recorded; a real one completes while the scheduler idles)."""
+        self.streams.step += 1
+        return self._report(0, lookups_before, misses_before)
 
     def _report(self, batch_size: int, lookups_before: int, misses_before: int) -> StepReport:
         lookups, misses = self.coordinator.swap_counters.tolist()

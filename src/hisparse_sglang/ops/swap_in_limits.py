@@ -1,0 +1,218 @@
+"""What the swap-in kernel can run: its shared-memory plan and its limits, owned here alone.
+
+The kernel (``csrc/swap_in.cuh``) carves its dynamic shared memory at the byte offsets of
+:func:`swap_in_plan`, which the op (``ops/swap_in.py``) passes with every launch; config
+validation (``config.py``, at startup, before any GPU is touched) and the op (on the GPU it runs
+on) check a shape with :func:`check_swap_in_fits`. A shape the kernel cannot run is therefore
+rejected when the server starts, naming the key, the limit and the largest value that fits,
+instead of failing inside ``cudaFuncSetAttribute`` at the first launch.
+
+Imports the standard library only (torch only inside :func:`shared_memory_per_block`, to query a
+GPU), so ``import hisparse_sglang`` stays free of side effects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+
+from hisparse_sglang.errors import HiSparseConfigError
+
+__all__ = [
+    "SwapInPlan",
+    "PLAN_FIELDS",
+    "SWAP_IN_BLOCK_SIZES",
+    "DEFAULT_THREADS",
+    "MAX_TOP_K",
+    "MAX_DEVICE_BUFFER_SIZE",
+    "SM90_SHARED_MEMORY_PER_BLOCK",
+    "swap_in_plan",
+    "shared_memory_per_block",
+    "largest_device_buffer_size",
+    "largest_top_k",
+    "check_swap_in_fits",
+]
+
+# Thread counts the kernel is instantiated for (csrc/swap_in_binding.cu's switch).
+SWAP_IN_BLOCK_SIZES = (256, 512, 1024)
+# The op's block size when swap_in_block_size is null: the fastest with misses in
+# benchmarks/bench_swap_in.py --sweep at every batch size on an H100 (docs/kernels.md).
+DEFAULT_THREADS = 1024
+# Slot ids are int16 in the token -> slot map, the victim list and the slot ages.
+MAX_DEVICE_BUFFER_SIZE = 32767
+# The largest top_k the binding accepts (csrc/swap_in.cuh kMaxHashBits: the hash table of the
+# misses, 2 x top_k entries rounded up to a power of two, is indexed by int16); on sm_90 the
+# shared-memory plan caps top_k lower (4096, see largest_top_k).
+MAX_TOP_K = 8192
+# 227 KiB: cudaDevAttrMaxSharedMemoryPerBlockOptin of every sm_90 GPU (H100, H200), the most
+# shared memory one block may opt in to. Used where no GPU is at hand: config validation runs in
+# SGLang's main process, which must not initialise CUDA (the schedulers it starts would inherit it).
+SM90_SHARED_MEMORY_PER_BLOCK = 232448
+
+_AGE_BUCKETS = 256 + 128  # coarse (age >> 7) and fine (age & 127) histograms of the slot ages
+_ROLE_ALIGN = 128  # the role's area starts on a 128-byte line (same bank mapping as at offset 0)
+
+# Order of the plan as it travels to the binding (an int64 tensor): csrc/swap_in.cuh SwapInSmemPlan.
+PLAN_FIELDS = (
+    "hash_bits", "total_bytes", "warp_sums", "selection", "role", "keys", "first", "hash_host_row",
+    "hash_device_row", "row_of_slot", "token_of_slot", "entry_state", "slot_hit", "coarse", "fine",
+    "miss_hash", "victim_slot", "slot_age", "entry_hash",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapInPlan:
+    """Dynamic shared memory of one swap-in CTA: byte offsets of its regions and the total.
+
+    Every CTA has the block-scan scratch (``warp_sums``: uint64 ``[threads / 32 + 1]``) and the
+    victim-selection scalars (``selection``: int32 ``[4]``); from ``role`` on, a planner CTA holds
+    its tables (the regions below, each named as in the kernel) and a copier CTA its miss list
+    (3 int32 per entry of its chunk) followed by staged host rows, as many as fit in ``total_bytes``.
+    """
+
+    top_k: int
+    buffer_size: int
+    threads: int
+    hash_bits: int
+    offsets: types.MappingProxyType
+    total_bytes: int
+
+    def as_ints(self) -> list[int]:
+        """The plan in :data:`PLAN_FIELDS` order."""
+        values = dict(self.offsets, hash_bits=self.hash_bits, total_bytes=self.total_bytes)
+        return [values[name] for name in PLAN_FIELDS]
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@functools.lru_cache(maxsize=256)
+def swap_in_plan(top_k: int, buffer_size: int, threads: int | None = None) -> SwapInPlan:
+    """The shared-memory plan of a swap-in CTA for ``top_k`` entries, ``buffer_size`` LRU slots
+    and ``threads`` per block (None: :data:`DEFAULT_THREADS`); no limit is checked here (see
+    :func:`check_swap_in_fits`)."""
+    threads = threads or DEFAULT_THREADS
+    hash_bits = max(1, (2 * top_k - 1).bit_length())
+    hash_size = 1 << hash_bits
+    offsets: dict[str, int] = {}
+    cursor = 0
+
+    def region(name: str, count: int, element_bytes: int) -> None:
+        nonlocal cursor
+        cursor = _round_up(cursor, element_bytes)
+        offsets[name] = cursor
+        cursor += count * element_bytes
+
+    region("warp_sums", threads // 32 + 1, 8)
+    region("selection", 4, 4)
+    cursor = _round_up(cursor, _ROLE_ALIGN)
+    offsets["role"] = cursor
+    for name in ("keys", "first", "hash_host_row", "hash_device_row"):
+        region(name, hash_size, 4)
+    region("row_of_slot", buffer_size, 4)
+    region("token_of_slot", buffer_size, 4)
+    region("entry_state", top_k, 4)
+    region("slot_hit", -(-buffer_size // 32), 4)
+    region("coarse", 256, 4)
+    region("fine", _AGE_BUCKETS - 256, 4)
+    region("miss_hash", top_k, 2)
+    region("victim_slot", top_k, 2)
+    region("slot_age", buffer_size, 2)
+    region("entry_hash", top_k, 2)
+    # A copier's miss list (entry, host row, device row per entry of a chunk of at most top_k
+    # entries rounded up to whole warps) must fit the same area.
+    copier_list = offsets["role"] + 3 * 4 * _round_up(top_k, 32)
+    total = _round_up(max(cursor, copier_list), 16)
+    return SwapInPlan(top_k, buffer_size, threads, hash_bits, types.MappingProxyType(offsets), total)
+
+
+def shared_memory_per_block(device=None) -> int:
+    """The most shared memory one block may use: the GPU's opt-in limit, or sm_90's without one."""
+    if device is None:
+        return SM90_SHARED_MEMORY_PER_BLOCK
+    import torch
+
+    return int(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+
+
+def largest_device_buffer_size(top_k: int, page_size: int, threads: int | None, limit: int) -> int | None:
+    """The largest multiple of ``page_size`` that is >= ``top_k`` and whose plan fits ``limit``
+    bytes, or None when not even the smallest one fits."""
+    def fits(pages: int) -> bool:
+        return swap_in_plan(top_k, pages * page_size, threads).total_bytes <= limit
+
+    low, high = -(-top_k // page_size), MAX_DEVICE_BUFFER_SIZE // page_size
+    if low > high or not fits(low):
+        return None
+    while low < high:  # the plan grows with the buffer: bisect over whole pages
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low * page_size
+
+
+def largest_top_k(page_size: int, threads: int | None, limit: int) -> int:
+    """The largest top_k that fits ``limit`` with the smallest buffer (device_buffer_size = top_k)."""
+    low, high = 1, MAX_TOP_K
+    while low < high:
+        middle = (low + high + 1) // 2
+        if largest_device_buffer_size(middle, page_size, threads, limit) is not None:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _where(limit: int, device_name: str | None) -> str:
+    if device_name is None:
+        return f"the {limit:,} B (227 KiB) per block of an sm_90 GPU (H100, H200)"
+    return f"the {limit:,} B per block of this GPU ({device_name})"
+
+
+def check_swap_in_fits(
+    top_k: int,
+    buffer_size: int,
+    page_size: int,
+    threads: int | None = None,
+    *,
+    limit: int | None = None,
+    device_name: str | None = None,
+    top_k_origin: str | None = None,
+) -> SwapInPlan:
+    """The plan of this shape, or HiSparseConfigError naming the key, the limit and the fix.
+
+    Args:
+        threads: swap_in_block_size (None: :data:`DEFAULT_THREADS`).
+        limit: shared memory per block (default: sm_90's); ``device_name`` names the GPU it is of.
+        top_k_origin: where top_k came from when the user did not set it ("the model's index_topk").
+    """
+    threads = threads or DEFAULT_THREADS
+    limit = SM90_SHARED_MEMORY_PER_BLOCK if limit is None else limit
+    top_k_text = f"top_k {top_k}" + (f" ({top_k_origin})" if top_k_origin else "")
+    if top_k > MAX_TOP_K:
+        raise HiSparseConfigError(
+            f"{top_k_text} must be <= {MAX_TOP_K} for the swap-in kernel; HiSparse cannot serve a "
+            f"model that selects more tokens per layer."
+        )
+    plan = swap_in_plan(top_k, buffer_size, threads)
+    if plan.total_bytes <= limit:
+        return plan
+    largest = largest_device_buffer_size(top_k, page_size, threads, limit)
+    if largest is None:
+        smallest = swap_in_plan(top_k, _round_up(top_k, page_size), threads)
+        raise HiSparseConfigError(
+            f"{top_k_text} is too large for the swap-in kernel: even with the smallest "
+            f"device_buffer_size ({_round_up(top_k, page_size)}) and swap_in_block_size {threads} it needs "
+            f"{smallest.total_bytes:,} B of GPU shared memory per block, more than {_where(limit, device_name)}; "
+            f"top_k <= {largest_top_k(page_size, threads, limit)} fits there, so HiSparse cannot serve this top_k on it."
+        )
+    raise HiSparseConfigError(
+        f"device_buffer_size ({buffer_size}) is too large for the swap-in kernel: with {top_k_text} and "
+        f"swap_in_block_size {threads} it needs {plan.total_bytes:,} B of GPU shared memory per block, more than "
+        f"{_where(limit, device_name)}; use device_buffer_size <= {largest} (the largest multiple of page_size "
+        f"{page_size} that fits with this top_k)."
+    )

@@ -1,0 +1,61 @@
+"""The paged allocator on a GPU: double frees are caught on the device without a host sync (GPU only)."""
+
+import pytest
+import torch
+
+from hisparse_sglang.errors import HiSparseMemoryError
+from hisparse_sglang.memory import PagedAllocator
+
+pytestmark = pytest.mark.gpu
+
+
+def no_sync():
+    """Raise on any synchronizing CUDA call inside the block (torch's sync debug mode)."""
+
+    class Guard:
+        def __enter__(self):
+            torch.cuda.set_sync_debug_mode("error")
+
+        def __exit__(self, *exc):
+            torch.cuda.set_sync_debug_mode("default")
+
+    return Guard()
+
+
+def test_correct_allocations_and_frees_never_sync_and_never_raise():
+    allocator = PagedAllocator("device", 4096, 64, device="cuda")
+    generator = torch.Generator().manual_seed(1)
+    held = []
+    with no_sync():
+        for _ in range(300):
+            if held and torch.rand((), generator=generator) < 0.5:
+                allocator.free_pages_(held.pop(int(torch.randint(len(held), (), generator=generator))))
+            else:
+                held.append(allocator.alloc_pages(int(torch.randint(1, 9, (), generator=generator))))
+    allocator.ownership.verify()
+    everything = torch.cat(held).cpu()
+    assert torch.unique(everything).numel() == everything.numel()
+
+
+def test_a_double_free_is_reported_at_the_next_call_once_the_gpu_got_there():
+    allocator = PagedAllocator("device", 256, 64, device="cuda")
+    pages = allocator.alloc_pages(4)
+    with no_sync():
+        allocator.free_pages_(pages[1:3])
+        allocator.free_pages_(pages[2:3])  # page pages[2] a second time
+    torch.cuda.synchronize()
+    bad = int(pages[2])
+    with pytest.raises(HiSparseMemoryError, match=rf"device pool: double free of page {bad} \(it is not allocated\)"):
+        allocator.alloc_pages(1)
+    with pytest.raises(HiSparseMemoryError, match=rf"double free of page {bad}"):
+        allocator.ownership.verify()
+
+
+def test_checked_mode_raises_at_once_with_the_allocator_untouched():
+    allocator = PagedAllocator("host", 256, 64, device="cuda", checked=True)
+    pages = allocator.alloc_pages(4)
+    allocator.free_pages_(pages)
+    free_before = allocator.free_pages
+    with pytest.raises(HiSparseMemoryError, match="double free of page"):
+        allocator.free_pages_(pages[:1])
+    assert allocator.free_pages == free_before

@@ -1,0 +1,108 @@
+"""The swap-in kernel's shared-memory plan and limits: one function, used by config validation (CPU)."""
+
+import pytest
+
+from hisparse_sglang.config import HiSparseConfig
+from hisparse_sglang.errors import HiSparseConfigError
+from hisparse_sglang.ops.swap_in_limits import (
+    PLAN_FIELDS,
+    SM90_SHARED_MEMORY_PER_BLOCK,
+    SWAP_IN_BLOCK_SIZES,
+    check_swap_in_fits,
+    largest_device_buffer_size,
+    largest_top_k,
+    swap_in_plan,
+)
+
+# What each region of the planner must hold (elements, bytes each), independent of the plan's code.
+def required_regions(top_k, buffer_size, threads):
+    hash_size = 1
+    while hash_size < 2 * top_k:
+        hash_size *= 2
+    hash_size = max(hash_size, 2)
+    return {
+        "warp_sums": (threads // 32 + 1, 8), "selection": (4, 4),
+        "keys": (hash_size, 4), "first": (hash_size, 4), "hash_host_row": (hash_size, 4), "hash_device_row": (hash_size, 4),
+        "row_of_slot": (buffer_size, 4), "token_of_slot": (buffer_size, 4), "entry_state": (top_k, 4),
+        "slot_hit": ((buffer_size + 31) // 32, 4), "coarse": (256, 4), "fine": (128, 4),
+        "miss_hash": (top_k, 2), "victim_slot": (top_k, 2), "slot_age": (buffer_size, 2), "entry_hash": (top_k, 2),
+    }
+
+
+SHAPES = [(1, 1, 256), (7, 64, 512), (100, 256, 1024), (2048, 4096, 1024), (2048, 14272, 256), (4096, 5760, 512),
+          (3000, 3008, 1024)]
+
+
+@pytest.mark.parametrize("top_k,buffer_size,threads", SHAPES)
+def test_plan_regions_are_aligned_disjoint_and_inside_the_total(top_k, buffer_size, threads):
+    plan = swap_in_plan(top_k, buffer_size, threads)
+    spans = []
+    for name, (count, element_bytes) in required_regions(top_k, buffer_size, threads).items():
+        offset = plan.offsets[name]
+        assert offset % element_bytes == 0, f"{name} at {offset} is not {element_bytes}-byte aligned"
+        spans.append((offset, offset + count * element_bytes, name))
+    spans.sort()
+    for (_, end, name), (start, _, following) in zip(spans, spans[1:]):
+        assert end <= start, f"{name} overlaps {following}"
+    assert spans[-1][1] <= plan.total_bytes and plan.total_bytes % 16 == 0
+    assert plan.offsets["role"] % 128 == 0 and plan.offsets["role"] >= plan.offsets["selection"] + 16
+    # A copier's miss list (3 int32 per entry of a chunk of up to top_k entries, whole warps) fits too.
+    assert plan.offsets["role"] + 12 * (-(-top_k // 32) * 32) <= plan.total_bytes
+    assert (1 << plan.hash_bits) >= 2 * top_k
+    ints = plan.as_ints()
+    assert len(ints) == len(PLAN_FIELDS) and ints[:2] == [plan.hash_bits, plan.total_bytes]
+
+
+@pytest.mark.parametrize("buffer_size", [14336, 16384])
+def test_issue_buffer_sizes_are_rejected_at_config_time_with_the_largest_that_fits(buffer_size):
+    with pytest.raises(HiSparseConfigError) as info:
+        HiSparseConfig.from_json(f'{{"top_k": 2048, "device_buffer_size": {buffer_size}}}')
+    message = str(info.value)
+    for fragment in (f"device_buffer_size ({buffer_size})", "232,448 B", "sm_90", "device_buffer_size <= 14272"):
+        assert fragment in message, message
+    assert len(message) < 500
+
+
+def test_the_largest_buffer_reported_is_the_largest_that_fits():
+    for top_k, threads in [(2048, 1024), (2048, 256), (1024, 512), (4096, 1024), (100, 1024)]:
+        largest = largest_device_buffer_size(top_k, 64, threads, SM90_SHARED_MEMORY_PER_BLOCK)
+        assert largest % 64 == 0 and largest >= top_k
+        assert swap_in_plan(top_k, largest, threads).total_bytes <= SM90_SHARED_MEMORY_PER_BLOCK
+        if largest + 64 <= 32767:
+            assert swap_in_plan(top_k, largest + 64, threads).total_bytes > SM90_SHARED_MEMORY_PER_BLOCK
+        HiSparseConfig(top_k=top_k, device_buffer_size=largest, swap_in_block_size=threads)
+    assert largest_device_buffer_size(2048, 64, 1024, SM90_SHARED_MEMORY_PER_BLOCK) == 14272
+    assert largest_device_buffer_size(8192, 64, 1024, SM90_SHARED_MEMORY_PER_BLOCK) is None
+
+
+def test_the_block_size_changes_the_plan_only_by_the_scan_scratch():
+    sizes = {threads: swap_in_plan(2048, 4096, threads).offsets["selection"] for threads in SWAP_IN_BLOCK_SIZES}
+    assert sizes == {256: 9 * 8, 512: 17 * 8, 1024: 33 * 8}
+
+
+def test_a_smaller_gpu_is_named_with_its_limit():
+    with pytest.raises(HiSparseConfigError) as info:
+        check_swap_in_fits(2048, 4096, 64, 1024, limit=101376, device_name="NVIDIA L40S")
+    message = str(info.value)
+    assert "NVIDIA L40S" in message and "101,376 B" in message and "top_k 2048" in message
+    assert f"top_k <= {largest_top_k(64, 1024, 101376)}" in message
+
+
+def test_default_buffer_of_a_large_top_k_is_capped_to_what_fits():
+    """Nobody set device_buffer_size: its default must not make the config fail."""
+    for text, model_topk in [('{"top_k": 4096}', None), ("{}", 4096), ('{"top_k": 3000}', None)]:
+        config = HiSparseConfig.from_json(text, model_index_topk=model_topk)
+        assert config.top_k <= config.device_buffer_size <= 2 * config.top_k + 64
+        assert swap_in_plan(config.top_k, config.device_buffer_size).total_bytes <= SM90_SHARED_MEMORY_PER_BLOCK
+    assert HiSparseConfig.from_json('{"top_k": 4096}').device_buffer_size == 5760
+    assert HiSparseConfig.from_json('{"top_k": 1024}').device_buffer_size == 2048  # uncapped: 2 x top_k
+
+
+def test_a_top_k_the_kernel_cannot_run_blames_top_k_and_its_origin():
+    with pytest.raises(HiSparseConfigError) as info:
+        HiSparseConfig.from_json("{}", model_index_topk=8192)
+    message = str(info.value)
+    assert "top_k 8192 (the model's index_topk)" in message and "top_k <= 4096" in message
+    assert message.startswith("top_k 8192"), message  # not "device_buffer_size (...)", which nobody set
+    with pytest.raises(HiSparseConfigError, match=r"top_k \(20000\) must be <= 8192"):
+        HiSparseConfig.from_json('{"top_k": 20000}')
