@@ -116,8 +116,9 @@ class SGLangHiSparseCoordinator:
         )
         self.host_pool = HostKVPool(len(layers), rows.num_locs, item_bytes, pin=self.device.type == "cuda")
         num_req_slots, context_len = req_to_token_pool.req_to_token.shape
-        # No more requests can be offloaded at once than there are request slots.
-        num_buffers = max(1, min(num_req_slots, rows.device_rows.capacity_rows // config.padded_buffer_size))
+        # No more requests can be offloaded at once than there are request slots; a pool smaller
+        # than one buffer was refused by _check_host_memory.
+        num_buffers = min(num_req_slots, rows.device_rows.capacity_rows // config.padded_buffer_size)
         table_shape = (len(layers), num_req_slots, num_buffers, config.device_buffer_size, config.page_size, context_len)
         _check_device_memory(DeviceBufferPool.table_bytes(*table_shape), self.device, table_shape)
         self.buffers = DeviceBufferPool(*table_shape, self.device)
@@ -128,7 +129,8 @@ class SGLangHiSparseCoordinator:
             started = time.monotonic()
             load_module()  # compile before any CUDA-graph capture
             ops.reserve(
-                self.device, num_req_slots, config.top_k, config.device_buffer_size, config.swap_in_block_size
+                self.device, num_req_slots, config.top_k, config.device_buffer_size, config.swap_in_block_size,
+                page_size=config.page_size,
             )
             logger.info("HiSparse: CUDA kernels ready in %.1f s", time.monotonic() - started)
         else:
