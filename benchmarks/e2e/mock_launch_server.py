@@ -12,7 +12,7 @@ prefill records the room with a hash of the input ids and serves it on its boots
 and rejects a prompt longer than its GPU pool (its logical pool with MOCK_PD_LOGICAL=1, like the
 plugin), as SGLang's validate_input_length does.  Both log `PD <role> room <room>` per request.
 """
-import argparse, ctypes, functools, hashlib, importlib, importlib.metadata as md, json, os, random, subprocess, sys
+import argparse, ctypes, functools, hashlib, importlib.metadata as md, json, os, random, subprocess, sys
 import threading, time, urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 

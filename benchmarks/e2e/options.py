@@ -181,9 +181,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tp-max-fallback", type=int, default=64, help="'max' level if capacity was not measured")
     g = ap.add_argument_group("PD arms pd-c, pd-b (prefill + decode instance on the one GPU)")
     g.add_argument("--pd-prefill-max-total-tokens", type=int, default=131072)
-    g.add_argument("--pd-decode-max-total-tokens", type=int, default=32768,
+    g.add_argument("--pd-decode-max-total-tokens", type=int, default=40960,
                    help="the decode instance's GPU KV pool; its logical (host) pool is host_to_device_ratio x this "
-                        "(default %(default)s, below --long-len)")
+                        "(default %(default)s: the 32K correctness prompts fit it also without the plugin, the "
+                        "--long-len prompt does not)")
     g.add_argument("--pd-mem-fraction-static", type=float, default=0.4,
                    help="of each instance (the two share the GPU; --max-total-tokens caps both pools)")
     g.add_argument("--pd-stagger-s", type=float, default=0.0,
@@ -192,7 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / _WAITING_TIMEOUT of both instances")
     g.add_argument("--long-len", type=int, default=49152, help="phase longprompt: input tokens (default %(default)s)")
     g.add_argument("--long-out", type=int, default=256)
-    g.add_argument("--long-timeout", type=float, default=240)
+    g.add_argument("--long-timeout", type=float, default=150)
     g = ap.add_argument_group("saturation (opt-in phase)")
     g.add_argument("--sat-input-len", type=int, default=16384)
     g.add_argument("--sat-output-len", type=int, default=2048)
@@ -223,6 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--preflight-timeout", type=float, default=180)
     g.add_argument("--preflight-mooncake", action="store_true",
                    help="preflight also checks the Mooncake part (mooncake_check.py in the PD servers' environment)")
+    g.add_argument("--allow-mooncake-failure", action="store_true",
+                   help="start the PD arms even if the Mooncake preflight failed")
     args = ap.parse_args(argv)
     try:
         args.arms = parse_csv(args.arms, ALL_ARMS, "arms")

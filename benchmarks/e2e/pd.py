@@ -1,7 +1,7 @@
 """The PD phases (issue #15) and the evidence of where the transferred KV lands.
 
 longprompt  (PD arms) one prompt longer than the decode instance's GPU KV pool (--long-len, default 48K
-            against a --pd-decode-max-total-tokens 32768 pool): admitted and decoded, or what the arm
+            against a --pd-decode-max-total-tokens 40960 pool): admitted and decoded, or what the arm
             does instead; the decode log's HiSparse line (host and device rows in use) and the GPU memory
             of each instance (nvidia-smi) before, during and after the request.
 saturation  (any arm) time per output token at concurrency 1 (--sat-tpot-repeats requests, one at a
@@ -194,8 +194,9 @@ def pd_evidence(result: dict) -> dict:
         statements.append(f"The {long.get('input_len')}-token prompt was not decoded: {long.get('error') or long.get('finish_reason')}.")
     mem = long.get("gpu_memory_mib") or {}
     decode_name = next((k for k in (mem.get("before") or {}) if k.endswith("-decode")), None)
-    if decode_name and (mem.get("before") or {}).get(decode_name) is not None:
-        grew = (mem.get("max_during") or {}).get(decode_name, 0) - mem["before"][decode_name]
+    peak = (mem.get("max_during") or {}).get(decode_name) if decode_name else None
+    if peak is not None and (mem.get("before") or {}).get(decode_name) is not None:
+        grew = peak - mem["before"][decode_name]
         out["decode_gpu_growth_mib"] = grew
         statements.append(f"GPU memory of the decode process grew by {grew} MiB during the long prompt (nvidia-smi, "
                           "sampled every second; SGLang preallocates its pools, so this alone proves little).")

@@ -284,6 +284,9 @@ def judge_checks() -> None:
     check(ev["kv_regions_host_only"] and ev["kv_rows_per_layer"] == 262208 and ev["decode_gpu_growth_mib"] == 10
           and any("49152-token prompt was decoded" in x for x in ev["statements"])
           and any("'host'" in x for x in ev["statements"]), f"PD evidence {ev}")
+    no_samples = pd.pd_evidence(dict(result, longprompt=dict(result["longprompt"], gpu_memory_mib={
+        "before": {"pd-c-decode": 1000}, "max_during": {"pd-c-decode": None}})))
+    check("decode_gpu_growth_mib" not in no_samples, "no GPU memory sample during the long prompt: no growth claimed")
     rejected = pd.pd_evidence({"logs": {"decode": {"max_total_num_tokens": 32768}},
                                "longprompt": {"input_len": 49152, "admitted_and_decoded": False, "error": "too long"}})
     check("kv_regions_host_only" not in rejected and any("not decoded: too long" in x for x in rejected["statements"])
