@@ -1,7 +1,12 @@
-"""The arms: what each server runs (argv, PYTHONPATH, environment) and the plugins it sees."""
+"""The arms: what each server runs (argv, PYTHONPATH, environment) and the plugins it sees.
+
+Arms a-d are one server each.  The PD arms are a pair on the one GPU: a prefill instance (SGLang, no
+HiSparse, no plugin: arm a's flags) and a decode instance (arm c's flags for pd-c, arm b's for pd-b),
+with their own --max-total-tokens and --mem-fraction-static, Mooncake over TCP on 127.0.0.1."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -14,18 +19,42 @@ DEFAULT_MODEL = REPO / "benchmarks" / "models" / "tiny-dsv32"
 DEFAULT_HISPARSE_CONFIG = '{"top_k":2048,"device_buffer_size":4096,"host_to_device_ratio":8}'
 DEFAULT_PLUGIN_EP = ("hisparse", "hisparse_sglang.integration.sglang.plugin:register")
 FIXTURE_EP = ("hisparse_e2e_weight_init", "hisparse_e2e_fixture:register")
-ALL_ARMS = ("a", "b", "c", "d")
+ALL_ARMS = ("a", "b", "c", "d", "pd-c", "pd-b")
 ARM_LABELS = {"a": "baseline (no HiSparse)", "b": "SGLang in-tree HiSparse", "c": "hisparse-sglang plugin",
-              "d": "hisparse-sglang plugin, always offload"}
-PLUGIN_ARMS = ("c", "d")  # arms that load our plugin (its dist-info + src on PYTHONPATH)
+              "d": "hisparse-sglang plugin, always offload",
+              "pd-c": "PD, decode with hisparse-sglang", "pd-b": "PD, decode with SGLang in-tree HiSparse"}
+COLOCATED_ARMS = ("a", "b", "c", "d")
+PD_DECODE_ARM = {"pd-c": "c", "pd-b": "b"}  # the co-located arm whose flags a PD arm's decode instance takes
+PD_ARMS = tuple(PD_DECODE_ARM)
+PLUGIN_ARMS = ("c", "d", "pd-c")  # arms that load our plugin (its dist-info + src on PYTHONPATH; pd-c: its decode)
+PD_TRANSFER_BACKEND = "mooncake_tcp"  # SGLang 0.5.17: Mooncake with MC_FORCE_TCP=1 (no RDMA NIC on the GPU machine)
 ARM_HISPARSE_OVERRIDES = {"d": {"resident_first": False}}  # merged into --hisparse-config
 # The DSA backend of each KV cache dtype whose decode path calls the HiSparse swap-in (SGLang 0.5.17).
 DSA_BACKEND_OF_KV_DTYPE = {"bfloat16": "flashmla_sparse", "fp8_e4m3": "flashmla_kv"}
 
 
 def arm_port(args, arm: str) -> int:
-    """Arms a/b/c/d listen on --port-base +0/+10/+20/+30."""
+    """Arms a/b/c/d/pd-c/pd-b listen on --port-base +0/+10/.../+50 (a PD arm: its prefill; decode +1, bootstrap +2)."""
     return args.port_base + 10 * ALL_ARMS.index(arm)
+
+
+def pd_ports(args, arm: str) -> tuple[int, int, int]:
+    """(prefill HTTP port, decode HTTP port, the prefill's bootstrap port) of a PD arm."""
+    port = arm_port(args, arm)
+    return port, port + 1, port + 2
+
+
+@dataclasses.dataclass
+class ServerSpec:
+    """One server of an arm: its role ("" when it prefills and decodes, else "prefill" / "decode")."""
+
+    role: str
+    cmd: list
+    env: dict
+    port: int
+
+    def name(self, arm: str) -> str:
+        return f"{arm}-{self.role}" if self.role else arm
 
 
 def parse_env_assignments(items: list[str]) -> dict[str, str]:
@@ -87,13 +116,15 @@ def hisparse_config_json(config: str, arm: str) -> str:
     return json.dumps(merged, separators=(",", ":"))
 
 
-def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: int) -> tuple[list, dict]:
-    """Server argv and environment of one arm."""
+def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: int, *,
+             max_total_tokens: int | None = None, mem_fraction_static: float | None = None) -> tuple[list, dict]:
+    """Server argv and environment of one of the arms a-d (by default with --max-total-tokens and
+    --mem-fraction-static of the options)."""
     cmd = [args.python, "-m", "sglang.launch_server",
            "--model-path", str(args.model_dir), "--load-format", "dummy", "--skip-tokenizer-init",
            "--host", HOST, "--port", str(port),
-           "--mem-fraction-static", str(args.mem_fraction_static),
-           "--max-total-tokens", str(args.max_total_tokens),
+           "--mem-fraction-static", str(mem_fraction_static or args.mem_fraction_static),
+           "--max-total-tokens", str(max_total_tokens or args.max_total_tokens),
            "--context-length", str(args.context_length),
            "--disable-radix-cache",
            "--attention-backend", "dsa",
@@ -119,3 +150,29 @@ def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: i
     cmd += shlex.split(args.extra_server_args)
     env["PYTHONPATH"] = os.pathsep.join(pp)
     return cmd, env
+
+
+def arm_servers(arm: str, args, env0: dict, pd_env0: dict, common: Path, plugin_dir: Path) -> list[ServerSpec]:
+    """The servers of an arm; a PD arm's prefill comes first, its decode (the server that decodes) last.
+
+    PD servers get `pd_env0` (environment.mooncake_env) plus the fixture's registration trace and
+    SGLang's bootstrap / waiting timeouts (--pd-timeout-s), so that a transfer that never comes fails
+    the request instead of holding it for SGLang's default 300 s."""
+    port = arm_port(args, arm)
+    if arm not in PD_ARMS:
+        return [ServerSpec("", *arm_spec(arm, args, env0, common, plugin_dir, port), port)]
+    prefill_port, decode_port, bootstrap_port = pd_ports(args, arm)
+    env = dict(pd_env0, HISPARSE_E2E_PD_TRACE="1",
+               SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(int(args.pd_timeout_s)),
+               SGLANG_DISAGGREGATION_WAITING_TIMEOUT=str(int(args.pd_timeout_s)))
+    backend = ["--disaggregation-transfer-backend", PD_TRANSFER_BACKEND]
+    prefill_cmd, prefill_env = arm_spec("a", args, env, common, plugin_dir, prefill_port,
+                                        max_total_tokens=args.pd_prefill_max_total_tokens,
+                                        mem_fraction_static=args.pd_mem_fraction_static)
+    decode_cmd, decode_env = arm_spec(PD_DECODE_ARM[arm], args, env, common, plugin_dir, decode_port,
+                                      max_total_tokens=args.pd_decode_max_total_tokens,
+                                      mem_fraction_static=args.pd_mem_fraction_static)
+    return [ServerSpec("prefill", prefill_cmd + ["--disaggregation-mode", "prefill", *backend,
+                                                 "--disaggregation-bootstrap-port", str(bootstrap_port)],
+                       prefill_env, prefill_port),
+            ServerSpec("decode", decode_cmd + ["--disaggregation-mode", "decode", *backend], decode_env, decode_port)]

@@ -1,10 +1,16 @@
-"""HTTP client of SGLang 0.5.17's native API as the harness uses it (token ids in, output_ids out)."""
+"""HTTP client of SGLang 0.5.17's native API as the harness uses it (token ids in, output_ids out).
+
+Two endpoints with the same methods: Colocated (one server) and PDPair (a prefill and a decode instance,
+each request sent to both as SGLang's router does)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import random
+import secrets
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -13,12 +19,23 @@ from typing import Callable
 from common import HOST
 
 
+class HTTPStatusError(RuntimeError):
+    """A response other than 2xx; the message carries the status and the start of the body (SGLang's error)."""
+
+    def __init__(self, status: int, body: bytes):
+        super().__init__(f"HTTP {status}: {body[:600].decode('utf-8', 'replace')}")
+        self.status = status
+
+
 def http_json(method: str, port: int, path: str, body: dict | None = None, timeout: float = 600):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=data, method=method,
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        raise HTTPStatusError(e.code, e.read()) from None
     return json.loads(raw) if raw else None
 
 
@@ -47,6 +64,12 @@ def extract_logprobs(meta: dict) -> tuple[list, list]:
     for pos in meta.get("output_top_logprobs") or []:
         top.append([[int(e[1]), (float(e[0]) if e[0] is not None else None)] for e in pos] if pos else None)
     return lps, top
+
+
+def finish_type(out: dict) -> str | None:
+    """The finish_reason type of a /generate response ("length", "abort", ...)."""
+    fin = (out or {}).get("meta_info", {}).get("finish_reason")
+    return fin.get("type") if isinstance(fin, dict) else fin
 
 
 def generate_body(ids: list[int], max_new: int, *, logprobs: bool = False, rid: str | None = None,
@@ -118,7 +141,12 @@ def read_stream(resp, t0: float, *, trace: bool = False, on_tokens: Callable[[in
 def generate_stream(port: int, ids: list[int], max_new: int, timeout: float, *, trace: bool = False,
                     on_tokens: Callable[[int], None] | None = None) -> dict:
     """Streaming /generate: returns per-request timings (TTFT, TPOT) and the token count (read_stream)."""
-    body = json.dumps(generate_body(ids, max_new, stream=True)).encode()
+    return stream_body(port, generate_body(ids, max_new, stream=True), timeout, trace=trace, on_tokens=on_tokens)
+
+
+def stream_body(port: int, request: dict, timeout: float, *, trace: bool = False,
+                on_tokens: Callable[[int], None] | None = None) -> dict:
+    body = json.dumps(request).encode()
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     t0 = time.perf_counter()
     try:
@@ -164,3 +192,81 @@ class Colocated:
 
     def server_info(self) -> dict:
         return http_json("GET", self.port, "/server_info", timeout=30)
+
+
+class PDPair:
+    """Requests as SGLang's router (mini load balancer) sends them in PD mode: one body with
+    bootstrap_host (the prefill's host), bootstrap_port (its --disaggregation-bootstrap-port) and a
+    random 63-bit bootstrap_room, POSTed to the prefill and the decode instance at once; the decode
+    instance's response is the request's.  Both get the same rid, so that a request the decode rejects
+    is aborted on the prefill (else it would wait there for a decode handshake until SGLang's bootstrap
+    timeout).  The prefill's outcome is added as `prefill_error` when it failed."""
+
+    def __init__(self, prefill_port: int, decode_port: int, bootstrap_port: int, prefill_wait_s: float = 30):
+        self.port = decode_port  # loads, server info: the decode instance holds the running requests
+        self.prefill_port, self.decode_port, self.bootstrap_port = prefill_port, decode_port, bootstrap_port
+        self.prefill_wait_s = prefill_wait_s
+
+    def routed(self, body: dict, rid: str | None) -> dict:
+        room = secrets.randbits(63)
+        return body | {"bootstrap_host": HOST, "bootstrap_port": self.bootstrap_port, "bootstrap_room": room,
+                       "rid": rid or f"pd-{room}"}
+
+    def _to_prefill(self, body: dict, timeout: float) -> tuple[threading.Thread, dict]:
+        """POST to the prefill in a thread; reads the whole response (a stream too) and keeps only its outcome."""
+        outcome: dict = {}
+
+        def post() -> None:
+            req = urllib.request.Request(f"http://{HOST}:{self.prefill_port}/generate", data=json.dumps(body).encode(),
+                                         method="POST", headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    r.read()
+                    outcome["status"] = r.status
+            except urllib.error.HTTPError as e:
+                outcome["error"] = str(HTTPStatusError(e.code, e.read()))
+            except Exception as e:
+                outcome["error"] = f"{type(e).__name__}: {e}"
+
+        thread = threading.Thread(target=post, name=f"prefill-{body['rid']}", daemon=True)
+        thread.start()
+        return thread, outcome
+
+    def _finish_prefill(self, thread: threading.Thread, outcome: dict, rid: str, decode_failed: bool) -> str | None:
+        if decode_failed:
+            with contextlib.suppress(Exception):
+                http_json("POST", self.prefill_port, "/abort_request", {"rid": rid}, timeout=10)
+        thread.join(self.prefill_wait_s)
+        if thread.is_alive():
+            return f"prefill still running {self.prefill_wait_s:.0f} s after the decode answered"
+        return outcome.get("error")
+
+    def generate(self, ids: list[int], max_new: int, *, logprobs: bool = False, rid: str | None = None,
+                 timeout: float = 900) -> dict:
+        body = self.routed(generate_body(ids, max_new, logprobs=logprobs), rid)
+        thread, outcome = self._to_prefill(body, timeout)
+        try:
+            out = http_json("POST", self.decode_port, "/generate", body, timeout=timeout)
+        except Exception:
+            self._finish_prefill(thread, outcome, body["rid"], True)
+            raise
+        prefill_error = self._finish_prefill(thread, outcome, body["rid"], finish_type(out) == "abort")
+        return out | ({"prefill_error": prefill_error} if prefill_error else {})
+
+    def generate_stream(self, ids: list[int], max_new: int, timeout: float, *, trace: bool = False,
+                        on_tokens: Callable[[int], None] | None = None) -> dict:
+        body = self.routed(generate_body(ids, max_new, stream=True), None)
+        thread, outcome = self._to_prefill(body, timeout)
+        out = stream_body(self.decode_port, body, timeout, trace=trace, on_tokens=on_tokens)
+        prefill_error = self._finish_prefill(thread, outcome, body["rid"], "error" in out)
+        return out | ({"prefill_error": prefill_error} if prefill_error else {})
+
+    def loads(self) -> dict | None:
+        return loads(self.decode_port)
+
+    def abort_all(self) -> None:
+        for port in (self.decode_port, self.prefill_port):
+            http_json("POST", port, "/abort_request", {"abort_all": True}, timeout=30)
+
+    def server_info(self) -> dict:
+        return http_json("GET", self.decode_port, "/server_info", timeout=30)

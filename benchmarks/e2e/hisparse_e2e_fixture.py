@@ -19,6 +19,13 @@ In both modes it prints one line ``[hisparse-e2e-fixture] weights ... fingerprin
 (the server log) after the init, so run_e2e.py can verify that all arms served identical weights.
 At plugin-load time it also prints which ``sglang.srt.plugins`` entry points are visible.
 
+With ``HISPARSE_E2E_PD_TRACE=1`` (the harness sets it on PD servers) it wraps SGLang's
+``MooncakeKVManager.register_buffer_to_engine`` and logs, before the registration, one line
+``[hisparse-e2e-fixture] pd-register {json}``: for the KV, aux (metadata) and state (index-K) regions the
+manager registers with Mooncake, their count, bytes, and bytes per memory kind as the CUDA driver sees
+each address (``cuPointerGetAttribute``: host = pinned host memory, device = GPU memory, pageable = not
+known to CUDA). That is what shows where the prefill's KV writes land on the decode instance.
+
 With ``HISPARSE_E2E_SYNC_TRACE=<first>:<count>`` (profiling, any arm) it also finds every host wait of
 the scheduler's decode loop: from decode batch ``first`` on, for ``count`` decode batches, PyTorch's
 sync debug mode is on (``torch.cuda.set_sync_debug_mode("warn")``) and each synchronizing CUDA call is
@@ -28,6 +35,7 @@ distinct stacks and how often each was hit.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -112,6 +120,53 @@ def _around_init(original, model, *args, **kwargs):
         _say(f"weights {desc} fingerprint=unavailable ({type(e).__name__}: {e})")
 
 
+PD_REGISTER_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.register_buffer_to_engine"
+# CUpointer_attribute CU_POINTER_ATTRIBUTE_MEMORY_TYPE and its CUmemorytype values (cuda.h)
+_MEMORY_TYPE_ATTRIBUTE = 2
+_MEMORY_TYPES = {1: "host", 2: "device", 3: "array", 4: "unified"}
+
+
+def memory_kinds(pointers: list[int]) -> list[str]:
+    """Memory kind of each address as the CUDA driver reports it; "unknown" without a driver."""
+    try:
+        get = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute
+    except (OSError, AttributeError):
+        return ["unknown"] * len(pointers)
+    get.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    get.restype = ctypes.c_int
+    kinds = []
+    for ptr in pointers:
+        value = ctypes.c_uint(0)
+        rc = get(ctypes.byref(value), _MEMORY_TYPE_ATTRIBUTE, int(ptr))
+        # CUDA_ERROR_INVALID_VALUE (1): an address CUDA neither allocated nor registered
+        kinds.append(_MEMORY_TYPES.get(value.value, f"type {value.value}") if rc == 0 else
+                     "pageable" if rc == 1 else f"error {rc}")
+    return kinds
+
+
+def _regions(pointers, lengths) -> dict:
+    pointers, lengths = list(pointers or []), list(lengths or [])
+    by_kind: dict[str, int] = {}
+    for kind, length in zip(memory_kinds(pointers), lengths):
+        by_kind[kind] = by_kind.get(kind, 0) + int(length)
+    return {"regions": len(pointers), "bytes": sum(int(x) for x in lengths), "by_kind": by_kind}
+
+
+def _around_register(original, manager, *args, **kwargs):
+    try:
+        kv_args = manager.kv_args
+        state = [_regions(p, n) for p, n in zip(getattr(kv_args, "state_data_ptrs", None) or [],
+                                                getattr(kv_args, "state_data_lens", None) or [])]
+        report = {"mode": str(getattr(manager, "disaggregation_mode", "?")),
+                  "kv": _regions(kv_args.kv_data_ptrs, kv_args.kv_data_lens),
+                  "kv_item_bytes": sorted(set(int(x) for x in kv_args.kv_item_lens or [])),
+                  "aux": _regions(kv_args.aux_data_ptrs, kv_args.aux_data_lens), "state": state}
+        _say("pd-register " + json.dumps(report))
+    except Exception as e:  # the trace must never break serving
+        _say(f"pd-register unavailable ({type(e).__name__}: {e})")
+    return original(manager, *args, **kwargs)
+
+
 class _SyncTrace:
     """Counts synchronizing CUDA calls by Python stack over a window of decode batches."""
 
@@ -184,6 +239,9 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, _around_init, HookType.AROUND)
+    if os.environ.get("HISPARSE_E2E_PD_TRACE") == "1":
+        HookRegistry.register(PD_REGISTER_TARGET, _around_register, HookType.AROUND)
+        _say(f"PD trace on: AROUND hook on {PD_REGISTER_TARGET}")
     sync_trace = os.environ.get("HISPARSE_E2E_SYNC_TRACE")
     if sync_trace:
         HookRegistry.register(

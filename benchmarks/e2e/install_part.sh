@@ -216,18 +216,26 @@ print(f"[install_part] the machine's own copies used for: {' '.join(kept) or 'no
 PYEOF
 fi
 
-# ---- 7. byte-compile (saves the first server start from compiling ~10k modules, in parallel here)
+# ---- 7. byte-compile what this part installed (saves the first server start from compiling ~10k
+#         modules, in parallel here); the top-level folders of its wheels and trees
 if [ "$COMPILE" = 1 ]; then
   TC=$(date +%s)
   DIRS=()
-  for d in "$SITE"/*/; do
-    b=$(basename "$d")
+  for b in $("$PY" - "${WHEELS[@]}" <<'PYEOF'
+import sys, zipfile
+names = set()
+for whl in sys.argv[1:]:
+    with zipfile.ZipFile(whl) as z:
+        names |= {n.split("/", 1)[0] for n in z.namelist() if "/" in n}
+print(" ".join(sorted(n for n in names if not n.endswith((".dist-info", ".data")))))
+PYEOF
+  ) $(for t in trees/*/; do ls "$t"; done); do
     case "$b" in *.dist-info|*.data|bin|share|include) continue ;; esac
-    DIRS+=("$d")
+    [ -d "$SITE/$b" ] && DIRS+=("$SITE/$b")
   done
   # -qq: silent (a few vendored files are not Python 3); a failure here is harmless
-  "$PY" -m compileall -qq -j 0 "${DIRS[@]}" >/dev/null 2>&1 || true
-  say "byte-compiled $SITE in $(( $(date +%s) - TC )) s"
+  if ((${#DIRS[@]})); then "$PY" -m compileall -qq -j 0 "${DIRS[@]}" >/dev/null 2>&1 || true; fi
+  say "byte-compiled ${#DIRS[@]} folder(s) of $SITE in $(( $(date +%s) - TC )) s"
 fi
 
 echo "$SUM" > "$MARKER"

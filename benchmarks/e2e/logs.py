@@ -3,6 +3,8 @@ the fixture's lines (pure functions on text; unit-tested by selftest.py on synth
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import statistics
 from pathlib import Path
@@ -24,6 +26,10 @@ MAX_TOTAL_RE = re.compile(r"max_total_num_tokens=(\d+)")
 RETRACT_RE = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
 PLUGIN_FAIL_RE = re.compile(r"Failed to (load plugin|execute general plugin:?) (\S+)")
 DENSE_THRESHOLD_RE = re.compile(r"Dense attention kv len threshold is manually set to (\d+)")
+# the fixture's record of the regions SGLang's Mooncake KV manager registers (HISPARSE_E2E_PD_TRACE=1)
+PD_REGISTER_RE = re.compile(r"\[hisparse-e2e-fixture\] pid=\d+ pd-register (?P<json>\{.*\})")
+# SGLang's rejection of a prompt longer than a request may be (validate_input_length)
+INPUT_TOO_LONG_RE = re.compile(r"Input length \(\d+ tokens\) exceeds the maximum allowed length \(\d+ tokens\)[^\n]*")
 # our plugin's periodic line (hisparse_sglang/integration/sglang/metrics.py), e.g.
 #   HiSparse: hit rate 24.8%, moved 35.2 MiB, resident 3, offloaded 33 (promoting 0), demotions 12.0/min,
 #   promotions 0.0/min, device rows 130944/131136, host rows 820352/1048640, switch work max 0.41 ms/step
@@ -134,7 +140,18 @@ def summarize_log(text: str) -> dict:
         "visible_plugins": sorted(set(eps)),
         "dense_attn_threshold": int(dense[-1]) if dense else None,
         "hisparse": summarize_hisparse(text),
+        "pd_register": parse_pd_register(text),
+        "input_too_long": sorted(set(INPUT_TOO_LONG_RE.findall(text)))[:3],
     }
+
+
+def parse_pd_register(text: str) -> dict | None:
+    """The last `pd-register` record of the fixture in a log (None if there is none)."""
+    found = None
+    for m in PD_REGISTER_RE.finditer(text):
+        with contextlib.suppress(ValueError):
+            found = json.loads(m.group("json"))
+    return found
 
 
 def log_tail(path: Path, n: int = 60) -> str:

@@ -15,8 +15,10 @@ from arms import ALL_ARMS, DEFAULT_HISPARSE_CONFIG, DEFAULT_MODEL, DSA_BACKEND_O
 from common import REPO
 from storm import STORM_TPOT_FROM
 
-ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "lowload", "storm", "report")
-ARM_PHASES = ("correctness", "capacity", "throughput", "lowload", "storm")  # phases that need the arm's server
+ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "lowload", "longprompt", "saturation", "storm",
+              "report")
+# phases that need the arm's servers, in the order they run
+ARM_PHASES = ("correctness", "capacity", "throughput", "lowload", "longprompt", "saturation", "storm")
 DEFAULT_PHASES = "preflight,correctness,capacity,throughput,report"
 HELP = """End-to-end benchmark of HiSparse on SGLang 0.5.17 with a tiny DeepSeek-V3.2 (DSA) model.
 
@@ -31,6 +33,12 @@ Runs on the offline GPU machine after benchmarks/e2e/install_part.sh has put the
                       pip-installed on the GPU machine); --plugin-env/--plugin-args add more
   d  plugin-offload   as c, with "resident_first": false added to the --hisparse-config JSON: every
                       request is offloaded, like the in-tree HiSparse (opt-in: --arms ...,d)
+  pd-c, pd-b          (opt-in, issue #15) PD disaggregation on the one GPU: a prefill instance (arm a's
+                      flags, --disaggregation-mode prefill) and a decode instance (arm c's / b's flags,
+                      --disaggregation-mode decode), Mooncake over TCP on 127.0.0.1
+                      (--disaggregation-transfer-backend mooncake_tcp; bundle part 2), both started at
+                      once; every request goes to both with the same bootstrap host/port/room, as
+                      SGLang's router sends it; the decode instance's answer is the request's
 
 Per arm: start the server, wait for /health, warm up, then the selected phases:
   correctness  greedy decode (temperature 0, ignore_eos) of 8K-32K-token random prompts with
@@ -43,6 +51,9 @@ Per arm: start the server, wait for /health, warm up, then the selected phases:
                16K-token prompts and 1024 output tokens: time per output token (median and spread
                over the repeats), decode tok/s (client and server log), the plugin's host time per
                decode step, whether every running request stayed resident; ratios c/a, d/a, d/b
+  longprompt   (opt-in, PD arms) a prompt longer than the decode instance's GPU KV pool
+  saturation   (opt-in) TPOT at concurrency 1 and --sat-requests long requests at once: how many
+               run, decode tok/s (client and server log)
   storm        (opt-in) one streaming request decodes; after --storm-after-tokens tokens a burst of
                --storm-requests long requests arrives at once; how long the decoding request stalls
                (token gaps in the burst window against its TPOT before), prefill batches and the
@@ -98,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list of " + ",".join(ALL_ARMS) + " (default %(default)s; d = plugin with "
                         '"resident_first": false is opt-in)')
     g.add_argument("--phases", default=DEFAULT_PHASES,
-                   help="comma list of " + ",".join(ALL_PHASES) + " (default %(default)s; lowload and storm are opt-in)")
+                   help="comma list of " + ",".join(ALL_PHASES) + " (default %(default)s; the others are opt-in)")
     g.add_argument("--deadline-s", type=float, default=560,
                    help="wall-clock budget of this invocation; arms/phases that no longer fit are skipped (default %(default)s)")
     g.add_argument("--reserve-s", type=float, default=35, help="time kept for shutdown + writing results")
@@ -119,7 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where install_part.sh put the Mooncake part's system libraries (its lib/ goes on the PD "
                         "servers' LD_LIBRARY_PATH)")
     g = ap.add_argument_group("server")
-    g.add_argument("--port-base", type=int, default=31000, help="arms a/b/c/d use base+0/+10/+20/+30")
+    g.add_argument("--port-base", type=int, default=31000,
+                   help="arms a/b/c/d/pd-c/pd-b use base+0/+10/.../+50 (PD: prefill +0, decode +1, bootstrap +2)")
     g.add_argument("--max-total-tokens", type=int, default=131072)
     g.add_argument("--mem-fraction-static", type=float, default=0.5)
     g.add_argument("--context-length", type=int, default=65536)
@@ -167,6 +179,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run every throughput level this many times in a row (new prompts each time)")
     g.add_argument("--tp-level-timeout", type=float, default=120)
     g.add_argument("--tp-max-fallback", type=int, default=64, help="'max' level if capacity was not measured")
+    g = ap.add_argument_group("PD arms pd-c, pd-b (prefill + decode instance on the one GPU)")
+    g.add_argument("--pd-prefill-max-total-tokens", type=int, default=131072)
+    g.add_argument("--pd-decode-max-total-tokens", type=int, default=40960,
+                   help="the decode instance's GPU KV pool; its logical (host) pool is host_to_device_ratio x this "
+                        "(default %(default)s: the 32K correctness prompts fit it also without the plugin, the "
+                        "--long-len prompt does not)")
+    g.add_argument("--pd-mem-fraction-static", type=float, default=0.4,
+                   help="of each instance (the two share the GPU; --max-total-tokens caps both pools)")
+    g.add_argument("--pd-stagger-s", type=float, default=0.0,
+                   help="start the decode instance this long after the prefill (default: both at once)")
+    g.add_argument("--pd-timeout-s", type=float, default=120,
+                   help="SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / _WAITING_TIMEOUT of both instances")
+    g.add_argument("--long-len", type=int, default=49152, help="phase longprompt: input tokens (default %(default)s)")
+    g.add_argument("--long-out", type=int, default=256)
+    g.add_argument("--long-timeout", type=float, default=150)
+    g = ap.add_argument_group("saturation (opt-in phase)")
+    g.add_argument("--sat-input-len", type=int, default=16384)
+    g.add_argument("--sat-output-len", type=int, default=2048)
+    g.add_argument("--sat-requests", type=int, default=16, help="sent at once (default %(default)s)")
+    g.add_argument("--sat-tpot-repeats", type=int, default=3, help="requests at concurrency 1, one after the other")
+    g.add_argument("--sat-timeout", type=float, default=240, help="seconds for one measurement")
     g = ap.add_argument_group("low load (opt-in phase lowload)")
     g.add_argument("--ll-levels", default="1,2,4,8", help="concurrency levels (default %(default)s)")
     g.add_argument("--ll-repeats", type=int, default=3,
@@ -191,6 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--preflight-timeout", type=float, default=180)
     g.add_argument("--preflight-mooncake", action="store_true",
                    help="preflight also checks the Mooncake part (mooncake_check.py in the PD servers' environment)")
+    g.add_argument("--allow-mooncake-failure", action="store_true",
+                   help="start the PD arms even if the Mooncake preflight failed")
     args = ap.parse_args(argv)
     try:
         args.arms = parse_csv(args.arms, ALL_ARMS, "arms")
@@ -209,13 +244,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError(f"--plugin-ep must look like name=module:attr, got {args.plugin_ep!r}")
     except (ValueError, json.JSONDecodeError) as e:
         ap.error(str(e))
-    if max(args.corr_lens + [args.cap_input_len, args.tp_input_len, args.ll_input_len, args.storm_input_len]) + max(
+    if max(args.corr_lens + [args.cap_input_len, args.tp_input_len, args.ll_input_len, args.storm_input_len,
+                             args.sat_input_len, args.long_len]) + max(
             args.corr_out, args.cap_output_len, args.tp_output_len, args.ll_output_len, args.storm_output_len,
-            args.storm_burst_output_len) \
+            args.storm_burst_output_len, args.sat_output_len, args.long_out) \
             > args.context_length:
         ap.error("input + output length exceeds --context-length")
     if "d" in args.arms and args.plugin_no_enable_hisparse:
         ap.error("arm d passes \"resident_first\": false through --hisparse-config; drop --plugin-no-enable-hisparse")
+    if any(a in args.arms for a in ("pd-c", "pd-b")):
+        args.preflight_mooncake = True
+        if args.pd_decode_max_total_tokens > args.pd_prefill_max_total_tokens:
+            ap.error("--pd-decode-max-total-tokens must not exceed --pd-prefill-max-total-tokens")
+    if min(args.sat_requests, args.sat_tpot_repeats, args.sat_input_len, args.sat_output_len, args.long_len,
+           args.long_out) < 1:
+        ap.error("--sat-requests, --sat-tpot-repeats, --sat-input-len, --sat-output-len, --long-len and --long-out "
+                 "must be >= 1")
     if min(args.ll_repeats, args.ll_input_len, args.ll_output_len) < 1:
         ap.error("--ll-repeats, --ll-input-len and --ll-output-len must be >= 1")
     if min(args.storm_input_len, args.storm_output_len, args.storm_requests, args.storm_burst_output_len) < 1:

@@ -7,12 +7,15 @@ import json
 import shutil
 from pathlib import Path
 
-from arms import ALL_ARMS, ARM_LABELS, DSA_BACKEND_OF_KV_DTYPE
+from arms import ALL_ARMS, ARM_LABELS, DSA_BACKEND_OF_KV_DTYPE, PD_ARMS
 from common import atomic_write
+from judge import judge_correctness
 from lowload import lowload_ratios
 from stats import compare_outputs
 
-COMPARE_PAIRS = (("b", "a"), ("c", "a"), ("c", "b"), ("d", "a"), ("c", "d"))
+COMPARE_PAIRS = (("b", "a"), ("c", "a"), ("c", "b"), ("d", "a"), ("c", "d"), ("pd-c", "a"), ("pd-b", "a"),
+                 ("pd-c", "pd-b"))
+MAX_OUT_FILES = 8  # what the device tool brings back from $OUT
 
 
 def load_state(state: Path) -> dict:
@@ -46,6 +49,8 @@ def build_report(state: Path, imported: list[Path]) -> dict:
             c = compare_outputs(cy, cx)
             fx, fy = arms[x].get("weight_fingerprints"), arms[y].get("weight_fingerprints")
             c["same_weights"] = (fx == fy) if fx and fy else None
+            if y == "a":
+                c["verdict"] = judge_correctness(c, cx, cy)
             comp[f"{x}_vs_{y}"] = c
     data["compare"] = comp
     data["lowload_ratios"] = lowload_ratios(arms)
@@ -122,15 +127,21 @@ def render_markdown(data: dict) -> str:
         lines.append(f"\nThroughput: {tp.get('input_len')} input + {tp.get('output_len')} output tokens per request, "
                      "streaming client, all requests sent at once per level.")
     lines += render_lowload(arms, present, data.get("lowload_ratios") or {})
+    lines += render_pd(arms, present)
     lines += render_storm(arms, present)
     if comp:
         lines += ["", "## Greedy outputs compared (token ids, logprobs before the first divergence)", "",
-                  "| pair | prompts identical | mismatched tokens | max abs dlogprob | max abs dtop5 | same weights |",
-                  "|---|---|---|---|---|---|"]
+                  "| pair | prompts identical | mismatched tokens | max abs dlogprob | max abs dtop5 | same weights "
+                  "| decodes like the baseline (tests/e2e rule) |",
+                  "|---|---|---|---|---|---|---|"]
         for k, c in comp.items():
+            v = c.get("verdict")
+            verdict = "–" if v is None else ("yes" if v["ok"] else "NO: " + "; ".join(v["failures"]))
+            if v and v.get("rule") == "noise":
+                verdict += f" (median {v['cross_median']:.3g}, max {v['cross_max']:.3g}; same-server {v['own_max']:.3g})"
             lines.append(f"| {k} | {c['prompts_identical']}/{c['prompts_compared']} | {c['mismatched_tokens']} | "
                          f"{c['max_abs_dlogprob_before_divergence']:.3g} | {c['max_abs_dtop5_before_divergence']:.3g} | "
-                         f"{fmt(c.get('same_weights'))} |")
+                         f"{fmt(c.get('same_weights'))} | {verdict} |")
     errs = [(x, arms[x].get("error")) for x in present if arms[x].get("error")]
     if errs:
         lines += ["", "## Errors", ""]
@@ -192,6 +203,53 @@ def render_lowload(arms: dict, present: list[str], ratios: dict) -> list[str]:
     return out
 
 
+def render_pd(arms: dict, present: list[str]) -> list[str]:
+    """Long prompt, concurrency 1 and saturation of every arm that has them; the PD evidence."""
+    have = [x for x in present if arms[x].get("longprompt") or arms[x].get("saturation") or arms[x].get("pd")]
+    if not have:
+        return []
+    out = ["", "## PD disaggregation (prefill and decode instance on one GPU, Mooncake over TCP on 127.0.0.1, no RDMA)", "",
+           "| | " + " | ".join(f"{x}: {ARM_LABELS[x]}" for x in have) + " |", "|---|" + "---|" * len(have)]
+
+    def row(title, fn):
+        cells = []
+        for x in have:
+            try:
+                cells.append(fn(arms[x]))
+            except (KeyError, TypeError, IndexError):
+                cells.append("–")
+        out.append(f"| {title} | " + " | ".join(cells) + " |")
+
+    row("server start (s, per server)", lambda r: str(r.get("startup_s_per_server") or fmt(r.get("startup_s"))))
+    row("GPU KV pool of the server that decodes (tokens)", lambda r: fmt(r["log"].get("max_total_num_tokens")))
+    row("KV regions registered with Mooncake on the decode, bytes by memory kind",
+        lambda r: str(r["pd"]["decode_registered"]["kv"]["by_kind"]))
+    lp = next((arms[x]["longprompt"] for x in have if arms[x].get("longprompt")), None)
+    if lp:
+        row(f"{lp['input_len']}-token prompt (+{lp['output_len']}): admitted and decoded",
+            lambda r: "n/a" if r["longprompt"].get("not_applicable") else
+            f"{fmt(r['longprompt'].get('admitted_and_decoded'))} ({fmt(r['longprompt'].get('tokens'))} tokens, "
+            f"{fmt(r['longprompt'].get('e2e_s'), 1)} s)" + (f": {str(r['longprompt']['error'])[:160]}"
+                                                           if r["longprompt"].get("error") else ""))
+        row("  plugin log during it: host / device rows in use (max)",
+            lambda r: f"{fmt(r['longprompt']['decode_log']['hisparse']['host_rows_used_max'])} / "
+                      f"{fmt(r['longprompt']['decode_log']['hisparse']['device_rows_used_max'])}")
+    sat = next((arms[x]["saturation"] for x in have if arms[x].get("saturation")), None)
+    if sat:
+        row(f"TPOT at concurrency 1, {sat['input_len']}+{sat['output_len']} (ms, median [min–max])",
+            lambda r: spread(r["saturation"]["concurrency_1"], "tpot_ms"))
+        row(f"{sat['requests']} requests at once: most running", lambda r: fmt(r["saturation"]["saturated"]["max_running"]))
+        row("  output tok/s (client) / decode tok/s at the most running (server log)",
+            lambda r: f"{fmt(r['saturation']['saturated']['output_tok_s'])} / "
+                      f"{fmt(r['saturation']['saturated']['log_gen_tput_at_max'])}")
+        row("  TPOT median (ms) / ok", lambda r: f"{fmt(r['saturation']['saturated']['tpot_ms_median'], 2)} / "
+                                             f"{r['saturation']['saturated']['ok']}")
+    for x in have:
+        if x in PD_ARMS and arms[x].get("pd"):
+            out += ["", f"Where the KV lands, arm {x}:"] + [f"- {line}" for line in arms[x]["pd"]["statements"]]
+    return out
+
+
 def render_storm(arms: dict, present: list[str]) -> list[str]:
     """The storm table (one row per arm that has a storm result); [] if none has."""
     have = [x for x in present if (arms[x].get("storm") or {}).get("requests")]
@@ -222,10 +280,18 @@ def render_storm(arms: dict, present: list[str]) -> list[str]:
 
 
 class Outputs:
-    """Writes results to the state dir and mirrors results/logs to $OUT (<= 8 files)."""
+    """Writes results to the state dir and mirrors results/logs to $OUT: results.json, results.md,
+    harness.log (this run; the Log writes it), then the server logs of this run's arms, the harness
+    log of all runs and the other arms' server logs, as many as fit MAX_OUT_FILES."""
 
-    def __init__(self, state: Path, out: Path | None, imported: list[Path]):
-        self.state, self.out, self.imported = state, out, imported
+    def __init__(self, state: Path, out: Path | None, imported: list[Path], arms: list[str] | None = None):
+        self.state, self.out, self.imported, self.arms = state, out, imported, list(arms or [])
+
+    def server_logs(self) -> list[Path]:
+        mine = [p for arm in self.arms for p in sorted(self.state.glob(f"server-{arm}*.log"))
+                if p.stem[len("server-"):].removesuffix("-prefill").removesuffix("-decode") == arm]
+        others = [p for p in sorted(self.state.glob("server-*.log")) if p not in mine]
+        return mine + [self.state / "harness.log"] + others
 
     def publish(self) -> dict:
         data = build_report(self.state, self.imported)
@@ -236,9 +302,15 @@ class Outputs:
         if self.out:
             atomic_write(self.out / "results.json", text)
             atomic_write(self.out / "results.md", md)
-            for arm in ALL_ARMS:
-                self.copy_log(self.state / f"server-{arm}.log", self.out / f"server-{arm}.log")
-            self.copy_log(self.state / "harness.log", self.out / "harness-all-runs.log")
+            room = MAX_OUT_FILES - 3  # results.json, results.md, harness.log
+            chosen = {("harness-all-runs.log" if src.name == "harness.log" else src.name): src
+                      for src in [p for p in self.server_logs() if p.exists()][:room]}
+            for stale in list(self.out.glob("server-*.log")) + [self.out / "harness-all-runs.log"]:
+                if stale.name not in chosen:  # pushed out by a log of this run's arms
+                    with contextlib.suppress(OSError):
+                        stale.unlink()
+            for name, src in chosen.items():
+                self.copy_log(src, self.out / name)
         return data
 
     @staticmethod

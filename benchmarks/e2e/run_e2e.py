@@ -3,8 +3,9 @@
 
 `--help` (options.HELP) describes the arms and phases; docs/gpu-e2e.md the device runs.  The modules:
 common (paths, log, deadline), options (flags), arms (server argv/env per arm), environment (CUDA,
-JIT shim), servers (process control), client (HTTP), logs (server-log parsing), stats, phases
-(preflight, correctness, capacity, throughput), lowload, storm, report (results.json/.md, $OUT).
+JIT shim, Mooncake), servers (process control), client (HTTP, PD routing), logs (server-log parsing),
+stats, judge (verdicts), phases (preflight, correctness, capacity, throughput), lowload, pd
+(longprompt, saturation, evidence), storm, report (results.json/.md, $OUT).
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ import sys
 import time
 from pathlib import Path
 
-from arms import ALL_ARMS, ARM_LABELS, PLUGIN_ARMS, arm_port, arm_spec, parse_env_assignments, prepare_pyext
-from client import make_prompt
+from arms import ALL_ARMS, ARM_LABELS, PD_ARMS, PLUGIN_ARMS, ServerSpec, arm_servers, parse_env_assignments, pd_ports, \
+    prepare_pyext
+from client import Colocated, PDPair, make_prompt
 from common import Deadline, Log, Run, atomic_write
-from environment import base_env
+from environment import base_env, mooncake_env
 from logs import file_size, log_tail, read_from, summarize_log
 from lowload import phase_lowload
 from options import ARM_PHASES, parse_args
 from phases import phase_capacity, phase_correctness, phase_preflight, phase_throughput
 from report import Outputs, load_state, render_markdown
-from servers import Server, ServerDied, kill_stale_servers
+from pd import pd_evidence, phase_longprompt, phase_saturation
+from servers import Server, ServerDied, ServerGroup, kill_stale_servers
 from storm import phase_storm
 
 
@@ -40,44 +43,59 @@ def fresh_state(state: Path) -> None:
             p.unlink()
 
 
-def check_started(srv: Server, run: Run, result: dict, log_off: int, plugin_ep: tuple[str, str]) -> None:
+def summarize_logs(group: ServerGroup, offsets: dict[str, int], result: dict) -> dict:
+    """The log summary of the server that decodes (`log`), of every server of a PD arm (`logs`, by role),
+    and the weight fingerprints all of them logged."""
+    summaries = {srv.name: summarize_log(read_from(srv.log_path, offsets[srv.name])) for srv in group.servers}
+    result["log"] = summaries[group.decoder.name]
+    if len(group.servers) > 1:
+        result["logs"] = {srv.name.rsplit("-", 1)[1]: summaries[srv.name] for srv in group.servers}
+    fingerprints = sorted({fp for seg in summaries.values() for fp in seg["weight_fingerprints"]})
+    result["weight_fingerprints"] = fingerprints or result.get("weight_fingerprints")
+    return summaries
+
+
+def check_started(group: ServerGroup, run: Run, result: dict, offsets: dict[str, int], plugin_ep: tuple[str, str]) -> None:
     """After /health: warm up, record the server's view of itself, and fail an arm whose plugin did not load."""
     args, dl, log = run.args, run.deadline, run.log
     t = time.perf_counter()
-    srv.endpoint.generate(make_prompt(3, min(4096, args.tp_input_len), run.vocab), 16,
-                          timeout=max(30.0, min(300.0, dl.left() - args.reserve_s)))
+    group.endpoint.generate(make_prompt(3, min(4096, args.tp_input_len), run.vocab), 16,
+                            timeout=max(30.0, min(300.0, dl.left() - args.reserve_s)))
     result["warmup_s"] = round(time.perf_counter() - t, 2)
     with contextlib.suppress(Exception):
-        info = srv.endpoint.server_info()
+        info = group.endpoint.server_info()
         ist = (info.get("internal_states") or [{}])[0]
         result["server_internal"] = {k: ist.get(k) for k in (
             "effective_max_running_requests_per_dp", "memory_usage", "last_gen_throughput")}
         result["server_info"] = {k: info.get(k) for k in (
             "max_total_num_tokens", "max_req_input_len", "page_size", "chunked_prefill_size",
             "cuda_graph_max_bs", "max_running_requests", "version", "enable_hisparse",
-            "hisparse_config", "attention_backend", "dsa_prefill_backend", "dsa_decode_backend")}
-    seg = summarize_log(read_from(srv.log_path, log_off))
-    result["log"] = seg
-    result["weight_fingerprints"] = seg["weight_fingerprints"]
-    log(f"  warm-up {result['warmup_s']}s; weights {seg['weight_init']} fingerprint {seg['weight_fingerprints']}; "
-        f"max_total_num_tokens={seg['max_total_num_tokens']}; plugins visible {seg['visible_plugins']}; "
-        f"dense threshold {seg['dense_attn_threshold']}")
-    if seg["plugin_failures"]:
-        log(f"  WARNING plugin failures in the server log: {seg['plugin_failures']}")
-    if not seg["weight_fingerprints"]:
-        log("  WARNING: no weight fingerprint in the server log (fixture plugin not loaded?)")
-    if srv.arm in PLUGIN_ARMS:
+            "hisparse_config", "attention_backend", "dsa_prefill_backend", "dsa_decode_backend",
+            "disaggregation_mode")}
+    summaries = summarize_logs(group, offsets, result)
+    for name, seg in summaries.items():
+        log(f"  {name}: warm-up {result['warmup_s']}s; weights {seg['weight_init']} fingerprint "
+            f"{seg['weight_fingerprints']}; max_total_num_tokens={seg['max_total_num_tokens']}; plugins visible "
+            f"{seg['visible_plugins']}; dense threshold {seg['dense_attn_threshold']}")
+        if seg["plugin_failures"]:
+            log(f"  WARNING plugin failures in the log of {name}: {seg['plugin_failures']}")
+        if not seg["weight_fingerprints"]:
+            log(f"  WARNING: no weight fingerprint in the log of {name} (fixture plugin not loaded?)")
+    if len(result["weight_fingerprints"] or []) > 1:
+        raise RuntimeError(f"arm {group.arm}: its servers loaded different weights: {result['weight_fingerprints']}")
+    if group.arm in PLUGIN_ARMS:
+        seg = result["log"]  # the server that decodes loads the plugin
         visible = any(f"{plugin_ep[0]}=" in v for v in seg["visible_plugins"])
         failed = [f for f in seg["plugin_failures"] if plugin_ep[0] in f]
         result["plugin_check"] = {"entry_point": f"{plugin_ep[0]} = {plugin_ep[1]}",
                                   "visible": visible, "failures": failed}
         if (failed or not visible) and not args.allow_plugin_failure:
-            raise RuntimeError(f"arm {srv.arm}: plugin entry point {plugin_ep[0]} "
+            raise RuntimeError(f"arm {group.arm}: plugin entry point {plugin_ep[0]} "
                                f"{'failed: ' + str(failed) if failed else 'not visible to sglang'}; "
-                               f"arm {srv.arm} would just repeat arm b (--allow-plugin-failure runs it anyway)")
+                               f"arm {group.arm} would just repeat arm b (--allow-plugin-failure runs it anyway)")
 
 
-def measure(srv: Server, run: Run, result: dict, arm_phases: list[str], save) -> None:
+def measure(group: ServerGroup, run: Run, result: dict, arm_phases: list[str], save) -> None:
     """The selected phases of one arm; a phase's partial result is saved while it runs, the whole when done."""
     log = run.log
 
@@ -87,42 +105,41 @@ def measure(srv: Server, run: Run, result: dict, arm_phases: list[str], save) ->
             save()
         return keep
 
-    if "correctness" in arm_phases:
-        log(f"arm {srv.arm}: correctness")
-        result["correctness"] = phase_correctness(srv, run, keeper("correctness"))
-        save()
-    if "capacity" in arm_phases:
-        log(f"arm {srv.arm}: capacity")
-        result["capacity"] = phase_capacity(srv, run)
-        save()
-    if "throughput" in arm_phases:
-        log(f"arm {srv.arm}: throughput")
-        cap = (result.get("capacity") or {}).get("max_running") or None
-        result["throughput"] = phase_throughput(srv, run, cap, keeper("throughput"))
-        save()
-    if "lowload" in arm_phases:
-        log(f"arm {srv.arm}: lowload")
-        result["lowload"] = phase_lowload(srv, run, keeper("lowload"))
-        save()
-    if "storm" in arm_phases:
-        log(f"arm {srv.arm}: storm")
-        result["storm"] = phase_storm(srv, run)
+    calls = {"correctness": lambda: phase_correctness(group, run, keeper("correctness")),
+             "capacity": lambda: phase_capacity(group, run),
+             "throughput": lambda: phase_throughput(group, run, (result.get("capacity") or {}).get("max_running") or None,
+                                                    keeper("throughput")),
+             "lowload": lambda: phase_lowload(group, run, keeper("lowload")),
+             "longprompt": lambda: phase_longprompt(group, run, result["log"].get("max_total_num_tokens")),
+             "saturation": lambda: phase_saturation(group, run, keeper("saturation")),
+             "storm": lambda: phase_storm(group, run)}
+    for phase in arm_phases:
+        log(f"arm {group.arm}: {phase}")
+        result[phase] = calls[phase]()
         save()
 
 
-def run_arm(arm: str, spec: tuple[list, dict], run: Run, outputs: Outputs, plugin_ep: tuple[str, str],
-            arm_phases: list[str], current: dict) -> int:
-    """Start the arm's server, measure, stop it; the arm's JSON is written after every step.  The
-    return code: 0 ok, 2 failed, 3 skipped for time.  `current["server"]` is the running server
-    (the signal handler stops it)."""
+def make_group(arm: str, specs: list[ServerSpec], args, log: Log) -> ServerGroup:
+    state = args.state_dir
+    servers = [Server(spec.name(arm), spec.cmd, spec.env, state / f"server-{spec.name(arm)}.log", spec.port, state, log)
+               for spec in specs]
+    endpoint = PDPair(*pd_ports(args, arm)) if arm in PD_ARMS else Colocated(specs[0].port)
+    return ServerGroup(arm, servers, endpoint, log)
+
+
+def run_arm(arm: str, specs: list[ServerSpec], run: Run, outputs: Outputs, plugin_ep: tuple[str, str],
+            arm_phases: list[str], current: dict, blocked: str | None = None) -> int:
+    """Start the arm's servers, measure, stop them; the arm's JSON is written after every step.  The
+    return code: 0 ok, 2 failed, 3 skipped or cut short for time.  `current["group"]` is the running
+    group (the signal handler stops it); `blocked` fails the arm without starting anything."""
     args, dl, log = run.args, run.deadline, run.log
     state = args.state_dir
-    cmd, env = spec
-    port = arm_port(args, arm)
     rpath = state / f"arm-{arm}.json"
-    result = {"arm": arm, "label": ARM_LABELS[arm], "status": "starting", "cmd": shlex.join(cmd),
-              "pythonpath": env["PYTHONPATH"],
-              "env": {k: env[k] for k in sorted(env) if k.startswith(("SGLANG_", "HISPARSE_", "CUDA_HOME"))}
+    result = {"arm": arm, "label": ARM_LABELS[arm], "status": "starting",
+              "cmd": shlex.join(specs[0].cmd) if len(specs) == 1 else {spec.role: shlex.join(spec.cmd) for spec in specs},
+              "pythonpath": specs[-1].env["PYTHONPATH"],
+              "env": {k: specs[-1].env[k] for k in sorted(specs[-1].env)
+                      if k.startswith(("SGLANG_", "HISPARSE_", "CUDA_HOME", "MC_", "LD_LIBRARY_PATH"))}
               | parse_env_assignments(args.plugin_env if arm in PLUGIN_ARMS else [])}
     old = json.loads(rpath.read_text()) if rpath.exists() else {}
     for p in ARM_PHASES:  # keep earlier phases not rerun now
@@ -133,28 +150,36 @@ def run_arm(arm: str, spec: tuple[list, dict], run: Run, outputs: Outputs, plugi
         atomic_write(rpath, json.dumps(result, indent=1, default=str))
         outputs.publish()
 
+    if blocked:
+        result.update(status="failed", error=blocked)
+        log(f"arm {arm}: FAILED before starting: {blocked}")
+        save()
+        return 2
     if dl.left() < args.arm_min_s:
         result.update(status="skipped", error=f"not started: {dl.left():.0f}s left < --arm-min-s {args.arm_min_s:.0f}")
         log(f"arm {arm}: SKIPPED ({result['error']}); rerun with --arms {arm}")
         if not old:
             save()
         return 3
-    log_path = state / f"server-{arm}.log"
-    srv = Server(arm, cmd, env, log_path, port, state, log)
-    current["server"] = srv
-    log(f"arm {arm} ({ARM_LABELS[arm]}): starting server on port {port}")
-    log(f"  PYTHONPATH={env['PYTHONPATH']}")
-    log(f"  $ {shlex.join(cmd)}")
-    log_off = file_size(log_path)
+    group = make_group(arm, specs, args, log)
+    current["group"] = group
+    for srv in group.servers:
+        log(f"arm {arm} ({ARM_LABELS[arm]}): starting {srv.name} on port {srv.port}")
+        log(f"  PYTHONPATH={srv.env['PYTHONPATH']}")
+        log(f"  $ {shlex.join(srv.cmd)}")
+    offsets = {srv.name: file_size(srv.log_path) for srv in group.servers}
     rc = 0
     try:
-        srv.start()
-        result["startup_s"] = round(srv.wait_healthy(min(args.health_timeout, dl.left() - args.reserve_s)), 1)
-        log(f"  healthy after {result['startup_s']}s")
-        check_started(srv, run, result, log_off, plugin_ep)
+        group.start(args.pd_stagger_s)
+        startup = group.wait_healthy(min(args.health_timeout, dl.left() - args.reserve_s))
+        result["startup_s"] = max(startup.values())
+        if len(startup) > 1:
+            result["startup_s_per_server"] = startup
+        log(f"  healthy after {startup}s")
+        check_started(group, run, result, offsets, plugin_ep)
         result["status"] = "running"
         save()
-        measure(srv, run, result, arm_phases, save)
+        measure(group, run, result, arm_phases, save)
         result["status"] = "ok"
         cut = [p for p in arm_phases if (result.get(p) or {}).get("skipped") or (result.get(p) or {}).get("skipped_rest")]
         if cut:
@@ -165,15 +190,18 @@ def run_arm(arm: str, spec: tuple[list, dict], run: Run, outputs: Outputs, plugi
         log(f"arm {arm}: FAILED: {e}")
         rc = 2
     except Exception as e:
-        result.update(status="failed", error=f"{type(e).__name__}: {e}\nlast log lines:\n{log_tail(log_path, 40)}")
+        tails = "\n".join(f"last log lines of {srv.name}:\n{log_tail(srv.log_path, 40)}" for srv in group.servers)
+        result.update(status="failed", error=f"{type(e).__name__}: {e}\n{tails}")
         log(f"arm {arm}: FAILED: {type(e).__name__}: {e}")
         rc = 2
     finally:
-        srv.stop()
-        current["server"] = None
-        full = summarize_log(read_from(log_path, log_off))
-        result["log"] = full
-        result["weight_fingerprints"] = full["weight_fingerprints"] or result.get("weight_fingerprints")
+        group.stop()
+        current["group"] = None
+        summarize_logs(group, offsets, result)
+        if arm in PD_ARMS:
+            result["pd"] = pd_evidence(result)
+            for line in result["pd"]["statements"]:
+                log(f"  PD evidence: {line}")
         result["elapsed_s"] = round(dl.elapsed(), 1)
         save()
     return rc
@@ -191,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Log([state / "harness.log"] + ([args.out / "harness.log"] if args.out else []))
     log(f"run_e2e.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     log(f"arms={args.arms} phases={args.phases} deadline={args.deadline_s:.0f}s state={state} out={args.out}")
-    outputs = Outputs(state, args.out, args.import_results)
+    outputs = Outputs(state, args.out, args.import_results, args.arms)
     vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
     meta = load_state(state)["meta"]
     meta.update({"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -201,26 +229,28 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args, vocab, dl, log, started=meta["date"])
 
     env0, env_info = base_env(args, state, log)
+    pd_env0 = mooncake_env(env0, args)
     common, plugin_dir, plugin_ep = prepare_pyext(state, args)
     meta["plugin_entry_point"] = f"{plugin_ep[0]} = {plugin_ep[1]}"
 
-    specs = {arm: arm_spec(arm, args, env0, common, plugin_dir, arm_port(args, arm)) for arm in ALL_ARMS}
+    specs = {arm: arm_servers(arm, args, env0, pd_env0, common, plugin_dir) for arm in ALL_ARMS}
     if args.dry_run:
         for arm in args.arms:
-            cmd, env = specs[arm]
-            diff = {k: v for k, v in env.items() if os.environ.get(k) != v}
-            print(f"# arm {arm}: {ARM_LABELS[arm]}")
-            print("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(diff.items())))
-            print(shlex.join(cmd) + "\n")
+            for spec in specs[arm]:
+                diff = {k: v for k, v in spec.env.items() if os.environ.get(k) != v}
+                print(f"# arm {arm}{' ' + spec.role if spec.role else ''}: {ARM_LABELS[arm]}")
+                print("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(diff.items())))
+                print(shlex.join(spec.cmd) + "\n")
         return 0
 
-    current = {"server": None}
+    current = {"group": None}
 
     def on_signal(signum, frame):
         log(f"signal {signum}: stopping")
-        srv = current["server"]
-        if srv is not None:
-            srv.stop(grace=5)
+        group = current["group"]
+        if group is not None:
+            for srv in group.servers:
+                srv.stop(grace=5)
         outputs.publish()
         sys.exit(128 + signum)
 
@@ -241,8 +271,14 @@ def main(argv: list[str] | None = None) -> int:
 
     rc = 0
     arm_phases = [p for p in ARM_PHASES if p in args.phases]
+    mooncake = meta["preflight"].get("mooncake")
+    pd_blocked = None if mooncake is None or mooncake.get("ok") or args.allow_mooncake_failure else \
+        f"the Mooncake preflight failed (bundle part 2 installed? install_part.sh .e2e/parts/part2.tar.xz; "\
+        f"--allow-mooncake-failure starts the PD arms anyway): " \
+        f"{mooncake.get('import_error') or mooncake.get('error') or mooncake}"
     for arm in args.arms if arm_phases else []:
-        rc = max(rc, run_arm(arm, specs[arm], run, outputs, plugin_ep, arm_phases, current))
+        rc = max(rc, run_arm(arm, specs[arm], run, outputs, plugin_ep, arm_phases, current,
+                             blocked=pd_blocked if arm in PD_ARMS else None))
     meta["runs"][-1]["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     save_meta()
     data = outputs.publish()

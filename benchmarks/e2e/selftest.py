@@ -7,8 +7,8 @@
     python3 benchmarks/e2e/selftest.py --server-args-python /work/sgl-venv/bin/python
         # also parse every arm's server argv with the real sglang.srt.server_args (fake CUDA)
 
-The mock server (written to a temp dir as a fake `sglang` package that shadows the real one via
---site) speaks the subset of SGLang 0.5.17's HTTP API that run_e2e.py uses (/health, /generate incl.
+The mock server (mock_launch_server.py, written by mock_sglang.py to a temp dir as a fake `sglang`
+package that shadows the real one via --site) speaks the subset of SGLang 0.5.17's HTTP API that run_e2e.py uses (/health, /generate incl.
 streaming and logprobs, /v1/loads, /abort_request, /server_info), prints SGLang-style log lines,
 discovers and runs `sglang.srt.plugins` entry points like sglang.srt.plugins.load_plugins, and
 spawns a child process like the scheduler, so server start/stop by process group is exercised.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,10 @@ import client  # noqa: E402
 import logs  # noqa: E402
 import options  # noqa: E402
 import report  # noqa: E402
+import judge  # noqa: E402
 import lowload  # noqa: E402
+import pd  # noqa: E402
+from mock_sglang import leftover_children, make_mock_site  # noqa: E402
 import selftest_bundle  # noqa: E402
 import stats  # noqa: E402
 import storm  # noqa: E402
@@ -157,8 +161,8 @@ def unit_checks() -> None:
         a = options.parse_args(["--state-dir", str(td), "--plugin-env", "HISPARSE_X=1", "--plugin-args", "--foo bar",
                           "--hisparse-config", '{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}'])
         common, plug, ep = arms.prepare_pyext(td, a)
-        specs = {arm: arms.arm_spec(arm, a, {"X": "1"}, common, plug, 30000) for arm in arms.ALL_ARMS}
-        ca, cb, cc, cd = (specs[x][0] for x in arms.ALL_ARMS)
+        specs = {arm: arms.arm_spec(arm, a, {"X": "1"}, common, plug, 30000) for arm in arms.COLOCATED_ARMS}
+        ca, cb, cc, cd = (specs[x][0] for x in arms.COLOCATED_ARMS)
         check("--enable-hisparse" not in ca and all("--enable-hisparse" in c for c in (cb, cc, cd)), "hisparse flags")
         check(cb[cb.index("--hisparse-config") + 1] == '{"top_k":2048,"device_buffer_size":4096,"host_to_device_ratio":8}'
               and cc[cc.index("--hisparse-config") + 1] == cb[cb.index("--hisparse-config") + 1],
@@ -179,8 +183,9 @@ def unit_checks() -> None:
         for flag in ("--attention-backend", "--dsa-prefill-backend", "--dsa-decode-backend", "--kv-cache-dtype",
                      "--load-format", "--skip-tokenizer-init", "--disable-radix-cache", "--max-total-tokens",
                      "--mem-fraction-static", "--context-length"):
-            check(all(flag in specs[x][0] for x in arms.ALL_ARMS), f"{flag} in every arm")
+            check(all(flag in specs[x][0] for x in arms.COLOCATED_ARMS), f"{flag} in every arm")
         check("--disable-cuda-graph" not in ca, "CUDA graph on by default")
+        pd_checks(a, common, plug)
         # entry points are discoverable from the generated dist-infos (fresh interpreter)
         code = ("import importlib.metadata as m, json; "
                 "print(json.dumps(sorted((e.name, e.value, e.dist.name) for e in m.entry_points(group='sglang.srt.plugins'))))")
@@ -194,12 +199,98 @@ def unit_checks() -> None:
         check("boom" in md and "| status | failed |" in md, "markdown with a failed arm")
     storm_checks()
     lowload_checks()
+    judge_checks()
     try:  # it imports the harness modules by name
         import profile_decode  # noqa: F401
         check(True, "")
     except ImportError as e:
         check(False, f"profile_decode.py does not import: {e}")
     print(f"unit checks: {PASSES} passed, {len(FAILS)} failed", flush=True)
+
+
+def pd_checks(a, common: Path, plug: Path) -> None:
+    """A PD arm's two servers: the prefill takes arm a's flags, the decode arm c's (pd-c) or b's (pd-b), each
+    with its pool and the PD flags; the client's routing fields."""
+    env0 = {"X": "1", "PATH": "/bin"}
+    pd_env0 = dict(env0, LD_LIBRARY_PATH="/tmp/mooncake-sys/lib", MC_FORCE_TCP="1", SGLANG_HOST_IP="127.0.0.1")
+    for arm, decode_arm in (("pd-c", "c"), ("pd-b", "b")):
+        prefill, decode = arms.arm_servers(arm, a, env0, pd_env0, common, plug)
+        p, d = prefill.cmd, decode.cmd
+        port = arms.arm_port(a, arm)
+        check(prefill.role == "prefill" and decode.role == "decode" and prefill.port == port and decode.port == port + 1
+              and p[p.index("--disaggregation-bootstrap-port") + 1] == str(port + 2)
+              and p[p.index("--disaggregation-mode") + 1] == "prefill" and d[d.index("--disaggregation-mode") + 1] == "decode"
+              and p[p.index("--disaggregation-transfer-backend") + 1] == "mooncake_tcp" == d[d.index("--disaggregation-transfer-backend") + 1],
+              f"{arm}: PD flags and ports {p} {d}")
+        check("--enable-hisparse" not in p and "--enable-hisparse" in d and str(plug) not in prefill.env["PYTHONPATH"]
+              and (str(plug) in decode.env["PYTHONPATH"]) == (decode_arm == "c")
+              and d[d.index("--max-total-tokens") + 1] == str(a.pd_decode_max_total_tokens)
+              and p[p.index("--max-total-tokens") + 1] == str(a.pd_prefill_max_total_tokens)
+              and d[d.index("--mem-fraction-static") + 1] == str(a.pd_mem_fraction_static),
+              f"{arm}: prefill without HiSparse or plugin, decode as arm {decode_arm}, own pools")
+        check(all(s.env["LD_LIBRARY_PATH"] == "/tmp/mooncake-sys/lib" and s.env["HISPARSE_E2E_PD_TRACE"] == "1"
+                  and s.env["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] == str(int(a.pd_timeout_s)) for s in (prefill, decode)),
+              f"{arm}: PD environment on both servers")
+    check([s.role for s in arms.arm_servers("a", a, env0, pd_env0, common, plug)] == [""]
+          and "LD_LIBRARY_PATH" not in arms.arm_servers("a", a, env0, pd_env0, common, plug)[0].env, "arm a: one server, no PD env")
+    pair = client.PDPair(31040, 31041, 31042)
+    r1, r2 = pair.routed({"input_ids": [1]}, None), pair.routed({"input_ids": [1]}, "x")
+    check(r1["bootstrap_host"] == "127.0.0.1" and r1["bootstrap_port"] == 31042 and 0 <= r1["bootstrap_room"] < 2**63
+          and r1["bootstrap_room"] != r2["bootstrap_room"] and r1["rid"] == f"pd-{r1['bootstrap_room']}" and r2["rid"] == "x",
+          f"PD routing fields {r1} {r2}")
+    check(options.parse_args(["--arms", "a,pd-c", "--state-dir", "/tmp/x"]).preflight_mooncake
+          and not options.parse_args(["--arms", "a,c", "--state-dir", "/tmp/x"]).preflight_mooncake,
+          "the Mooncake preflight is on with a PD arm")
+    check_rejected(["--arms", "pd-c", "--pd-decode-max-total-tokens", "200000"])
+
+
+def judge_checks() -> None:
+    """The correctness rule of tests/e2e, the run verdict, the PD registration record and evidence."""
+    def corr(prompts, repeats, context=True):
+        return {"prompts": [{"id": f"p{i}", "nan_logprobs": 0} for i in range(prompts)], "context_sensitive": context,
+                "repeats": [{"identical": d == 0, "max_abs_dlogprob": d} for d in repeats]}
+
+    def comparison(cross, identical=0):
+        return {"same_weights": True, "prompts_compared": len(cross), "prompts_identical": identical,
+                "per_prompt": [{"id": f"p{i}", "max_abs_dlogprob": d} for i, d in enumerate(cross)]}
+
+    noisy = judge.judge_correctness(comparison([0.1, 0.2, 0.3, 0.5]), corr(4, [0.4, 0, 0.1, 0.2]), corr(4, [0.3, 0.2, 0, 0]))
+    check(noisy["ok"] and noisy["rule"] == "noise" and noisy["own_max"] == 0.4 and noisy["cross_median"] == 0.3,
+          f"divergence like the servers' own passes: {noisy}")
+    wide = judge.judge_correctness(comparison([0.1, 0.2, 0.3, 0.7]), corr(4, [0.4, 0, 0.1, 0.2]), corr(4, [0.3, 0.2, 0, 0]))
+    high = judge.judge_correctness(comparison([0.5, 0.5, 0.5, 0.5]), corr(4, [0.4, 0, 0.1, 0.2]), corr(4, [0.3, 0.2, 0, 0]))
+    check(not wide["ok"] and "1.5 x" in wide["failures"][0] and not high["ok"] and "median" in high["failures"][0],
+          f"a largest divergence > 1.5x, a median > the servers' own fail: {wide['failures']} {high['failures']}")
+    exact = judge.judge_correctness(comparison([0.0, 0.0, 0.0], identical=3), corr(3, [0, 0]), corr(3, [0, 0]))
+    off = judge.judge_correctness(comparison([0.0, 0.1, 0.0], identical=2), corr(3, [0, 0]), corr(3, [0, 0]))
+    check(exact["ok"] and exact["rule"] == "identical" and not off["ok"], f"deterministic servers demand identity: {off}")
+    few = judge.judge_correctness(comparison([0.1, 0.1, 0.1]), corr(3, [0.2]), corr(3, [], context=False))
+    check(not few["ok"] and any("twice" in f for f in few["failures"]) and any("context" in f for f in few["failures"]),
+          f"missing repeats and a context-blind baseline fail: {few['failures']}")
+    data = {"arms": {"a": {"status": "ok"}, "c": {"status": "failed", "error": "boom"}}}
+    check(judge.run_failures(0, {"arms": {"a": {"status": "ok"}}}, ["a"]) == []
+          and len(judge.run_failures(3, data, ["a", "c", "d"])) == 3, "run verdict: exit code, failed and missing arms")
+    reg = {"mode": "decode", "kv": {"regions": 4, "bytes": 4 * 262208 * 1152, "by_kind": {"host": 4 * 262208 * 1152}},
+           "kv_item_bytes": [73728], "aux": {"regions": 1, "bytes": 64, "by_kind": {"device": 64}},
+           "state": [{"regions": 4, "bytes": 10, "by_kind": {"device": 10}}]}
+    text = f"x\n[hisparse-e2e-fixture] pid=7 pd-register {json.dumps(reg)}\n"
+    check(logs.parse_pd_register(text) == reg and logs.summarize_log(text)["pd_register"] == reg
+          and logs.parse_pd_register("nothing") is None, "pd-register record parsed")
+    result = {"logs": {"decode": {"pd_register": reg, "max_total_num_tokens": 32768}, "prefill": {}},
+              "longprompt": {"input_len": 49152, "admitted_and_decoded": True,
+                             "decode_log": {"hisparse": {"host_rows_used_max": 49408, "device_rows_used_max": 4160}},
+                             "gpu_memory_mib": {"before": {"pd-c-decode": 1000}, "max_during": {"pd-c-decode": 1010}}}}
+    ev = pd.pd_evidence(result)
+    check(ev["kv_regions_host_only"] and ev["kv_rows_per_layer"] == 262208 and ev["decode_gpu_growth_mib"] == 10
+          and any("49152-token prompt was decoded" in x for x in ev["statements"])
+          and any("'host'" in x for x in ev["statements"]), f"PD evidence {ev}")
+    no_samples = pd.pd_evidence(dict(result, longprompt=dict(result["longprompt"], gpu_memory_mib={
+        "before": {"pd-c-decode": 1000}, "max_during": {"pd-c-decode": None}})))
+    check("decode_gpu_growth_mib" not in no_samples, "no GPU memory sample during the long prompt: no growth claimed")
+    rejected = pd.pd_evidence({"logs": {"decode": {"max_total_num_tokens": 32768}},
+                               "longprompt": {"input_len": 49152, "admitted_and_decoded": False, "error": "too long"}})
+    check("kv_regions_host_only" not in rejected and any("not decoded: too long" in x for x in rejected["statements"])
+          and any("No registration record" in x for x in rejected["statements"]), f"PD evidence without a record {rejected}")
 
 
 def lowload_checks() -> None:
@@ -334,218 +425,6 @@ def storm_checks() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-MOCK_HOOKS = '''
-import enum
-class HookType(enum.Enum):
-    BEFORE = "before"; AFTER = "after"; AROUND = "around"; REPLACE = "replace"
-class HookRegistry:
-    hooks = []
-    @classmethod
-    def register(cls, target, hook, hook_type=HookType.AFTER, *, source=None):
-        cls.hooks.append((target, hook, hook_type))
-'''
-
-MOCK_WEIGHT_UTILS = '''
-def initialize_dummy_weights(model, low=-1e-3, high=1e-3, seed=1234):
-    import torch
-    for p in model.state_dict().values():
-        if torch.is_floating_point(p):
-            g = torch.Generator(device=p.device); g.manual_seed(seed); p.uniform_(low, high, generator=g)
-'''
-
-MOCK_SERVER = r'''
-"""Mock of `python -m sglang.launch_server` for selftest.py (stdlib + optional torch)."""
-import argparse, functools, importlib, importlib.metadata as md, json, os, random, subprocess, sys, threading, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-ap = argparse.ArgumentParser()
-ap.add_argument("--port", type=int); ap.add_argument("--max-total-tokens", type=int, default=4096)
-ap.add_argument("--enable-hisparse", action="store_true"); ap.add_argument("--hisparse-config", default="{}")
-ap.add_argument("--model-path")
-args, rest = ap.parse_known_args()
-def log(msg): print(f"[2026-01-01 00:00:00] {msg}", flush=True)
-log(f"mock server argv: {sys.argv[1:]}")
-# like sglang.srt.plugins.load_plugins()
-for ep in md.entry_points(group="sglang.srt.plugins"):
-    try:
-        fn = ep.load()
-    except Exception as e:
-        log(f"Failed to load plugin {ep.name} from group sglang.srt.plugins ({type(e).__name__}: {e})"); continue
-    try:
-        fn()
-    except Exception as e:
-        log(f"Failed to execute general plugin: {ep.name} ({e})")
-# like the dummy loader: initialise a toy model through the (possibly hooked) init
-from sglang.srt.plugins.hook_registry import HookRegistry
-import sglang.srt.model_loader.weight_utils as wu
-init = wu.initialize_dummy_weights
-for target, hook, _ in HookRegistry.hooks:
-    if target.endswith("initialize_dummy_weights"):
-        init = functools.partial(hook, init)
-try:
-    import torch
-    class Toy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed_tokens = torch.nn.Embedding(64, 16); self.input_layernorm = torch.nn.LayerNorm(16)
-            self.o_proj = torch.nn.Linear(16, 16, bias=False); self.lm_head = torch.nn.Linear(16, 64, bias=False)
-    init(Toy())
-except ImportError:
-    print("[hisparse-e2e-fixture] pid=0 weights mode=mock-no-torch params=0 elements=0 fingerprint=0/0", file=sys.stderr, flush=True)
-if os.environ.get("SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD"):
-    log(f"Dense attention kv len threshold is manually set to {os.environ['SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD']} for DSA.")
-ratio = json.loads(args.hisparse_config or "{}").get("host_to_device_ratio", 2) if args.enable_hisparse else 1
-capacity_tokens = args.max_total_tokens * ratio
-log(f"max_total_num_tokens={args.max_total_tokens}, chunked_prefill_size=8192, hisparse={args.enable_hisparse}")
-# a child in the same process group, like the scheduler / detokenizer
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", "mock-scheduler-child"])
-FLIP = int(os.environ.get("MOCK_FLIP_AT", "-1"))
-# prefill holds the "GPU" for this long per input token; decoding waits for it (a storm stalls decoders)
-PREFILL_S = float(os.environ.get("MOCK_PREFILL_S_PER_TOKEN", "0"))
-prefill_lock = threading.Lock()
-HS_LOG = os.environ.get("MOCK_HISPARSE_LOG") == "1"  # the plugin's periodic HiSparse line
-RESIDENT_UP_TO = int(os.environ.get("MOCK_RESIDENT_UP_TO", "0"))  # that many running requests stay resident
-lock = threading.Condition()
-state = {"used": 0, "running": 0, "waiting": 0, "abort": 0, "tokens": 0}
-ready_at = time.time() + 1.0
-
-def out_ids(ids, n):
-    rng = random.Random(sum(ids[-64:]) * 7 + len(ids) + sum(ids) % 1000)
-    o = [rng.randrange(2, 32768) for _ in range(n)]
-    if 0 <= FLIP < n: o[FLIP] = (o[FLIP] + 1) % 32768
-    return o
-
-def reporter():
-    while True:
-        time.sleep(0.2)
-        with lock:
-            r, w, t = state["running"], state["waiting"], state["tokens"]; state["tokens"] = 0
-        if r:
-            use = (f"#gpu token: 100, gpu token usage: 0.10, #cpu token: 200, cpu token usage: 0.20" if args.enable_hisparse
-                   else f"#token: {r * 100}, token usage: {min(1.0, r * 0.1):.2f}")
-            log(f"Decode batch, #running-req: {r}, {use}, cuda graph: True, gen throughput (token/s): {t / 0.2:.2f}, #queue-req: {w}, ")
-            if HS_LOG:
-                res_n, off_n = (r, 0) if r <= RESIDENT_UP_TO else (0, r)
-                log(f"HiSparse: hit rate 97.5%, moved 1.5 MiB, resident {res_n}, offloaded {off_n} (promoting 0), demotions {6.0 * r:.1f}/min, "
-                    f"promotions 0.0/min, device rows 100/4096, host rows 200/32768, switch work max 0.25 ms/step, step host work 0.110 ms (max 0.20)")
-threading.Thread(target=reporter, daemon=True).start()
-
-class H(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.0"
-    def log_message(self, *a): pass
-    def _json(self, code, obj):
-        b = json.dumps(obj).encode(); self.send_response(code)
-        self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(b)))
-        self.end_headers(); self.wfile.write(b)
-    def do_GET(self):
-        if self.path == "/health":
-            return self._json(200 if time.time() > ready_at else 503, {})
-        if self.path.startswith("/v1/loads"):
-            with lock:
-                return self._json(200, {"loads": [{"num_running_reqs": state["running"], "num_waiting_reqs": state["waiting"],
-                                                   "max_total_num_tokens": args.max_total_tokens}]})
-        if self.path == "/server_info":
-            return self._json(200, {"max_total_num_tokens": args.max_total_tokens, "version": "mock"})
-        self._json(404, {})
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        if self.path == "/abort_request":
-            with lock:
-                state["abort"] += 1; lock.notify_all()
-            return self._json(200, {})
-        if self.path != "/generate":
-            return self._json(404, {})
-        ids, sp = body["input_ids"], body["sampling_params"]
-        n = sp["max_new_tokens"]; need = len(ids) + n
-        gen = state["abort"]
-        with lock:
-            state["waiting"] += 1
-            while state["used"] + need > capacity_tokens and gen == state["abort"]:
-                lock.wait(0.05)
-            state["waiting"] -= 1
-            aborted = gen != state["abort"]
-            if not aborted:
-                state["used"] += need
-        admitted = not aborted
-        if admitted:
-            with lock:
-                log(f"Prefill batch, #new-seq: 1, #new-token: {len(ids)}, #cached-token: 0, token usage: 0.10, "
-                    f"#running-req: {state['running']}, #queue-req: {state['waiting']}, #pending-token: 0, ")
-                state["running"] += 1
-            if PREFILL_S:
-                with prefill_lock:
-                    time.sleep(len(ids) * PREFILL_S)
-        o = out_ids(ids, n)
-        done = 0
-        stream = body.get("stream")
-        if stream:
-            self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
-        try:
-            while admitted and done < n:
-                time.sleep(0.002)
-                if PREFILL_S:
-                    with prefill_lock:
-                        pass
-                with lock:
-                    if gen != state["abort"]:
-                        aborted = True; break
-                    state["tokens"] += 1
-                done += 1
-                if stream:
-                    self.wfile.write(b"data: " + json.dumps({"output_ids": o[:done], "meta_info": {"completion_tokens": done,
-                                     "finish_reason": {"type": "length"} if done == n else None}}).encode() + b"\n\n")
-        finally:
-            if admitted:
-                with lock:
-                    state["running"] -= 1; state["used"] -= need; lock.notify_all()
-        fin = {"type": "abort"} if aborted else {"type": "length", "length": n}
-        meta = {"id": body.get("rid"), "finish_reason": fin, "prompt_tokens": len(ids), "completion_tokens": done}
-        if body.get("return_logprob"):
-            lps = [-1.0 - 0.001 * (t % 97) for t in o[:done]]
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, o)]
-            meta["output_top_logprobs"] = [[[lp, t, None], [lp - 0.5, (t + 1) % 32768, None]] for lp, t in zip(lps, o)]
-        if stream:
-            self.wfile.write(b"data: " + json.dumps({"output_ids": o[:done], "meta_info": meta}).encode() + b"\n\n")
-            self.wfile.write(b"data: [DONE]\n\n")
-        else:
-            self._json(200, {"output_ids": o[:done], "meta_info": meta})
-
-ThreadingHTTPServer.daemon_threads = True
-ThreadingHTTPServer(("127.0.0.1", args.port), H).serve_forever()
-'''
-
-MOCK_PLUGIN = '''
-import sys
-def register():
-    print("[mockplug] registered", file=sys.stderr, flush=True)
-'''
-
-
-def make_mock_site(root: Path) -> Path:
-    site = root / "mock_site"
-    (site / "sglang" / "srt" / "plugins").mkdir(parents=True)
-    (site / "sglang" / "srt" / "model_loader").mkdir(parents=True)
-    for d in ("sglang", "sglang/srt", "sglang/srt/plugins", "sglang/srt/model_loader"):
-        (site / d / "__init__.py").write_text("")
-    (site / "sglang" / "srt" / "plugins" / "hook_registry.py").write_text(MOCK_HOOKS)
-    (site / "sglang" / "srt" / "model_loader" / "weight_utils.py").write_text(MOCK_WEIGHT_UTILS)
-    (site / "sglang" / "launch_server.py").write_text(MOCK_SERVER)
-    (site / "mockplug.py").write_text(MOCK_PLUGIN)
-    return site
-
-
-def leftover_children() -> list[int]:
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if b"mock-scheduler-child" in (p / "cmdline").read_bytes():
-                    pids.append(int(p.name))
-            except OSError:
-                pass
-    return pids
-
-
 def mock_e2e(python: str) -> None:
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
@@ -597,6 +476,7 @@ def mock_e2e(python: str) -> None:
         check("| c=max (run 2): output tok/s (client) |" in md and "b_vs_a" in md, "markdown table rows")
         mock_storm(common, out)
         mock_lowload(common, td)
+        mock_pd(common, td)
         r3 = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "c", "--phases", "correctness,report",
                              "--plugin-ep", "hisparse=no_such_module_xyz:register", *common],
                             capture_output=True, text=True, timeout=300)
@@ -655,17 +535,11 @@ def mock_storm(common: list[str], out: Path) -> None:
 
 def mock_lowload(common: list[str], td: Path) -> None:
     """Run 2c: arms a, c and d, the low-load phase (own state dir); arm c's mock keeps up to 2 requests resident."""
-    state, out = td / "ll_state", td / "ll_out"
-    flags = [x for x in common]
-    flags[flags.index("--state-dir") + 1], flags[flags.index("--out") + 1] = str(state), str(out)
+    out = td / "ll_out"
     ll = ["--ll-levels", "1,2,4", "--ll-repeats", "2", "--ll-input-len", "128", "--ll-output-len", "300"]
-    r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "a,c,d", "--phases", "lowload,report",
-                        "--plugin-ep", "hisparse=mockplug:register", "--plugin-env", "MOCK_HISPARSE_LOG=1",
-                        "--plugin-env", "MOCK_RESIDENT_UP_TO=2", *ll, *flags],
-                       capture_output=True, text=True, timeout=300)
-    print(r.stdout[-2500:], r.stderr[-2000:], sep="\n", flush=True)
-    check(r.returncode == 0, f"mock lowload run rc={r.returncode}")
-    res = json.loads((out / "results.json").read_text())
+    res = mock_run(["--arms", "a,c,d", "--phases", "lowload,report", "--plugin-ep", "hisparse=mockplug:register",
+                    "--plugin-env", "MOCK_HISPARSE_LOG=1", "--plugin-env", "MOCK_RESIDENT_UP_TO=2", *ll,
+                    *own_dirs(common, td, "ll")], out, "mock lowload run")
     arm_results = res["arms"]
     for x in ("a", "c", "d"):
         ll_res = arm_results[x].get("lowload") or {}
@@ -687,6 +561,108 @@ def mock_lowload(common: list[str], td: Path) -> None:
     md = (out / "results.md").read_text()
     check("## Low load: 128 input + 300 output tokens" in md and "| c/a TPOT | c/a steady TPOT |" in md
           and "Arm c kept every running request resident at concurrency: 1, 2." in md, f"lowload markdown:\n{md[-3000:]}")
+
+
+def mock_run(argv: list[str], out: Path, what: str, timeout: float = 400) -> dict:
+    """run_e2e.py against the mock; its output tail is printed, a non-zero exit is a failure; the results."""
+    r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), *argv], capture_output=True, text=True, timeout=timeout)
+    print(r.stdout[-4000:], r.stderr[-2000:], sep="\n", flush=True)
+    check(r.returncode == 0, f"{what} rc={r.returncode}")
+    return json.loads((out / "results.json").read_text())
+
+
+def own_dirs(common: list[str], td: Path, name: str) -> list[str]:
+    """The mock flags with a state and $OUT folder of their own."""
+    flags = list(common)
+    flags[flags.index("--state-dir") + 1], flags[flags.index("--out") + 1] = str(td / f"{name}_state"), str(td / f"{name}_out")
+    return flags
+
+
+def mock_pd(common: list[str], td: Path) -> None:
+    """Run 2d: arm a and the PD arms pd-c and pd-b (both instances mocked): correctness, long prompt, saturation;
+    then a run whose Mooncake preflight fails."""
+    flags = own_dirs(common, td, "pd")
+    out = td / "pd_out"
+    pd_flags = ["--corr-repeat", "8", "--pd-decode-max-total-tokens", "2048", "--pd-prefill-max-total-tokens", "16384",
+                "--long-len", "6000", "--long-out", "300", "--sat-input-len", "256", "--sat-output-len", "200",
+                "--sat-requests", "8", "--sat-tpot-repeats", "2", "--mooncake-syslibs", str(td / "no-syslibs")]
+    res = mock_run(["--arms", "a,pd-c,pd-b", "--phases", "preflight,correctness,longprompt,saturation,report",
+                    "--plugin-ep", "hisparse=mockplug:register", "--plugin-env", "MOCK_PD_LOGICAL=1",
+                    "--plugin-env", "MOCK_HISPARSE_LOG=1", *pd_flags, *flags], out, "mock PD run")
+    arm_results = res["arms"]
+    check(all(arm_results[x]["status"] == "ok" for x in ("a", "pd-c", "pd-b")),
+          f"PD arms ok: { {x: (v.get('status'), str(v.get('error'))[:300]) for x, v in arm_results.items()} }")
+    check(res["meta"]["preflight"]["mooncake"]["ok"] and res["meta"]["preflight"]["mooncake"]["host_to_host"]["match"],
+          f"Mooncake preflight: {res['meta']['preflight'].get('mooncake')}")
+    for x in ("pd-c", "pd-b"):
+        v = res["compare"][f"{x}_vs_a"]["verdict"]
+        check(v["ok"] and v["rule"] == "identical" and res["compare"][f"{x}_vs_a"]["prompts_compared"] == 6,
+              f"{x} decodes like arm a (mock): {v}")
+        check(set(arm_results[x]["startup_s_per_server"]) == {f"{x}-prefill", f"{x}-decode"}
+              and arm_results[x]["logs"]["decode"]["pd_register"]["kv"]["regions"] == 4
+              and arm_results[x]["logs"]["prefill"]["pd_register"]["mode"] == "prefill", f"{x}: both servers, their records")
+        logs_text = {role: (td / "pd_state" / f"server-{x}-{role}.log").read_text() for role in ("prefill", "decode")}
+        rooms = {role: re.findall(r"PD " + role + r" room (\d+) rid ", text) for role, text in logs_text.items()}
+        check(rooms["prefill"] and sorted(rooms["prefill"]) == sorted(rooms["decode"])
+              and len(set(rooms["decode"])) == len(rooms["decode"]),
+              f"{x}: every request reached both instances with one fresh bootstrap room "
+              f"({len(rooms['prefill'])} prefill, {len(rooms['decode'])} decode)")
+    long_c, long_b, long_a = (arm_results[x]["longprompt"] for x in ("pd-c", "pd-b", "a"))
+    check(long_c["admitted_and_decoded"] and long_c["tokens"] == 300 and long_c["longer_than_device_pool"]
+          and long_c["decode_log"]["hisparse"]["host_rows_used_max"] == 200, f"pd-c decodes the long prompt: {long_c}")
+    check(not long_b["admitted_and_decoded"] and "exceeds the maximum allowed length" in long_b["error"]
+          and long_b["decode_log"]["input_too_long"], f"pd-b rejects it, as SGLang does: {long_b}")
+    check("not_applicable" in long_a, "the long prompt is not run on a co-located arm")
+    for x in ("a", "pd-c", "pd-b"):
+        sat = arm_results[x]["saturation"]
+        check(sat["concurrency_1"]["tpot_ms"] and len(sat["concurrency_1"]["runs"]) == 2
+              and sat["saturated"]["ok"] == 8 and sat["saturated"]["max_running"] >= 6
+              and sat["saturated"]["log_gen_tput_at_max"], f"{x}: saturation {sat}")
+    check(arm_results["pd-c"]["pd"]["decode_registered"]["kv"]["regions"] == 4
+          and any("was decoded by a decode instance whose GPU KV pool holds 2048 tokens" in line
+                  for line in arm_results["pd-c"]["pd"]["statements"]), f"pd-c evidence {arm_results['pd-c'].get('pd')}")
+    md = (out / "results.md").read_text()
+    check("## PD disaggregation" in md and "| pd-c_vs_a |" in md and "Where the KV lands, arm pd-c:" in md,
+          f"PD markdown:\n{md[-3000:]}")
+    files = sorted(p.name for p in out.iterdir())
+    check(len(files) <= 8 and {"server-pd-c-prefill.log", "server-pd-c-decode.log", "server-pd-b-decode.log",
+                               "server-a.log", "harness.log"} <= set(files), f"$OUT of the PD run: {files}")
+    tests_helper_checks(td)
+    # the Mooncake part does not import: the PD arms fail before starting anything, arm a runs
+    r = subprocess.run([sys.executable, str(HERE / "run_e2e.py"), "--arms", "a,pd-c", "--phases", "preflight,correctness,report",
+                        "--corr-lens", "64", "--corr-pair-len", "0", *[x for x in own_dirs(common, td, "pd2")]],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, MOCK_MOONCAKE_BROKEN="1"))
+    res = json.loads((td / "pd2_out" / "results.json").read_text())
+    check(r.returncode == 2 and res["arms"]["a"]["status"] == "ok" and res["arms"]["pd-c"]["status"] == "failed"
+          and "Mooncake preflight failed" in res["arms"]["pd-c"]["error"] and "startup_s" not in res["arms"]["pd-c"],
+          f"a failed Mooncake preflight fails the PD arms loudly: rc={r.returncode} {res['arms']['pd-c'].get('error')}")
+
+
+def tests_helper_checks(td: Path) -> None:
+    """tests/e2e's helper judges the mock PD run's results like a GPU run's (HISPARSE_E2E_RUN=0)."""
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    old = os.environ.get("HISPARSE_E2E_RUN")
+    os.environ["HISPARSE_E2E_RUN"] = "0"
+    try:
+        import e2e_harness
+
+        data = e2e_harness.run_harness("a,pd-c,pd-b", td / "pd_state", [])
+        e2e_harness.assert_decodes_like_baseline(data, "pd-c")
+        check(True, "")
+        try:
+            e2e_harness.run_harness("a,pd-c,d", td / "pd_state", [])
+            check(False, "tests/e2e must fail on an arm without results")
+        except BaseException as e:  # pytest.fail raises pytest's Failed (a BaseException)
+            check("arm d: no results" in str(e), f"tests/e2e fails on a missing arm: {e}")
+    except ImportError as e:
+        print(f"tests/e2e helper not checked: {e}")
+    except Exception as e:
+        check(False, f"tests/e2e helper on the mock PD results: {type(e).__name__}: {e}")
+    finally:
+        if old is None:
+            os.environ.pop("HISPARSE_E2E_RUN", None)
+        else:
+            os.environ["HISPARSE_E2E_RUN"] = old
 
 
 def server_args_check(python: str) -> None:
@@ -722,7 +698,9 @@ def server_args_check(python: str) -> None:
             a = prepare_server_args(sys.argv[1:])
             print("ARGS_JSON=" + json.dumps({k: getattr(a, k, None) for k in ("attention_backend", "dsa_prefill_backend",
                   "dsa_decode_backend", "kv_cache_dtype", "page_size", "enable_hisparse", "hisparse_config",
-                  "max_total_tokens", "context_length", "disable_radix_cache", "skip_tokenizer_init", "load_format")}, default=str))
+                  "max_total_tokens", "context_length", "disable_radix_cache", "skip_tokenizer_init", "load_format",
+                  "disaggregation_mode", "disaggregation_transfer_backend", "disaggregation_bootstrap_port")}
+                  | {"mc_force_tcp": __import__("os").environ.get("MC_FORCE_TCP")}, default=str))
         ''')
         (td / "fake.py").write_text(fake)
         # the fixture plugin through the real sglang plugin loader + HookRegistry
@@ -751,18 +729,23 @@ def server_args_check(python: str) -> None:
               and 0.35 < fx.get("lm_std", 0) < 0.65 and "fingerprint=" in p.stderr,
               f"fixture hooked initialize_dummy_weights through sglang's HookRegistry: {fx} {p.stderr[-800:]}")
         for arm in arms.ALL_ARMS:
-            cmd, _ = arms.arm_spec(arm, a, {}, common, plug, 30000)
-            argv = cmd[3:]  # drop "python -m sglang.launch_server"
-            env = dict(os.environ, LD_LIBRARY_PATH=str(stub), SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD="0")
-            p = subprocess.run([python, str(td / "fake.py"), *argv], env=env, capture_output=True, text=True, timeout=600)
-            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("ARGS_JSON=")), None)
-            check(line is not None, f"arm {arm}: prepare_server_args failed: {p.stderr[-1500:]}")
-            if line:
-                got = json.loads(line.split("=", 1)[1])
-                print(f"arm {arm}: {got}")
-                check(got["attention_backend"] == "dsa" and got["dsa_prefill_backend"] == "flashmla_sparse"
-                      and got["dsa_decode_backend"] == "flashmla_sparse" and got["kv_cache_dtype"] == "bfloat16"
-                      and str(got["enable_hisparse"]) == str(arm != "a"), f"arm {arm} resolved args {got}")
+            for spec in arms.arm_servers(arm, a, {}, {}, common, plug):
+                argv = spec.cmd[3:]  # drop "python -m sglang.launch_server"
+                env = dict(os.environ, LD_LIBRARY_PATH=str(stub), SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD="0")
+                p = subprocess.run([python, str(td / "fake.py"), *argv], env=env, capture_output=True, text=True, timeout=600)
+                line = next((ln for ln in p.stdout.splitlines() if ln.startswith("ARGS_JSON=")), None)
+                name = spec.name(arm)
+                check(line is not None, f"{name}: prepare_server_args failed: {p.stderr[-1500:]}")
+                if line:
+                    got = json.loads(line.split("=", 1)[1])
+                    print(f"{name}: {got}")
+                    check(got["attention_backend"] == "dsa" and got["dsa_prefill_backend"] == "flashmla_sparse"
+                          and got["dsa_decode_backend"] == "flashmla_sparse" and got["kv_cache_dtype"] == "bfloat16"
+                          and str(got["enable_hisparse"]) == str(arm != "a" and spec.role != "prefill")
+                          and got["disaggregation_mode"] == (spec.role or "null")
+                          and (not spec.role or (got["disaggregation_transfer_backend"] == "mooncake" and got["mc_force_tcp"] == "1"
+                                                 and got["disable_radix_cache"])),
+                          f"{name} resolved args {got}")
 
 
 def main() -> int:

@@ -1,4 +1,5 @@
-"""Server processes: start one in its own process group, wait for /health, stop the whole group."""
+"""Server processes: start one in its own process group, wait for /health, stop the whole group; an
+arm's servers (one, or a PD pair) as one ServerGroup, the target the phases measure."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from client import Colocated, http_status
@@ -40,8 +42,9 @@ def group_alive(pgid: int) -> bool:
 class Server:
     """One `sglang.launch_server` process group; `name` names its pidfile and its log lines.
 
-    A running server is also what the phases measure: `endpoint` sends requests to it, `check()`
-    raises ServerDied if it exited, `log_path` is where its scheduler logs batches."""
+    A running server can also be what the phases measure (profile_decode.py uses it so): `endpoint`
+    sends requests to it, `check()` raises ServerDied if it exited, `log_path` is where its scheduler
+    logs batches."""
 
     def __init__(self, name: str, cmd: list, env: dict, log_path: Path, port: int, state: Path, log: Log):
         self.arm = self.name = name
@@ -118,6 +121,56 @@ class Server:
         self.log(f"  server {self.name} stopped in {time.monotonic() - t0:.1f}s "
                  f"(group gone: {not group_alive(pgid)}, port free: {port_free(self.port)})")
         self.proc = None
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes of a process group (a server and its scheduler / detokenizer children)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                    pids.append(int(entry.name))
+    return pids
+
+
+class ServerGroup:
+    """The servers of one arm, started together and stopped together: the target of the phases.
+
+    `endpoint` is how requests reach them (client.Colocated or client.PDPair); `log_path` is the log of
+    the server that decodes (the last one); check() raises ServerDied if any of them exited."""
+
+    def __init__(self, arm: str, servers: list[Server], endpoint, log: Log):
+        self.arm, self.servers, self.endpoint, self.log = arm, servers, endpoint, log
+        self.decoder = servers[-1]
+        self.log_path = self.decoder.log_path
+
+    def start(self, stagger_s: float = 0.0) -> None:
+        for i, srv in enumerate(self.servers):
+            if i and stagger_s:
+                time.sleep(stagger_s)
+                self.check()
+            srv.start()
+
+    def wait_healthy(self, timeout: float) -> dict[str, float]:
+        """Seconds until each server answered /health 200 (waited for in parallel); the first failure raises."""
+        with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
+            futures = {pool.submit(srv.wait_healthy, timeout): srv.name for srv in self.servers}
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for fut in done:
+                if fut.exception() is not None:
+                    for srv in self.servers:  # the others' waits end as soon as their process is gone
+                        srv.stop(grace=5)
+                    raise fut.exception()
+            return {futures[f]: round(f.result(), 1) for f in futures}
+
+    def check(self) -> None:
+        for srv in self.servers:
+            srv.check()
+
+    def stop(self) -> None:
+        for srv in self.servers:
+            srv.stop()
 
 
 def kill_stale_servers(state: Path, log: Log) -> None:

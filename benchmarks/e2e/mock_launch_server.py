@@ -1,0 +1,255 @@
+"""Mock of `python -m sglang.launch_server` for selftest.py (stdlib + optional torch).
+
+selftest.py copies this file into a fake `sglang` package (mock_sglang.make_mock_site) as
+sglang/launch_server.py; it is never imported by the harness.  It speaks the subset of SGLang 0.5.17's
+HTTP API the harness uses, prints SGLang-style log lines, runs `sglang.srt.plugins` entry points and
+the hooks they register on the targets it knows, and spawns a child in its process group.
+
+PD (--disaggregation-mode prefill|decode): every /generate must carry bootstrap_host 127.0.0.1,
+bootstrap_port (the prefill's --disaggregation-bootstrap-port) and an integer bootstrap_room.  The
+prefill records the room with a hash of the input ids and serves it on its bootstrap port
+(GET /room/<room>); the decode waits until the prefill has "sent" that room, refuses other input ids,
+and rejects a prompt longer than its GPU pool (its logical pool with MOCK_PD_LOGICAL=1, like the
+plugin), as SGLang's validate_input_length does.  Both log `PD <role> room <room>` per request.
+"""
+import argparse, ctypes, functools, hashlib, importlib.metadata as md, json, os, random, subprocess, sys
+import threading, time, urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--port", type=int); ap.add_argument("--max-total-tokens", type=int, default=4096)
+ap.add_argument("--enable-hisparse", action="store_true"); ap.add_argument("--hisparse-config", default="{}")
+ap.add_argument("--model-path")
+ap.add_argument("--disaggregation-mode", default="null"); ap.add_argument("--disaggregation-bootstrap-port", type=int)
+args, rest = ap.parse_known_args()
+PD = args.disaggregation_mode
+def log(msg): print(f"[2026-01-01 00:00:00] {msg}", flush=True)
+log(f"mock server argv: {sys.argv[1:]}")
+# like sglang.srt.plugins.load_plugins()
+for ep in md.entry_points(group="sglang.srt.plugins"):
+    try:
+        fn = ep.load()
+    except Exception as e:
+        log(f"Failed to load plugin {ep.name} from group sglang.srt.plugins ({type(e).__name__}: {e})"); continue
+    try:
+        fn()
+    except Exception as e:
+        log(f"Failed to execute general plugin: {ep.name} ({e})")
+# like the dummy loader: initialise a toy model through the (possibly hooked) init
+from sglang.srt.plugins.hook_registry import HookRegistry
+import sglang.srt.model_loader.weight_utils as wu
+init = wu.initialize_dummy_weights
+for target, hook, _ in HookRegistry.hooks:
+    if target.endswith("initialize_dummy_weights"):
+        init = functools.partial(hook, init)
+try:
+    import torch
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(64, 16); self.input_layernorm = torch.nn.LayerNorm(16)
+            self.o_proj = torch.nn.Linear(16, 16, bias=False); self.lm_head = torch.nn.Linear(16, 64, bias=False)
+    init(Toy())
+except ImportError:
+    print("[hisparse-e2e-fixture] pid=0 weights mode=mock-no-torch params=0 elements=0 fingerprint=0/0", file=sys.stderr, flush=True)
+if os.environ.get("SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD"):
+    log(f"Dense attention kv len threshold is manually set to {os.environ['SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD']} for DSA.")
+ratio = json.loads(args.hisparse_config or "{}").get("host_to_device_ratio", 2) if args.enable_hisparse else 1
+capacity_tokens = args.max_total_tokens * ratio
+# the longest prompt a PD decode instance admits: its GPU pool, or its logical pool (the plugin's hooks)
+input_limit = (capacity_tokens if os.environ.get("MOCK_PD_LOGICAL") == "1" else args.max_total_tokens) - 5
+PD_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.register_buffer_to_engine"
+if PD != "null":
+    # like SGLang's KV manager: register the KV regions (one per layer) through the hooked method
+    import sglang.srt.disaggregation.mooncake.conn as conn
+    for target, hook, _ in HookRegistry.hooks:
+        if target == PD_TARGET:
+            conn.MooncakeKVManager.register_buffer_to_engine = functools.partialmethod(
+                lambda self, _orig, _hook: _hook(_orig, self), conn.MooncakeKVManager.register_buffer_to_engine, hook)
+    rows = capacity_tokens if PD == "decode" else args.max_total_tokens
+    keep = [ctypes.create_string_buffer(64) for _ in range(5)]
+    conn.MooncakeKVManager(conn.KVArgs([ctypes.addressof(b) for b in keep[:4]], [rows * 1152] * 4, [1152 * 64] * 4,
+                                       [ctypes.addressof(keep[4])], [64]), PD).register_buffer_to_engine()
+rooms, rooms_lock = {}, threading.Lock()
+
+def ids_hash(ids):
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+def bootstrap_error(body):
+    room = body.get("bootstrap_room")
+    if body.get("bootstrap_host") != "127.0.0.1" or not isinstance(body.get("bootstrap_port"), int):
+        return f"PD request without bootstrap_host/bootstrap_port: {body.get('bootstrap_host')!r} {body.get('bootstrap_port')!r}"
+    if PD == "prefill" and body["bootstrap_port"] != args.disaggregation_bootstrap_port:
+        return f"bootstrap_port {body['bootstrap_port']} is not this prefill's {args.disaggregation_bootstrap_port}"
+    if not isinstance(room, int) or not 0 <= room < 2**63:
+        return f"bootstrap_room must be an integer in [0, 2**63): {room!r}"
+    return None
+
+def wait_for_kv(body, ids):
+    """Decode: until the prefill (asked on the request's bootstrap port) has this room; None or the error."""
+    url = f"http://{body['bootstrap_host']}:{body['bootstrap_port']}/room/{body['bootstrap_room']}"
+    t_end = time.time() + 10
+    while time.time() < t_end:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                info = json.loads(r.read())
+        except Exception:
+            info = {}
+        if info.get("done"):
+            return None if info["hash"] == ids_hash(ids) else f"bootstrap_room {body['bootstrap_room']} carries other input_ids"
+        time.sleep(0.02)
+    return f"no KV arrived for bootstrap_room {body['bootstrap_room']} in 10 s"
+
+class Bootstrap(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_GET(self):
+        with rooms_lock:
+            info = rooms.get(int(self.path.rsplit("/", 1)[1]), {})
+        b = json.dumps(info).encode(); self.send_response(200)
+        self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
+if PD == "prefill":
+    boot = ThreadingHTTPServer(("127.0.0.1", args.disaggregation_bootstrap_port), Bootstrap)
+    threading.Thread(target=boot.serve_forever, daemon=True).start()
+log(f"max_total_num_tokens={args.max_total_tokens}, chunked_prefill_size=8192, hisparse={args.enable_hisparse}")
+# a child in the same process group, like the scheduler / detokenizer
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", "mock-scheduler-child"])
+FLIP = int(os.environ.get("MOCK_FLIP_AT", "-1"))
+# prefill holds the "GPU" for this long per input token; decoding waits for it (a storm stalls decoders)
+PREFILL_S = float(os.environ.get("MOCK_PREFILL_S_PER_TOKEN", "0"))
+prefill_lock = threading.Lock()
+HS_LOG = os.environ.get("MOCK_HISPARSE_LOG") == "1"  # the plugin's periodic HiSparse line
+RESIDENT_UP_TO = int(os.environ.get("MOCK_RESIDENT_UP_TO", "0"))  # that many running requests stay resident
+lock = threading.Condition()
+state = {"used": 0, "running": 0, "waiting": 0, "abort": 0, "tokens": 0}
+ready_at = time.time() + 1.0
+
+def out_ids(ids, n):
+    rng = random.Random(sum(ids[-64:]) * 7 + len(ids) + sum(ids) % 1000)
+    o = [rng.randrange(2, 32768) for _ in range(n)]
+    if 0 <= FLIP < n: o[FLIP] = (o[FLIP] + 1) % 32768
+    return o
+
+def reporter():
+    while True:
+        time.sleep(0.2)
+        with lock:
+            r, w, t = state["running"], state["waiting"], state["tokens"]; state["tokens"] = 0
+        if r:
+            use = (f"#gpu token: 100, gpu token usage: 0.10, #cpu token: 200, cpu token usage: 0.20" if args.enable_hisparse
+                   else f"#token: {r * 100}, token usage: {min(1.0, r * 0.1):.2f}")
+            log(f"Decode batch, #running-req: {r}, {use}, cuda graph: True, gen throughput (token/s): {t / 0.2:.2f}, #queue-req: {w}, ")
+            if HS_LOG:
+                res_n, off_n = (r, 0) if r <= RESIDENT_UP_TO else (0, r)
+                log(f"HiSparse: hit rate 97.5%, moved 1.5 MiB, resident {res_n}, offloaded {off_n} (promoting 0), demotions {6.0 * r:.1f}/min, "
+                    f"promotions 0.0/min, device rows 100/4096, host rows 200/32768, switch work max 0.25 ms/step, step host work 0.110 ms (max 0.20)")
+threading.Thread(target=reporter, daemon=True).start()
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+    def log_message(self, *a): pass
+    def _json(self, code, obj):
+        b = json.dumps(obj).encode(); self.send_response(code)
+        self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(b)))
+        self.end_headers(); self.wfile.write(b)
+    def prefill_only(self, body, ids):
+        """A PD prefill: 'computes' the prompt, 'sends' its KV (the room becomes visible), answers the first token."""
+        with rooms_lock:
+            rooms[body["bootstrap_room"]] = {"hash": ids_hash(ids), "done": False}
+        log(f"Prefill batch, #new-seq: 1, #new-token: {len(ids)}, #cached-token: 0, token usage: 0.10, "
+            f"#running-req: 0, #queue-req: 0, #pending-token: 0, ")
+        if PREFILL_S:
+            with prefill_lock:
+                time.sleep(len(ids) * PREFILL_S)
+        with rooms_lock:
+            rooms[body["bootstrap_room"]]["done"] = True
+        out = {"output_ids": out_ids(ids, 1), "meta_info": {"id": body.get("rid"), "finish_reason": {"type": "length", "length": 1},
+                                                            "prompt_tokens": len(ids), "completion_tokens": 1}}
+        if not body.get("stream"):
+            return self._json(200, out)
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+        self.wfile.write(b"data: " + json.dumps(out).encode() + b"\n\ndata: [DONE]\n\n")
+    def do_GET(self):
+        if self.path == "/health":
+            return self._json(200 if time.time() > ready_at else 503, {})
+        if self.path.startswith("/v1/loads"):
+            with lock:
+                return self._json(200, {"loads": [{"num_running_reqs": state["running"], "num_waiting_reqs": state["waiting"],
+                                                   "max_total_num_tokens": args.max_total_tokens}]})
+        if self.path == "/server_info":
+            return self._json(200, {"max_total_num_tokens": args.max_total_tokens, "version": "mock", "disaggregation_mode": PD})
+        self._json(404, {})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path == "/abort_request":
+            with lock:
+                state["abort"] += 1; lock.notify_all()
+            return self._json(200, {})
+        if self.path != "/generate":
+            return self._json(404, {})
+        ids, sp = body["input_ids"], body["sampling_params"]
+        n = sp["max_new_tokens"]; need = len(ids) + n
+        if PD != "null":
+            err = bootstrap_error(body) or (wait_for_kv(body, ids) if PD == "decode" else None)
+            if not err and PD == "decode" and len(ids) >= input_limit:
+                err = (f"Input length ({len(ids)} tokens) exceeds the maximum allowed length ({input_limit} tokens). "
+                       "Use a shorter input or enable --allow-auto-truncate.")
+            log(f"PD {PD} room {body.get('bootstrap_room')} rid {body.get('rid')} tokens {len(ids)}" + (f" rejected: {err}" if err else ""))
+            if err:
+                return self._json(400, {"error": {"message": err}})
+            if PD == "prefill":
+                return self.prefill_only(body, ids)
+        gen = state["abort"]
+        with lock:
+            state["waiting"] += 1
+            while state["used"] + need > capacity_tokens and gen == state["abort"]:
+                lock.wait(0.05)
+            state["waiting"] -= 1
+            aborted = gen != state["abort"]
+            if not aborted:
+                state["used"] += need
+        admitted = not aborted
+        if admitted:
+            with lock:
+                log(f"Prefill batch, #new-seq: 1, #new-token: {len(ids)}, #cached-token: 0, token usage: 0.10, "
+                    f"#running-req: {state['running']}, #queue-req: {state['waiting']}, #pending-token: 0, ")
+                state["running"] += 1
+            if PREFILL_S:
+                with prefill_lock:
+                    time.sleep(len(ids) * PREFILL_S)
+        o = out_ids(ids, n)
+        done = 0
+        stream = body.get("stream")
+        if stream:
+            self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+        try:
+            while admitted and done < n:
+                time.sleep(0.002)
+                if PREFILL_S:
+                    with prefill_lock:
+                        pass
+                with lock:
+                    if gen != state["abort"]:
+                        aborted = True; break
+                    state["tokens"] += 1
+                done += 1
+                if stream:
+                    self.wfile.write(b"data: " + json.dumps({"output_ids": o[:done], "meta_info": {"completion_tokens": done,
+                                     "finish_reason": {"type": "length"} if done == n else None}}).encode() + b"\n\n")
+        finally:
+            if admitted:
+                with lock:
+                    state["running"] -= 1; state["used"] -= need; lock.notify_all()
+        fin = {"type": "abort"} if aborted else {"type": "length", "length": n}
+        meta = {"id": body.get("rid"), "finish_reason": fin, "prompt_tokens": len(ids), "completion_tokens": done}
+        if body.get("return_logprob"):
+            lps = [-1.0 - 0.001 * (t % 97) for t in o[:done]]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, o)]
+            meta["output_top_logprobs"] = [[[lp, t, None], [lp - 0.5, (t + 1) % 32768, None]] for lp, t in zip(lps, o)]
+        if stream:
+            self.wfile.write(b"data: " + json.dumps({"output_ids": o[:done], "meta_info": meta}).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
+        else:
+            self._json(200, {"output_ids": o[:done], "meta_info": meta})
+
+ThreadingHTTPServer.daemon_threads = True
+ThreadingHTTPServer(("127.0.0.1", args.port), H).serve_forever()
