@@ -245,7 +245,8 @@ def copy_rows(
     """
     if src_rows.numel() == 0:
         return
-    device = src_rows.device
+    # The GPU the copy runs on; rows passed on the CPU are then refused by the binding, by name.
+    device = next((t.device for t in (src_rows, dst_rows) if t.is_cuda), None) or _normalized("cuda")
     first = src_layers[0]
     row_bytes = first.numel() // first.shape[0] * first.element_size()
     load_module().copy_rows(
