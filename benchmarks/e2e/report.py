@@ -68,7 +68,9 @@ def fmt(v, nd=1):
 def render_markdown(data: dict) -> str:
     meta, arms, comp = data.get("meta", {}), data.get("arms", {}), data.get("compare", {})
     pf = meta.get("preflight", {})
-    lines = ["# HiSparse end-to-end benchmark (SGLang 0.5.17, tiny DeepSeek-V3.2 DSA model)", ""]
+    model = Path(str(meta.get("args", {}).get("model_dir") or "tiny-dsv32")).name
+    sglang = (pf.get("versions") or {}).get("sglang") or "?"
+    lines = [f"# HiSparse end-to-end benchmark (SGLang {sglang}, model {model}, dummy weights)", ""]
     lines.append(f"- date: {meta.get('date', '?')}; GPU: {', '.join(pf.get('gpu') or ['?'])}")
     v = pf.get("versions") or {}
     lines.append("- versions: " + ", ".join(f"{k} {v[k]}" for k in sorted(v) if v[k]) + f"; python {pf.get('python', '?')}")
