@@ -3,6 +3,7 @@
 import torch
 
 from hisparse_sglang.ops import reference
+from hisparse_sglang.ops.tables import SwapInTables
 
 D = 4  # LRU slots
 P = 4  # page size (reserved page: slot D is the newest token)
@@ -37,10 +38,12 @@ class Case:
         seq_lens = torch.tensor(seq_lens or [self.seq_len] * len(reqs), dtype=torch.int64)
         num_real = torch.tensor([len(reqs) if num_real is None else num_real], dtype=torch.int32)
         out = torch.full(top_k.shape, 12345, dtype=torch.int32)  # sentinel
+        tables = SwapInTables(
+            self.req_to_token, self.device_row_of_loc, self.buffer_of_req, self.slot_rows, self.slot_tokens,
+            self.stamps, self.token_slot, self.host, self.device,
+        )
         result = reference.swap_in(
-            top_k, seq_lens, torch.tensor(reqs, dtype=torch.int64), num_real, self.req_to_token,
-            self.device_row_of_loc, self.buffer_of_req, self.slot_rows, self.slot_tokens, self.stamps,
-            self.token_slot, self.host, self.device, out=out, counters=self.counters,
+            top_k, seq_lens, torch.tensor(reqs, dtype=torch.int64), num_real, tables, out=out, counters=self.counters
         )
         self.check_map()
         return result

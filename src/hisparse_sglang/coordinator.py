@@ -54,6 +54,7 @@ from hisparse_sglang.memory.paged import upload_ints
 from hisparse_sglang.ops import reference
 from hisparse_sglang.ops.layers import LayerSet
 from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT
+from hisparse_sglang.ops.tables import SwapInTables
 from hisparse_sglang.streams import CopyEvent, StreamSet
 
 __all__ = ["Coordinator", "RequestRecord", "RESIDENT", "OFFLOADED", "CoordinatorStats"]
@@ -255,6 +256,15 @@ class Coordinator:
         self.requests: dict[int, RequestRecord] = {}
         self.pending: list[int] = []
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # One layer's swap-in tables per layer, built once (fixed tensors and views of them).
+        self.layer_tables = [
+            SwapInTables(
+                req_to_token, allocator.device_row_of_loc, buffers.buffer_of_req, buffers.slot_rows,
+                buffers.slot_tokens[layer], buffers.slot_stamps[layer], buffers.token_slot[layer],
+                self.host_layers[layer], self.device_layers[layer],
+            )
+            for layer in range(host_pool.layer_num)
+        ]
         self.top_k_rows = torch.full(
             (buffers.num_req_slots, config.top_k), -1, dtype=torch.int32, device=self.device
         )
@@ -447,32 +457,19 @@ class Coordinator:
     ) -> torch.Tensor:
         """Device rows of one layer's top-k tokens (int32 ``[B, K]``, -1 for padding)."""
         batch = top_k.shape[0]
-        out = self.top_k_rows[:batch]
+        tables = self.layer_tables[layer_id]
         # The layer's new KV is written: back it up before this layer's swap-in reuses any row.
         self.ops.backup_newest(
-            req_pool_indices,
-            seq_lens,
-            self.num_real_reqs,
-            self.req_to_token,
-            self.allocator.device_row_of_loc,
-            self.device_layers[layer_id],
-            self.host_layers[layer_id],
+            req_pool_indices, seq_lens, self.num_real_reqs, tables.req_to_token, tables.device_row_of_loc,
+            tables.device_kv, tables.host_kv,
         )
         return self.ops.swap_in(
             top_k,
             seq_lens,
             req_pool_indices,
             self.num_real_reqs,
-            self.req_to_token,
-            self.allocator.device_row_of_loc,
-            self.buffers.buffer_of_req,
-            self.buffers.slot_rows,
-            self.buffers.slot_tokens[layer_id],
-            self.buffers.slot_stamps[layer_id],
-            self.buffers.token_slot[layer_id],
-            self.host_layers[layer_id],
-            self.device_layers[layer_id],
-            out=out,
+            tables,
+            out=self.top_k_rows[:batch],
             counters=self.swap_counters,
             threads=self.config.swap_in_block_size,
         )

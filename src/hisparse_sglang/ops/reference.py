@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from hisparse_sglang.ops.tables import SwapInTables
+
 __all__ = ["swap_in", "copy_rows", "backup_newest", "bind_rows", "AGE_CAP", "BIND_BUFFER_SLOT"]
 
 
@@ -28,15 +30,7 @@ def swap_in(
     seq_lens: torch.Tensor,
     req_pool_indices: torch.Tensor,
     num_real_reqs: torch.Tensor,
-    req_to_token: torch.Tensor,
-    device_row_of_loc: torch.Tensor,
-    buffer_of_req: torch.Tensor,
-    slot_rows: torch.Tensor,
-    slot_tokens: torch.Tensor,
-    slot_stamps: torch.Tensor,
-    token_slot: torch.Tensor,
-    host_kv: torch.Tensor,
-    device_kv: torch.Tensor,
+    tables: SwapInTables,
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     *,
@@ -53,22 +47,12 @@ def swap_in(
         req_pool_indices: int32/int64 ``[B]``, the request slot ``r`` of each batch row.
         num_real_reqs: int32 ``[1]``, batch rows ``>= num_real_reqs[0]`` are CUDA-graph padding:
             their output row is all -1 and nothing else changes.
-        req_to_token: int32 ``[R, C]``, logical location of each position of each request; the
-            logical location is also the token's host row.
-        device_row_of_loc: int32 ``[N + 1]``, device row of each logical location (resident
-            tokens).
-        buffer_of_req: int32 ``[R]``, buffer id of request slot ``r``; -1 means the request is
-            resident: every one of its tokens has a device row in ``device_row_of_loc``.
-        slot_rows: int32 ``[NB, D + P]``, device row of each slot; slot ``D`` holds the newest token.
-        slot_tokens: int32 ``[NB, D]`` (this layer), token held by each LRU slot, -1 = empty.
-            Updated in place.
-        slot_stamps: int32 ``[NB, D]`` (this layer), the ``seq_len`` of the request's last call
-            that used each slot (its LRU clock). Updated in place.
-        token_slot: int16 ``[NB, C']`` with ``C' >= C`` (this layer), the slot holding each
-            position, -1 none: the inverse of ``slot_tokens``. Updated in place.
-        host_kv: ``[N, ...]`` (this layer, any dtype), host rows; read only.
-        device_kv: ``[M, ...]`` (this layer, same row layout), device rows; missed tokens are
-            copied into it.
+        tables: the layer's :class:`SwapInTables`. ``req_to_token`` gives each position's logical
+            location, which is also its host row; ``buffer_of_req`` -1 means the request is resident
+            (every token has a device row in ``device_row_of_loc``); ``slot_tokens``, ``slot_stamps``
+            (the ``seq_len`` of the request's last call that used each slot: its LRU clock) and
+            ``token_slot`` (the inverse of ``slot_tokens``) are updated in place; missed tokens are
+            copied from ``host_kv`` (read only) into ``device_kv``.
         out: optional int32 ``[B, K]`` to write into.
         counters: optional int64 ``[2]``, incremented in place for offloaded rows by the number of
             valid non-newest entries looked up (``[0]``) and of distinct misses copied (``[1]``).
@@ -101,6 +85,11 @@ def swap_in(
     position ``< s - 1`` of an offloaded request has been written to its host row; slot rows are
     distinct; requests in a batch are distinct.
     """
+    req_to_token, device_row_of_loc, buffer_of_req, slot_rows = (
+        tables.req_to_token, tables.device_row_of_loc, tables.buffer_of_req, tables.slot_rows
+    )
+    slot_tokens, slot_stamps, token_slot = tables.slot_tokens, tables.slot_stamps, tables.token_slot
+    host_kv, device_kv = tables.host_kv, tables.device_kv
     batch, num_top_k = top_k.shape
     buffer_size = slot_tokens.shape[1]
     if out is None:
@@ -216,12 +205,12 @@ def backup_newest(
     the layer's new KV, so the host pool holds every token a step has written once the step ends.
 
     Args:
-        req_pool_indices: int64 ``[B]``.
-        seq_lens: int64 ``[B]``, lengths including the newest token.
+        req_pool_indices: int32/int64 ``[B]``.
+        seq_lens: int32/int64 ``[B]``, lengths including the newest token.
         num_real_reqs: int32 ``[1]``.
-        req_to_token, device_row_of_loc: as in :func:`swap_in`.
-        device_kv: ``[rows, ...]`` one layer's device KV rows.
-        host_kv: ``[N, ...]`` the same layer's host rows, same row layout.
+        req_to_token, device_row_of_loc: as in :class:`SwapInTables`.
+        device_kv: ``[rows, ...]`` one layer's device rows.
+        host_kv: ``[N, ...]`` the same layer's host rows, same row layout (written).
     """
     real = min(int(num_real_reqs.reshape(-1)[0]), req_pool_indices.numel())
     if real <= 0:

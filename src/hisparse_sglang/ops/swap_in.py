@@ -15,6 +15,7 @@ from hisparse_sglang.errors import HiSparseError
 from hisparse_sglang.ops.jit import load_module
 from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT
 from hisparse_sglang.ops.swap_in_limits import DEFAULT_THREADS, check_swap_in_fits, shared_memory_per_block
+from hisparse_sglang.ops.tables import SwapInTables
 
 __all__ = [
     "swap_in", "copy_rows", "backup_newest", "bind_rows", "reserve", "choose_splits", "resident_ctas",
@@ -148,15 +149,7 @@ def swap_in(
     seq_lens: torch.Tensor,
     req_pool_indices: torch.Tensor,
     num_real_reqs: torch.Tensor,
-    req_to_token: torch.Tensor,
-    device_row_of_loc: torch.Tensor,
-    buffer_of_req: torch.Tensor,
-    slot_rows: torch.Tensor,
-    slot_tokens: torch.Tensor,
-    slot_stamps: torch.Tensor,
-    token_slot: torch.Tensor,
-    host_kv: torch.Tensor,
-    device_kv: torch.Tensor,
+    tables: SwapInTables,
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     *,
@@ -166,7 +159,7 @@ def swap_in(
 ) -> torch.Tensor:
     """CUDA twin of :func:`hisparse_sglang.ops.reference.swap_in` (see there for shapes and rules).
 
-    ``host_kv`` must be pinned host memory; every other tensor lives on the GPU. ``splits`` is
+    ``tables.host_kv`` must be pinned host memory; every other tensor lives on the GPU. ``splits`` is
     the number of CTAs per request (default :func:`choose_splits`). ``late_copiers_ns`` is a
     test hook: copier CTAs sleep this long before their lookups, so the planner must wait for them;
     results must not change.
@@ -176,11 +169,12 @@ def swap_in(
     if out is None:
         out = torch.empty((batch, k), dtype=torch.int32, device=device)
     threads = threads or DEFAULT_THREADS
-    plan = launch_plan(k, slot_tokens.shape[1], threads, device)
+    buffer_size = tables.slot_tokens.shape[1]
+    plan = launch_plan(k, buffer_size, threads, device)
     if splits is None:
-        splits = choose_splits(batch, k, slot_tokens.shape[1], threads, device)
+        splits = choose_splits(batch, k, buffer_size, threads, device)
     elif splits > 1:
-        resident = resident_ctas(k, slot_tokens.shape[1], threads, device)
+        resident = resident_ctas(k, buffer_size, threads, device)
         if batch * splits > resident:
             raise HiSparseError(
                 f"swap_in with splits={splits} needs {batch * splits} co-resident CTAs for batch {batch}, but this "
@@ -195,15 +189,7 @@ def swap_in(
         seq_lens,
         req_pool_indices,
         num_real_reqs,
-        req_to_token,
-        device_row_of_loc,
-        buffer_of_req,
-        slot_rows,
-        slot_tokens,
-        slot_stamps,
-        token_slot,
-        host_kv,
-        device_kv,
+        *tables.tensors(),
         out,
         counters,
         sync,

@@ -11,6 +11,8 @@ import dataclasses
 
 import torch
 
+from hisparse_sglang.ops.tables import SwapInTables
+
 __all__ = ["SwapInCase", "make_case", "POISON"]
 
 POISON = 0xCD
@@ -35,12 +37,16 @@ class SwapInCase:
     device_kv: torch.Tensor
     expected_misses: int
 
-    def args(self) -> tuple:
-        return (
-            self.top_k, self.seq_lens, self.req_pool_indices, self.num_real_reqs, self.req_to_token,
-            self.device_row_of_loc, self.buffer_of_req, self.slot_rows, self.slot_tokens, self.slot_stamps,
-            self.token_slot, self.host_kv, self.device_kv,
+    @property
+    def tables(self) -> SwapInTables:
+        return SwapInTables(
+            self.req_to_token, self.device_row_of_loc, self.buffer_of_req, self.slot_rows, self.slot_tokens,
+            self.slot_stamps, self.token_slot, self.host_kv, self.device_kv,
         )
+
+    def args(self) -> tuple:
+        """The positional arguments of ``swap_in``: the batch, then the tables."""
+        return self.top_k, self.seq_lens, self.req_pool_indices, self.num_real_reqs, self.tables
 
     def clone(self, device: torch.device | str | None = None, pin_host: bool = False) -> "SwapInCase":
         """Deep copy; with ``device``, every tensor but the host KV moves there.
