@@ -1,53 +1,23 @@
-"""Request lifecycle of HiSparse: resident and offloaded requests, swap-in, eager backup.
+"""The coordinator's mechanism: state transitions of requests and the tables behind them.
 
-Framework-free: requests are SGLang request-pool slots (ints) and token positions; the SGLang
-adapter in ``integration/sglang`` translates SGLang's calls into these.
-
-Modes of a decoding request:
-
-* **resident**: every token has a device row (``KVAllocator.device_row_of_loc``); the swap-in op
-  only translates positions to rows. Its KV is written through to the host pool (staging after
-  prefill, then each new token by the forward that writes it), so it can be demoted at any step.
-* **offloaded**: the request owns a device buffer (``DeviceBufferPool``) of ``D`` LRU slots plus a
-  page whose first slot holds the newest token; the swap-in op copies missed tokens from host.
-
-Policy (see docs/resident-first.md):
-
-* ``resident_first`` on: requests stay resident while device pages last. When an allocation
-  (a prefill, or resident requests starting new pages) lacks pages, in-flight promotions are
-  cancelled and then resident requests are demoted, longest context first, preferring requests
-  out of their cooldown, until enough pages are free. An offloaded request is promoted back
-  (shortest first, at most ``max_switches_per_step`` per step) when, after the promotion,
-  ``promote_free_fraction`` of the device pool stays free and its cooldown has passed.
-  Promotion copies the KV host -> device on a side stream while the request keeps decoding
-  offloaded, then switches at a later step.
-* ``resident_first`` off: a request is demoted as soon as it outgrows its buffer (SGLang's
-  in-tree behaviour) and never promoted.
-
-Demotion needs no copy: the request keeps ``D`` of its resident rows (the most recent whole pages)
-as LRU slots and the page of its newest token as the reserved page; the other pages are freed.
-
-Host work per decode step (``prepare_decode``, on the scheduler's critical path): none for a
-resident request whose new token continues a page (its page was mapped whole when it started);
-one entry of one bind launch for a resident request starting a page and for every offloaded
-request (its new token goes to slot ``D``). The eager backup of every new token runs inside the
-forward: the swap-in of each layer first copies each request's newest token, which the layer
-has just written, to its host row (``backup_newest``), so it is CUDA-graph captured and costs the
-host nothing.
+Admission (after prefill, or PD transfer), the decode step's bindings, each layer's swap-in,
+demotion, promotion, cancel and release. Whom to switch is decided by :class:`ModePolicy`
+(``policy.py``); what is counted and logged lives in :class:`Telemetry` (``telemetry.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import time
 from typing import Callable, Sequence
 
 import torch
 
 from hisparse_sglang.config import HiSparseConfig
+from hisparse_sglang.coordinator.policy import ModePolicy
+from hisparse_sglang.coordinator.state import OFFLOADED, RESIDENT, Promotion, RequestRecord, SlotTable
+from hisparse_sglang.coordinator.telemetry import CoordinatorStats, SwapCounters, Telemetry
 from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
-from hisparse_sglang.memory.allocator import KVAllocator, PoolStats
+from hisparse_sglang.memory.allocator import KVAllocator
 from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 from hisparse_sglang.memory.host_pool import HostKVPool
 from hisparse_sglang.memory.paged import upload_ints
@@ -57,146 +27,7 @@ from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT
 from hisparse_sglang.ops.tables import SwapInTables
 from hisparse_sglang.streams import CopyEvent, StreamSet
 
-__all__ = ["Coordinator", "RequestRecord", "RESIDENT", "OFFLOADED", "CoordinatorStats"]
-
-logger = logging.getLogger(__name__)
-
-RESIDENT = "resident"
-OFFLOADED = "offloaded"
-# A scheduler step that spends longer than this switching modes is logged with its counts and the
-# time of each part (what it waited on).
-SLOW_SWITCH_SECONDS = 0.005
-
-
-@dataclasses.dataclass
-class _Promotion:
-    pages: torch.Tensor  # device pages, page k holds positions [k * P, (k + 1) * P)
-    covered: int  # positions [0, covered) are being copied host -> device
-    event: CopyEvent
-
-
-class SlotTable:
-    """What the decode step reads and writes of every request, in lists indexed by request slot.
-
-    The decode step checks and advances each request of the batch with two list loads and a
-    compare (no dict lookup, no attribute access, no numpy call: in the scheduler's loop, between
-    the model's launches, numpy's per-call overhead measured several times that of these loops).
-
-    Attributes:
-        seq_len: the length of each admitted request.
-        next_len: ``seq_len + 1`` for a request released for decoding, else :data:`NOT_DECODING`
-            (unknown, staging or finished), so that one comparison with a batch's length checks
-            both. Twice as long as the slots: a negative slot (Python indexes from the end) lands
-            in the second half, which is never decoding.
-        bind_at: the smallest length at which a request's new token must be bound: 0 for an
-            offloaded request (every step, to slot ``D``), the length whose new token starts its
-            next page for a resident one.
-        offloaded: whether each request is offloaded.
-        num_offloaded: how many are.
-    """
-
-    NOT_DECODING = -1
-
-    def __init__(self, num_slots: int, page_size: int) -> None:
-        self.page_size = page_size
-        self.seq_len = [0] * num_slots
-        self.next_len = [self.NOT_DECODING] * (2 * num_slots)
-        self.bind_at = [0] * num_slots
-        self.offloaded = [False] * num_slots
-        self.num_offloaded = 0
-
-    def admit(self, slot: int, seq_len: int, decoding: bool) -> None:
-        self.set_offloaded(slot, False)
-        self.seq_len[slot] = seq_len
-        self.next_len[slot] = seq_len + 1 if decoding else self.NOT_DECODING
-        self._update_bind_at(slot)
-
-    def release_for_decoding(self, slots: list[int]) -> None:
-        for slot in slots:
-            self.next_len[slot] = self.seq_len[slot] + 1
-
-    def forget(self, slot: int) -> None:
-        self.set_offloaded(slot, False)
-        self.next_len[slot] = self.NOT_DECODING
-
-    def set_len(self, slot: int, seq_len: int) -> None:
-        self.seq_len[slot] = seq_len
-        if self.next_len[slot] != self.NOT_DECODING:
-            self.next_len[slot] = seq_len + 1
-        self._update_bind_at(slot)
-
-    def set_offloaded(self, slot: int, offloaded: bool) -> None:
-        if self.offloaded[slot] != offloaded:
-            self.offloaded[slot] = offloaded
-            self.num_offloaded += 1 if offloaded else -1
-            self._update_bind_at(slot)
-
-    def next_page_start_len(self, seq_len: int) -> int:
-        """The length at which a resident request's next new token (position >= seq_len) starts a page."""
-        return -(-seq_len // self.page_size) * self.page_size + 1
-
-    def _update_bind_at(self, slot: int) -> None:
-        self.bind_at[slot] = 0 if self.offloaded[slot] else self.next_page_start_len(self.seq_len[slot])
-
-
-class RequestRecord:
-    """The coordinator's view of one request (CPU only); its length and mode live in the
-    coordinator's :class:`SlotTable`.
-
-    Attributes:
-        slot: SGLang request-pool slot.
-        seq_len: positions ``[0, seq_len)`` have KV (the last one may be written by the forward in
-            flight). All of them are on the host once the prefill's staging copy and the forward
-            that wrote the newest one are done.
-        mode: RESIDENT or OFFLOADED.
-        staging: copy of the prefill KV to the host, while it may be in flight.
-        promotion: an offloaded request's promotion in flight.
-        mode_step: coordinator step of the last mode switch.
-    """
-
-    __slots__ = ("slot", "staging", "promotion", "mode_step", "_table")
-
-    def __init__(self, table: SlotTable, slot: int, seq_len: int, decoding: bool,
-                 staging: CopyEvent | None = None, mode_step: int = 0) -> None:
-        self._table = table
-        self.slot = slot
-        self.staging = staging
-        self.promotion: _Promotion | None = None
-        self.mode_step = mode_step
-        table.admit(slot, seq_len, decoding)
-
-    @property
-    def seq_len(self) -> int:
-        return self._table.seq_len[self.slot]
-
-    @seq_len.setter
-    def seq_len(self, value: int) -> None:
-        self._table.set_len(self.slot, value)
-
-    @property
-    def mode(self) -> str:
-        return OFFLOADED if self._table.offloaded[self.slot] else RESIDENT
-
-    @mode.setter
-    def mode(self, value: str) -> None:
-        self._table.set_offloaded(self.slot, value == OFFLOADED)
-
-    def __repr__(self) -> str:
-        return f"RequestRecord(slot={self.slot}, seq_len={self.seq_len}, mode={self.mode})"
-
-
-@dataclasses.dataclass(frozen=True)
-class CoordinatorStats:
-    pools: PoolStats
-    resident_requests: int
-    offloaded_requests: int
-    promoting_requests: int
-    demotions: int
-    promotions: int
-    promotion_cancels: int
-    swap_in_lookups: int
-    swap_in_misses: int
-    bytes_swapped_in: int
+__all__ = ["Coordinator"]
 
 
 class Coordinator:
@@ -252,7 +83,8 @@ class Coordinator:
         self.agree = agree or (lambda flags: flags)
         self.page_size = config.page_size
         self.buffer_size = config.device_buffer_size
-        self.buffer_pages = (config.device_buffer_size + config.page_size) // config.page_size
+        self.policy = ModePolicy(config)
+        self.telemetry = Telemetry()
         self.requests: dict[int, RequestRecord] = {}
         self.pending: list[int] = []
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -268,7 +100,8 @@ class Coordinator:
         self.top_k_rows = torch.full(
             (buffers.num_req_slots, config.top_k), -1, dtype=torch.int32, device=self.device
         )
-        self.swap_counters = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.counters = SwapCounters(self.streams)
+        self.swap_counters = self.counters.device
         self._no_pages = torch.zeros(0, dtype=torch.int64, device=self.device)
         # The last copy enqueued on the backup stream (the tail of a completed promotion): frees
         # of device rows are ordered after it.
@@ -277,15 +110,6 @@ class Coordinator:
         # Slots with a promotion in flight: with none, and no offloaded request, the common decode
         # step skips the mode-switch scans.
         self._promoting: set[int] = set()
-        self._counter_mirror = torch.zeros(2, dtype=torch.int64, pin_memory=self.streams.is_cuda)
-        self._counter_event: CopyEvent | None = None
-        self._counter_values = [0, 0]
-        self.demotions = 0
-        self.promotions = 0
-        self.promotion_cancels = 0
-        self.switch_seconds_max = 0.0
-        self._step_host = (0.0, 0.0, 0)  # prepare_decode host time: sum, max, steps since last taken
-        self._marks: list[tuple[str, float]] = []
 
     # ================================================================== admission
     def admit_prefilled(self, slot: int, prefill_len: int) -> None:
@@ -316,8 +140,7 @@ class Coordinator:
         flags = []
         for slot in self.pending:
             record = self.requests[slot]
-            must_demote = not self.config.resident_first and record.seq_len - 1 >= self.buffer_size
-            flags.append(not must_demote or record.staging is None or record.staging.query())
+            flags.append(not self.policy.waits_for_staging(record) or record.staging is None or record.staging.query())
         flags = self.agree(flags)
         count = 0
         while count < len(flags) and flags[count]:
@@ -340,8 +163,8 @@ class Coordinator:
         self._check_length(slot, kv_len, "kv_len")
         record = RequestRecord(self.slots, slot, kv_len, decoding=True, mode_step=self.streams.step)
         locs = self.req_to_token[slot, :kv_len].to(torch.int64)
-        pages = self._alloc_pages_with_reclaim(self.direct_admission_pages(kv_len))
-        if kv_len - 1 < self.buffer_size:
+        pages = self._alloc_pages_with_reclaim(self.policy.direct_admission_pages(kv_len))
+        if self.policy.fits_a_buffer(kv_len):
             rows = self.allocator.device_rows.page_rows(pages)[:kv_len]
             self.ops.copy_rows(self.host_layers, self.device_layers, locs, rows)
             self.allocator.map_request_pages_(locs, pages)
@@ -352,11 +175,8 @@ class Coordinator:
         self.requests[slot] = record
 
     def direct_admission_pages(self, kv_len: int) -> int:
-        """Device pages :meth:`admit_direct` takes for a request of ``kv_len`` tokens: every page of
-        its KV when it fits a buffer (it becomes resident), else one buffer (it starts offloaded)."""
-        if kv_len - 1 < self.buffer_size:
-            return -(-kv_len // self.page_size)
-        return self.buffer_pages
+        """Device pages :meth:`admit_direct` takes for a request of ``kv_len`` tokens."""
+        return self.policy.direct_admission_pages(kv_len)
 
     def obtainable_pages(self) -> int:
         """Device pages free now or freeable by :meth:`reclaim` (promotion cancels, demotions)."""
@@ -385,23 +205,19 @@ class Coordinator:
         if self._promoting or self.slots.num_offloaded or not self.config.resident_first or (
             len(bound) > self.allocator.device_rows.free_pages
         ):
-            before = self._switch_counts()
-            started = time.perf_counter()
-            self._marks = [("start", started)]
+            started, before = self.telemetry.start_switching()
             self._switch_modes([self.requests[slot] for slot in slots])
-            switched = self._switch_counts() != before
+            switched = self.telemetry.end_switching("decode step", started, before, len(self.requests))
             if switched:
-                self._note_switch_time("decode step", time.perf_counter() - started, before)
                 bind_at = self.slots.bind_at
                 bound = [row for row, (slot, length) in enumerate(zip(slots, seq_lens)) if length >= bind_at[slot]]
         self._assign_new_rows(slots, bound, new_locs)
-        self._advance(slots, seq_lens, bound)
+        self.slots.advance(slots, seq_lens, bound)
         if switched:
             # Rows freed this step may still be read by copies in flight: order everything later
             # (every forward waits for the schedule stream) after them.
             self._fence_copies()
-        spent = time.perf_counter() - entered
-        self._step_host = (self._step_host[0] + spent, max(self._step_host[1], spent), self._step_host[2] + 1)
+        self.telemetry.decode_step_done(entered)
 
     def _check_decode_batch(self, slots: Sequence[int], seq_lens: Sequence[int], new_locs: torch.Tensor) -> list[int]:
         """Typed errors for a decode call that does not describe one step of admitted requests;
@@ -439,19 +255,6 @@ class Coordinator:
             )
         return bound
 
-    def _advance(self, slots: Sequence[int], seq_lens: Sequence[int], bound: list[int]) -> None:
-        """The batch now has ``seq_lens``; a resident request that started a page binds next at
-        its next page start."""
-        table = self.slots
-        seq_len, next_len = table.seq_len, table.next_len
-        for slot, length in zip(slots, seq_lens):
-            seq_len[slot] = length
-            next_len[slot] = length + 1
-        for row in bound:
-            slot = slots[row]
-            if not table.offloaded[slot]:
-                table.bind_at[slot] = table.next_page_start_len(seq_lens[row])
-
     def swap_in(
         self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, layer_id: int
     ) -> torch.Tensor:
@@ -486,21 +289,8 @@ class Coordinator:
             self._last_backup.wait_on_current_stream()
 
     def swap_counter_values(self, exact: bool = True) -> list[int]:
-        """(lookups, misses) so far; ``exact=False`` does not wait for the GPU and returns
-        the values of the previous call on CUDA (for periodic metrics on the scheduler's hot path)."""
-        if exact or not self.streams.is_cuda:
-            return self.swap_counters.tolist()
-        if self._counter_event is None or self._counter_event.query():
-            if self._counter_event is not None:
-                self._counter_values = self._counter_mirror.tolist()
-            self._counter_mirror.copy_(self.swap_counters, non_blocking=True)
-            self._counter_event = self._record_current()
-        return list(self._counter_values)
-
-    def _record_current(self) -> CopyEvent:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return CopyEvent(self.streams, event)
+        """(lookups, misses) so far (see :meth:`SwapCounters.values`)."""
+        return self.counters.values(exact)
 
     # ================================================================== request end
     def finish(self, slot: int) -> None:
@@ -539,13 +329,7 @@ class Coordinator:
     # ================================================================== capacity
     def reclaimable_pages(self) -> int:
         """Device pages demotions and promotion cancels could free now."""
-        total = 0
-        for record in self.requests.values():
-            if record.promotion is not None:
-                total += record.promotion.pages.numel()
-            if self._demotable(record):
-                total += self._pages_held(record) - self.buffer_pages
-        return total
+        return self.policy.reclaimable_pages(self.requests.values())
 
     def can_decode(self, slots: Sequence[int]) -> bool:
         """Whether the next decode step of ``slots`` can bind every new token to a device row.
@@ -558,73 +342,37 @@ class Coordinator:
         if len(slots) <= free:  # even if every request started a page (the common case: no scan)
             return True
         records = [self._record(slot) for slot in slots]
-        needing = [r for r in records if self._starts_page(r)]
+        needing = [r for r in records if self.policy.starts_page(r)]
         if len(needing) <= free:
             return True
-        return sum(not self._demotable(r) for r in needing) <= free + self.reclaimable_pages()
+        return sum(not self.policy.demotable(r) for r in needing) <= free + self.reclaimable_pages()
 
     def reclaim(self, pages_needed: int) -> bool:
         """Free device pages until ``pages_needed`` are free; returns whether that succeeded."""
         if self.allocator.device_rows.free_pages >= pages_needed:
             return True
-        before = self._switch_counts()
-        started = time.perf_counter()
-        self._marks = [("start", started)]
+        started, before = self.telemetry.start_switching()
         try:
             return self._reclaim(pages_needed)
         finally:
-            self._note_switch_time("reclaim", time.perf_counter() - started, before)
+            self.telemetry.end_switching("reclaim", started, before, len(self.requests))
 
     def take_switch_time_max(self) -> float:
-        """Longest time (s) one step spent switching modes since the previous call; resets it.
-
-        Host wall time of the switching code of ``prepare_decode`` or ``reclaim``: what a demotion
-        storm adds to the scheduler's step (the GPU work it enqueues is a few table updates).
-        """
-        value, self.switch_seconds_max = self.switch_seconds_max, 0.0
-        return value
+        return self.telemetry.take_switch_time_max()
 
     def take_step_host_time(self) -> tuple[float, float]:
-        """Mean and longest host time (s) of ``prepare_decode`` since the previous call; resets them.
-
-        The bookkeeping HiSparse adds to every decode step of the scheduler (backup and bind
-        launches, mode switches): with SGLang's overlap scheduler it is hidden behind the forward
-        pass only while shorter than it.
-        """
-        total, longest, steps = self._step_host
-        self._step_host = (0.0, 0.0, 0)
-        return (total / steps if steps else 0.0), longest
-
-    def _switch_counts(self) -> tuple[int, int, int]:
-        return self.demotions, self.promotions, self.promotion_cancels
-
-    def _note_switch_time(self, where: str, seconds: float, before: tuple[int, int, int]) -> None:
-        self.switch_seconds_max = max(self.switch_seconds_max, seconds)
-        if seconds > SLOW_SWITCH_SECONDS:
-            demoted, promoted, cancelled = (a - b for a, b in zip(self._switch_counts(), before))
-            steps = ", ".join(
-                f"{label} {1e3 * (t - t0):.1f}" for (_, t0), (label, t) in zip(self._marks, self._marks[1:])
-            )
-            logger.warning(
-                "HiSparse: %s spent %.1f ms switching modes (%d demotions, %d promotions completed, "
-                "%d promotions cancelled, %d requests; ms per part: %s).",
-                where, 1e3 * seconds, demoted, promoted, cancelled, len(self.requests), steps or "-",
-            )
-
-    def _mark(self, label: str) -> None:
-        """Time stamp for the slow-switch log line (what a slow step waited on)."""
-        self._marks.append((label, time.perf_counter()))
+        return self.telemetry.take_step_host_time()
 
     def _reclaim(self, pages_needed: int) -> bool:
         self.streams.wait_for_producer()
         self._fence_copies()
-        self._mark("fence")
+        self.telemetry.mark("fence")
         for record in sorted(self.requests.values(), key=lambda r: -r.seq_len):
             if self.allocator.device_rows.free_pages >= pages_needed:
                 break
             if record.promotion is not None:
                 self._cancel_promotion(record)
-        for record in self._demotion_order():
+        for record in self.policy.demotion_order(self.requests.values(), self.streams.step):
             if self.allocator.device_rows.free_pages >= pages_needed:
                 break
             self._order_after_staging(record)
@@ -639,9 +387,9 @@ class Coordinator:
             resident_requests=modes.count(RESIDENT),
             offloaded_requests=modes.count(OFFLOADED),
             promoting_requests=sum(r.promotion is not None for r in self.requests.values()),
-            demotions=self.demotions,
-            promotions=self.promotions,
-            promotion_cancels=self.promotion_cancels,
+            demotions=self.telemetry.demotions,
+            promotions=self.telemetry.promotions,
+            promotion_cancels=self.telemetry.promotion_cancels,
             swap_in_lookups=counters[0],
             swap_in_misses=counters[1],
             bytes_swapped_in=counters[1] * self.host_pool.item_bytes,
@@ -664,8 +412,7 @@ class Coordinator:
 
         if not self.config.resident_first:
             for record in records:
-                # The request will hold seq_len + 1 tokens: demote once its older tokens exceed the buffer.
-                if record.mode == RESIDENT and record.seq_len - 1 >= self.buffer_size:
+                if self.policy.demoted_when_decoding(record):
                     if not switching:
                         self.streams.wait_for_producer()
                         switching = True
@@ -673,7 +420,7 @@ class Coordinator:
 
         needed = self._relieve_pressure(records)
 
-        if self.config.resident_first and self.slots.num_offloaded:
+        if self.policy.promotes() and self.slots.num_offloaded:
             self._start_promotions(needed, step)
 
     def _relieve_pressure(self, records: list[RequestRecord]) -> int:
@@ -683,7 +430,7 @@ class Coordinator:
         """
         synced = False
         while True:
-            needed = self._pages_needed_for_new_tokens(records)
+            needed = self.policy.pages_needed_for_new_tokens(records)
             if needed <= self.allocator.device_rows.free_pages:
                 return needed
             if not synced:
@@ -694,8 +441,8 @@ class Coordinator:
                 promoting = [self.requests[slot] for slot in sorted(self._promoting)]
                 self._cancel_promotion(max(promoting, key=lambda r: r.promotion.pages.numel()))
                 continue
-            needing = {r.slot for r in records if self._starts_page(r)}
-            order = self._demotion_order(needing)
+            needing = {r.slot for r in records if self.policy.starts_page(r)}
+            order = self.policy.demotion_order(self.requests.values(), self.streams.step, needing)
             if not order:
                 raise PoolExhaustedError(
                     f"device KV pool exhausted: {needed} page(s) needed for new tokens, "
@@ -705,12 +452,6 @@ class Coordinator:
             victim = order[0]
             self._order_after_staging(victim)
             self._demote(victim, victim.seq_len)
-
-    def _starts_page(self, record: RequestRecord) -> bool:
-        return record.mode == RESIDENT and record.promotion is None and record.seq_len % self.page_size == 0
-
-    def _pages_needed_for_new_tokens(self, records: list[RequestRecord]) -> int:
-        return sum(1 for r in records if self._starts_page(r))
 
     def _assign_new_rows(self, slots: Sequence[int], bound: list[int], new_locs: torch.Tensor) -> None:
         """Bind the new tokens of the ``bound`` batch rows, in one launch: an offloaded request's
@@ -748,29 +489,6 @@ class Coordinator:
         )
 
     # ================================================================== internals: transitions
-    def _pages_held(self, record: RequestRecord) -> int:
-        if record.mode == OFFLOADED:
-            return self.buffer_pages
-        return -(-record.seq_len // self.page_size)
-
-    def _demotable(self, record: RequestRecord) -> bool:
-        return record.mode == RESIDENT and record.promotion is None and record.seq_len - 1 >= self.buffer_size
-
-    def _demotion_order(self, needing: set[int] = frozenset()) -> list[RequestRecord]:
-        """Demotion candidates: out of cooldown first, then most pages gained, then longest context.
-
-        The gain of a demotion is the pages it frees plus one if the request would otherwise start
-        a new page this step (``needing``).
-        """
-        step = self.streams.step
-        cooldown = self.config.switch_cooldown_steps
-
-        def key(record: RequestRecord):
-            gain = self._pages_held(record) - self.buffer_pages + (record.slot in needing)
-            return (step - record.mode_step < cooldown, -gain, -record.seq_len, record.slot)
-
-        return sorted((r for r in self.requests.values() if self._demotable(r)), key=key)
-
     def _free_buffer(self, slot: int) -> None:
         """Free the device pages of a request's buffer without waiting for the GPU.
 
@@ -804,10 +522,10 @@ class Coordinator:
             raise HiSparseMemoryError(
                 f"request slot {record.slot}: {num_tokens} tokens do not fill a buffer of {self.buffer_size}."
             )
-        self._mark("plan")
+        self.telemetry.mark("plan")
         locs = self.req_to_token[record.slot, :num_tokens].to(torch.int64)
         rows = self.allocator.translate(locs).to(torch.int64)
-        self._mark("rows")
+        self.telemetry.mark("rows")
         lru_rows = rows[first : first + self.buffer_size]
         newest_row = rows[newest : newest + 1]
         page_base = newest_row - newest % page
@@ -819,39 +537,27 @@ class Coordinator:
             # Resident rows are page-aligned with positions: rows[0], rows[page], ... lie in distinct
             # pages, so no unique() (and no GPU sync) is needed.
             self.allocator.free_device_pages(rows[:first:page] // page)
-        self._mark("free")
+        self.telemetry.mark("free")
         # The newest token keeps its row, which is now the reserved slot.
         self.allocator.unmap_(locs[:newest])
-        self._mark("unmap")
+        self.telemetry.mark("unmap")
         self.buffers.acquire(record.slot, buffer_rows, first_token=first)
-        self._mark("buffer")
+        self.telemetry.mark("buffer")
         record.mode = OFFLOADED
         record.mode_step = self.streams.step
-        self.demotions += 1
+        self.telemetry.demotions += 1
 
     def _start_promotions(self, pages_reserved: int, step: int) -> None:
         capacity = self.allocator.device_rows.capacity_pages
-        keep_free = int(self.config.promote_free_fraction * capacity)
         started = 0
-        candidates = sorted(
-            (
-                r
-                for r in self.requests.values()
-                if r.mode == OFFLOADED
-                and r.promotion is None
-                and step - r.mode_step >= self.config.switch_cooldown_steps
-                and r.slot not in self.pending
-            ),
-            key=lambda r: (r.seq_len, r.slot),
-        )
-        for record in candidates:
-            if started >= self.config.max_switches_per_step:
+        for record in self.policy.promotion_candidates(self.requests.values(), step, self.pending):
+            if started >= self.policy.max_promotions_per_step:
                 break
-            # Positions [0, seq_len) are on the host once this step's backup lands.
             covered = record.seq_len
             pages_needed = -(-covered // self.page_size)
-            free_after = self.allocator.device_rows.free_pages - pages_reserved - pages_needed
-            if free_after < keep_free:
+            if not self.policy.promotion_leaves_room(
+                self.allocator.device_rows.free_pages, pages_reserved, pages_needed, capacity
+            ):
                 break
             pages = self.allocator.device_rows.alloc_pages(pages_needed)
             locs = self.req_to_token[record.slot, :covered].to(torch.int64)
@@ -863,14 +569,14 @@ class Coordinator:
                 event = self.streams.record(self.streams.promotion)
                 self.streams.keep_alive(locs, self.streams.promotion)
                 self.streams.keep_alive(rows, self.streams.promotion)
-            record.promotion = _Promotion(pages=pages, covered=covered, event=event)
+            record.promotion = Promotion(pages=pages, covered=covered, event=event)
             self._promoting.add(record.slot)
             started += 1
 
     def _complete_promotion(self, record: RequestRecord) -> None:
         """Switch an offloaded request whose promotion copy is done to resident."""
         promotion = record.promotion
-        total = record.seq_len  # positions [0, seq_len) are on host once this step's backup lands
+        total = record.seq_len
         extra_pages = -(-total // self.page_size) - promotion.pages.numel()
         if extra_pages > 0:
             if self.allocator.device_rows.free_pages < extra_pages:
@@ -897,7 +603,7 @@ class Coordinator:
         record.promotion = None
         self._promoting.discard(record.slot)
         record.mode_step = self.streams.step
-        self.promotions += 1
+        self.telemetry.promotions += 1
 
     def _cancel_promotion(self, record: RequestRecord) -> None:
         promotion = record.promotion
@@ -905,7 +611,7 @@ class Coordinator:
         self.allocator.device_rows.free_pages_(promotion.pages)
         record.promotion = None
         self._promoting.discard(record.slot)
-        self.promotion_cancels += 1
+        self.telemetry.promotion_cancels += 1
 
     def _alloc_pages_with_reclaim(self, count: int) -> torch.Tensor:
         if not self.reclaim(count):
