@@ -9,6 +9,7 @@ __all__ = [
     "PoolExhaustedError",
     "KernelBuildError",
     "UnsupportedSetupError",
+    "UnsupportedSGLangError",
 ]
 
 
@@ -34,3 +35,7 @@ class KernelBuildError(HiSparseError, RuntimeError):
 
 class UnsupportedSetupError(HiSparseError, ValueError):
     """The serving setup (model, backend, dtype, flags) cannot run HiSparse."""
+
+
+class UnsupportedSGLangError(UnsupportedSetupError):
+    """The installed SGLang release is outside the range hisparse-sglang supports."""

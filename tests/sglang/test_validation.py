@@ -26,7 +26,11 @@ def server_args(architecture="DeepseekV32ForCausalLM", index_topk=2048, **overri
     )
     values.update(overrides)
     args = types.SimpleNamespace(**values)
-    args.get_model_config = lambda: types.SimpleNamespace(hf_config=hf_config)
+    # How SGLang's validate_hisparse reaches the model: get_model_config() up to 0.5.18; from 0.5.19
+    # model_config_of(), which hands back a ModelConfig a fixture stored on the record.
+    model_config = types.SimpleNamespace(hf_config=hf_config)
+    args.get_model_config = lambda: model_config
+    args._model_config = model_config
     return args
 
 
@@ -42,6 +46,7 @@ def test_supported_setups_pass():
     validate(server_args(kv_cache_dtype="auto", dsa_decode_backend=None, dsa_prefill_backend=None))
     validate(server_args(disaggregation_mode="decode"))
     validate(server_args(hisparse_config=None))
+    validate(server_args(speculative_algorithm="NONE", disaggregation_decode_retraction_backup="cpu_tensor"))
 
 
 def test_disabled_hisparse_is_not_checked():
@@ -53,7 +58,12 @@ CASES = [
     (dict(architecture="DeepseekV4ForCausalLM"), UnsupportedSetupError, "not DeepSeek-V4"),
     (dict(disable_radix_cache=False), UnsupportedSetupError, "--disable-radix-cache"),
     (dict(disaggregation_mode="prefill"), UnsupportedSetupError, "remove it from the prefill instance"),
-    (dict(speculative_algorithm="EAGLE"), UnsupportedSetupError, "speculative decoding"),
+    (dict(speculative_algorithm="EAGLE"), UnsupportedSetupError, "speculative decoding (--speculative-algorithm EAGLE)"),
+    (dict(architecture="MiniMaxM3SparseForCausalLM"), UnsupportedSetupError, "not MiniMax-M3"),
+    (dict(dcp_size=2), UnsupportedSetupError, "--dcp-size 2"),
+    (dict(disaggregation_decode_retraction_backup="host_pool"), UnsupportedSetupError, "cpu_tensor"),
+    (dict(kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashinfer_sparse_mla", dsa_prefill_backend="flashmla_kv"),
+     UnsupportedSetupError, "--dsa-decode-backend flashmla_kv, got 'flashinfer_sparse_mla'"),
     (dict(pp_size=2), UnsupportedSetupError, "--pp-size 2"),
     (dict(enable_mixed_chunk=True), UnsupportedSetupError, "--enable-mixed-chunk"),
     (dict(kv_cache_dtype="fp8_e5m2"), UnsupportedSetupError, "'fp8_e5m2'"),

@@ -83,7 +83,7 @@ class PDHostPool:
         return locations[start_pos : start_pos + num_tokens].to(torch.int64)
 
 
-class SGLangHiSparseCoordinator:
+class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
     """HiSparse coordinator of one scheduler process (one TP rank).
 
     Args:
@@ -228,14 +228,14 @@ class SGLangHiSparseCoordinator:
     # ------------------------------------------------------------------ request end
     def request_finished(self, req) -> None:
         """SGLang calls this (and abort_staging_request) before releasing a request's KV."""
-        self.release_slot(getattr(req, "req_pool_idx", None))
+        self.release_slot(compat.req_slot_or_none(req))
 
     abort_staging_request = request_finished
 
     def retract_req(self, req) -> None:
         """Before a retracted request's KV is released; in PD decode SGLang then copies the KV out
         (``get_cpu_copy``) to restore it on resume, so the host rows are completed first."""
-        self.release_slot(getattr(req, "req_pool_idx", None), retract=True)
+        self.release_slot(compat.req_slot_or_none(req), retract=True)
 
     def release_slot(self, slot, retract: bool = False) -> None:
         """Drop everything held for a request slot; a no-op for slots HiSparse does not know."""
