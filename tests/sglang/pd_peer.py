@@ -36,6 +36,8 @@ from array import array
 
 import torch
 
+from hisparse_sglang.integration.sglang import compat
+
 PAGE = 64
 LAYERS = 3
 POISON = 0xA5
@@ -167,12 +169,14 @@ def _start_process(mode: str, bootstrap_port: int, layout: Layout, env: dict[str
         disaggregation_mode=mode,
         disaggregation_transfer_backend="mooncake_tcp",
         disaggregation_bootstrap_port=bootstrap_port,
+        # resolved at launch from the KV pool from 0.5.18: CPU tensors for a DSA pool
+        **(dict(disaggregation_decode_retraction_backup="cpu_tensor") if compat.retraction_backup_is_configurable() else {}),
     )
     # The dummy model skips __post_init__'s handlers; this one turns mooncake_tcp into mooncake +
     # MC_FORCE_TCP=1 (Mooncake's TCP transport, no RDMA device needed).
     handle_pd_disaggregation(server_args)
     init_single_rank_scheduler(server_args)
-    maybe_init_shared_mooncake_transfer_engine(server_args=server_args, gpu_id=0)
+    compat.call(maybe_init_shared_mooncake_transfer_engine, gpu_id=0, optional=dict(server_args=server_args))
     return server_args
 
 
@@ -237,32 +241,49 @@ def run_prefill(
             index = pool.index_k_with_scale_buffer[layer]
             index.copy_(index_words(layer, torch.arange(index.shape[0])))
         req_to_token_pool = ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False)
-        metadata_buffers = MetadataBuffers(METADATA_SLOTS, hidden_size=16, hidden_states_dtype=torch.bfloat16)
+        metadata_buffers = MetadataBuffers(
+            METADATA_SLOTS, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
+        )
         streamer = OutputStreamer()
-        view = SchedulerView(
+
+        class PrefillSchedulerView(SchedulerDisaggregationPrefillMixin, SchedulerView):
+            """The view with SGLang's prefill-scheduler methods (send_kv_chunk calls its helpers on self)."""
+
+        view = PrefillSchedulerView(
             server_args=server_args,
             ps=types.SimpleNamespace(tp_rank=0, dp_rank=0, gpu_id=0),
             tp_worker=types.SimpleNamespace(
                 model_runner=types.SimpleNamespace(
-                    kv_cache_dtype_str=layout.kv_cache_dtype, effective_max_total_num_tokens=PREFILL_TOKENS
+                    kv_cache_dtype_str=layout.kv_cache_dtype, effective_max_total_num_tokens=PREFILL_TOKENS,
+                    effective_logical_max_total_num_tokens=PREFILL_TOKENS,
                 )
             ),
-            model_config=types.SimpleNamespace(num_hidden_layers=LAYERS),
+            model_config=types.SimpleNamespace(num_hidden_layers=LAYERS, hf_text_config=types.SimpleNamespace()),
             req_to_token_pool=req_to_token_pool,
-            token_to_kv_pool_allocator=types.SimpleNamespace(page_size=PAGE),
+            # a plain paged allocator of the DSA pool: transfer ids are its locations
+            token_to_kv_pool_allocator=types.SimpleNamespace(
+                page_size=PAGE, get_kvcache=lambda: pool, translate_kv_indices_for_transfer=lambda indices: indices
+            ),
             attn_tp_cpu_group=parallel_state.get_attn_tp_group().cpu_group,
             attn_cp_cpu_group=parallel_state.get_attn_cp_group().cpu_group,
             disagg_metadata_buffers=metadata_buffers,
             sliding_window_size=None,
             output_streamer=streamer,
             handle_bootstrap_failure=lambda req: streamer.aborted.append(req.rid),
+            # read by later releases' prefill queue (0.5.2x): no KV checksums, no KV-cache sharding, no
+            # Rust HTTP server, no prefix cache, chunks sent at once (no staging)
+            kv_checksum_computer=None, kv_shard_widening=1, rust_server=None, tree_cache=None,
+            processed_tokens_counter=0, disagg_prefill_pending_chunk_rids=set(), enable_staging=False,
         )
-        queue = PrefillBootstrapQueue(
-            token_to_kv_pool=pool, draft_token_to_kv_pool=None,
+        queue = compat.call(
+            PrefillBootstrapQueue, token_to_kv_pool=pool, draft_token_to_kv_pool=None,
             req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(METADATA_SLOTS),
-            metadata_buffers=metadata_buffers, tp_rank=0, tp_size=1, gpu_id=0, bootstrap_port=bootstrap_port,
-            gloo_group=parallel_state.get_tp_group().cpu_group, max_total_num_tokens=PREFILL_TOKENS,
-            scheduler=view, pp_rank=0, pp_size=1, transfer_backend=TransferBackend.MOONCAKE,
+            metadata_buffers=metadata_buffers, gpu_id=0, bootstrap_port=bootstrap_port,
+            max_total_num_tokens=PREFILL_TOKENS, scheduler=view, transfer_backend=TransferBackend.MOONCAKE,
+            optional=dict(
+                tp_rank=0, tp_size=1, gloo_group=parallel_state.get_tp_group().cpu_group, pp_rank=0, pp_size=1,
+                scheduler_stage_metrics=compat.disabled_stage_metrics(),
+            ),
         )
         view.disagg_prefill_bootstrap_queue = queue
         # the KV manager registered itself with the bootstrap server inside the constructor
@@ -273,15 +294,15 @@ def run_prefill(
             req = _new_req(spec, bootstrap_port)
             req_to_token_pool.alloc([req])
             rows = spec.prefill_rows()[: spec.tokens]
-            req_to_token_pool.req_to_token[req.req_pool_idx, : spec.tokens] = rows.to(torch.int32)
+            req_to_token_pool.req_to_token[compat.req_slot(req), : spec.tokens] = rows.to(torch.int32)
             queue.add(req, num_kv_heads=1)
             reqs[spec.rid] = req
         by_rid = {spec.rid: spec for spec in specs}
 
         def send_last_chunk(req, spec: RequestSpec) -> None:
             req.output_ids.append(spec.first_token)
-            req.set_extend_range(spec.chunk_end or 0, spec.tokens)
-            SchedulerDisaggregationPrefillMixin.send_kv_chunk(view, req, last_chunk=True)
+            compat.set_extend_range(req, spec.chunk_end or 0, spec.tokens)
+            view.send_kv_chunk(req, last_chunk=True)
 
         started = time.monotonic()
         sent = set()
@@ -291,10 +312,14 @@ def run_prefill(
                 raise TimeoutError(f"senders unfinished after {deadline_s} s: concluded {status}")
             for req in queue.pop_bootstrapped():
                 spec = by_rid[req.rid]
+                # SGLang 0.5.2x hands the page indices to its transfer worker through pinned memory and
+                # a CUDA event when the sender supports it; this machine has no GPU: its other
+                # (synchronous) path, as before 0.5.2x.
+                req.disagg_kv_sender.supports_host_tensor_indices = False
                 # the "forward": chunked prefill sends finished pages first, then the rest
                 if spec.chunk_end is not None:
-                    req.set_extend_range(0, spec.chunk_end)
-                    SchedulerDisaggregationPrefillMixin.send_kv_chunk(view, req, last_chunk=False)
+                    compat.set_extend_range(req, 0, spec.chunk_end)
+                    view.send_kv_chunk(req, last_chunk=False)
                 if not spec.stall:
                     send_last_chunk(req, spec)
                 sent.add(req.rid)
@@ -333,8 +358,6 @@ class DecodeSide:
         from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeReqToTokenPool, DecodeTransferQueue
         from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
         from sglang.srt.distributed import parallel_state
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.chunk_cache import ChunkCache
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         from hisparse_sglang.config import HiSparseConfig
@@ -362,20 +385,20 @@ class DecodeSide:
             self.config, self.req_to_token_pool, self.allocator, self.pool, "cpu"
         )
         self.host = self.coordinator.host_pool
-        self.tree_cache = ChunkCache(
-            CacheInitParams(
-                disable=True, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-                page_size=PAGE,
-            )
+        self.tree_cache = compat.disabled_prefix_cache(self.req_to_token_pool, self.allocator, PAGE)
+        self.metadata_buffers = MetadataBuffers(
+            METADATA_SLOTS, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
         )
-        self.metadata_buffers = MetadataBuffers(METADATA_SLOTS, hidden_size=16, hidden_states_dtype=torch.bfloat16)
         self.metadata_allocator = ReqToMetadataIdxAllocator(METADATA_SLOTS)
         self.streamer = OutputStreamer()
         self.view = SchedulerView(
             server_args=self.server_args,
             ps=types.SimpleNamespace(tp_rank=0, dp_rank=0, gpu_id=0, pp_size=1),
             tp_worker=types.SimpleNamespace(
-                model_runner=types.SimpleNamespace(kv_cache_dtype_str=layout.kv_cache_dtype), is_hybrid_swa=False
+                model_runner=types.SimpleNamespace(
+                    kv_cache_dtype_str=layout.kv_cache_dtype, max_token_pool_size=self.allocator.size_full
+                ),
+                is_hybrid_swa=False,
             ),
             model_config=types.SimpleNamespace(num_hidden_layers=LAYERS),
             enable_hisparse=True,
@@ -387,22 +410,28 @@ class DecodeSide:
             enable_decode_hicache=False,
             spec_algorithm=SpeculativeAlgorithm.NONE,
             sliding_window_size=None,
-            metrics_reporter=types.SimpleNamespace(enable_metrics=False),
+            metrics_reporter=types.SimpleNamespace(enable_metrics=False, current_scheduler_metrics_enabled=False),
             output_streamer=self.streamer,
+            # read by later releases' decode queues: KV checksums, LoRA budget, overlap streams (0.5.2x)
+            random_seed=0, kv_checksum_computer=None, enable_lora=False, enable_overlap=False,
+            # the reasoning-token count of the handed-over first token (0.5.2x): not counted here
+            batch_result_processor=types.SimpleNamespace(_maybe_update_reasoning_tokens=lambda req, token: None),
         )
         gloo_group = parallel_state.get_attn_tp_group().cpu_group
-        self.transfer_queue = DecodeTransferQueue(
-            gloo_group=gloo_group, req_to_metadata_buffer_idx_allocator=self.metadata_allocator, tp_rank=0,
+        self.transfer_queue = compat.call(
+            DecodeTransferQueue, req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=self.metadata_buffers, scheduler=self.view, tree_cache=self.tree_cache,
+            optional=dict(gloo_group=gloo_group, tp_rank=0),
         )
-        self.prealloc_queue = DecodePreallocQueue(
-            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+        self.prealloc_queue = compat.call(
+            DecodePreallocQueue, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
             draft_token_to_kv_pool=None, req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=self.metadata_buffers, scheduler=self.view, transfer_queue=self.transfer_queue,
-            tree_cache=self.tree_cache, gloo_group=gloo_group, tp_rank=0, tp_size=1, dp_size=1, gpu_id=0,
-            bootstrap_port=bootstrap_port, max_total_num_tokens=DEVICE_TOKENS, pp_rank=0,
+            tree_cache=self.tree_cache, gpu_id=0, bootstrap_port=bootstrap_port, max_total_num_tokens=DEVICE_TOKENS,
             num_reserved_decode_tokens=RESERVED_DECODE_TOKENS, transfer_backend=TransferBackend.MOONCAKE,
+            optional=dict(gloo_group=gloo_group, tp_rank=0, tp_size=1, dp_size=1, pp_rank=0),
         )
+        self.view.disagg_decode_prealloc_queue = self.prealloc_queue  # the transfer queue asks (0.5.22+)
         self.kv_manager = self.prealloc_queue.kv_manager
         self.poison()
 
@@ -497,7 +526,7 @@ def _verify_admitted(side: DecodeSide, specs: list[RequestSpec], reqs: dict, gra
     device_written = torch.zeros(side.device_rows(0).shape[0], dtype=torch.bool)
     for spec in specs:
         req = reqs[spec.rid]
-        record = side.coordinator.core.requests[req.req_pool_idx]
+        record = side.coordinator.core.requests[compat.req_slot(req)]
         modes[spec.rid] = record.mode
         rows = side.pool.translate_loc_to_hisparse_device(granted[spec.rid]).to(torch.int64)
         if record.mode == RESIDENT:
@@ -592,28 +621,34 @@ class _DecodeLoop:
         side = self.side
         side.prealloc_queue.extend([self.reqs[rid] for rid in rids])
         started = time.monotonic()
-        while not all(rid in self.transferred or rid in side.streamer.aborted for rid in rids):
+        slots: dict[str, int] = {}
+        failing: set[str] = set()  # aborted, their KV not released yet
+        while failing or not all(rid in self.transferred or rid in side.streamer.aborted for rid in rids):
             if time.monotonic() - started > self.deadline_s:
                 raise TimeoutError(f"transfers unfinished after {self.deadline_s} s: done {sorted(self.transferred)}")
             preallocated, _ = side.prealloc_queue.pop_preallocated()
             for decode_req in preallocated:
                 req = decode_req.req
-                slot = req.req_pool_idx
+                slot = compat.req_slot(req)
                 locations = side.req_to_token_pool.req_to_token[slot, : self.by_rid[req.rid].tokens].to(torch.int64)
                 self.granted[req.rid] = locations
                 hooked = side.coordinator.mem_pool_host.preallocated.get(slot)
                 self.captured[req.rid] = hooked is not None and torch.equal(hooked.to(torch.int64), locations)
             side.transfer_queue.extend(preallocated)
             aborted_before = set(side.streamer.aborted)
-            slots = {decode_req.req.rid: decode_req.req.req_pool_idx for decode_req in side.transfer_queue.queue}
+            slots.update({d.req.rid: compat.req_slot(d.req) for d in side.transfer_queue.queue})
             for req in side.transfer_queue.pop_transferred():
                 self.transferred[req.rid] = req
-            for rid in set(side.streamer.aborted) - aborted_before:
-                # SGLang's failure path ran request_finished and release_kv_cache for this request
+            failing |= set(side.streamer.aborted) - aborted_before
+            # SGLang's failure path ran request_finished and release_kv_cache for these requests (from
+            # 0.5.21, once the prefill acknowledged that its writes drained)
+            compat.resolve_deferred_releases(side.transfer_queue)
+            for rid in [rid for rid in failing if compat.req_slot_or_none(self.reqs[rid]) is None]:
+                failing.discard(rid)
                 self.failed_at = time.monotonic()
                 slot = slots.get(rid)  # None: failed before preallocation
                 self.released_on_failure[rid] = {
-                    "slot_released": self.reqs[rid].req_pool_idx is None,
+                    "slot_released": True,
                     "coordinator_forgot": slot not in side.coordinator.core.requests
                     and slot not in side.coordinator.mem_pool_host.preallocated,
                     "finished_reason": type(self.reqs[rid].finished_reason).__name__,
@@ -632,7 +667,6 @@ def run_decode(
     """
     try:
         side = DecodeSide(LAYOUTS[layout_name], bootstrap_port, env)
-        from sglang.srt.mem_cache.common import release_kv_cache
         from sglang.srt.plugins.hook_registry import HookRegistry
 
         report = {"registration": _registration_report(side)}
@@ -677,7 +711,7 @@ def run_decode(
 
         for req in loop.transferred.values():
             side.coordinator.request_finished(req)
-            release_kv_cache(req, side.tree_cache, is_insert=False)
+            compat.release_kv_cache(req, side.tree_cache)
         side.allocator.free(held)
         if loop.failed_at is not None:
             # rows of a failed transfer come back once the quarantine is over

@@ -311,11 +311,27 @@ def begin_prefill(req, prompt_len: int) -> None:
         req.kv = ReqKvInfo(kv_allocated_len=prompt_len, swa_evicted_seqlen=0)
     else:
         req.kv.kv_allocated_len = prompt_len
-    if hasattr(req, "set_extend_range"):
-        req.set_extend_range(0, prompt_len)
-    else:
-        req.extend_end = prompt_len
+    set_extend_range(req, 0, prompt_len)
     set_kv_committed_len(req, prompt_len)
+
+
+def set_extend_range(req, start: int, end: int) -> None:
+    """The prompt positions ``[start, end)`` the request's current prefill (chunk) computes
+    (``set_extend_range`` up to 0.5.21; ``prefix_len`` and ``extend_end`` from 0.5.22)."""
+    if hasattr(req, "set_extend_range"):
+        req.set_extend_range(start, end)
+    else:
+        req.prefix_len, req.extend_end = start, end
+
+
+def disabled_stage_metrics():
+    """A scheduler stage-metrics recorder that records nothing (a constructor argument of the PD
+    queues from 0.5.21), or None before."""
+    try:
+        from sglang.srt.observability.scheduler_stage_metrics import SchedulerStageMetricsRecorder
+    except ImportError:
+        return None
+    return SchedulerStageMetricsRecorder(enabled=False)
 
 
 def kv_committed_len(req) -> int:
@@ -401,3 +417,20 @@ def publish_single_rank_scheduler(server_args) -> None:
         runtime_context.publish(server_args, role="scheduler")
     else:
         runtime_context.publish(server_args, role="scheduler", ranks=spawn_ranks(world_rank=0, dp_rank=None, gpu_id=0))
+
+
+def resolve_deferred_releases(transfer_queue) -> None:
+    """What ``process_decode_queue`` does every step from 0.5.20: release the KV of failed transfers
+    whose prefill acknowledged that its writes drained (deferred by default from 0.5.21)."""
+    resolve = getattr(transfer_queue, "resolve_deferred_releases", None)
+    if resolve is not None:
+        resolve()
+
+
+def write_locations(loc_info):
+    """The logical locations a KV write targets: SGLang may pass a ``KVWriteLoc`` (locations with
+    their SWA / full views) instead of the location tensor; its in-tree HiSparse pool unwraps it
+    from 0.5.21 (``unwrap_write_loc`` exists in every supported release)."""
+    from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
+
+    return unwrap_write_loc(loc_info)[0]

@@ -15,6 +15,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
 from hisparse_sglang.errors import UnsupportedSetupError
+from hisparse_sglang.integration.sglang import compat
 from hisparse_sglang.memory.allocator import KVAllocator
 
 __all__ = ["HiSparseDevicePool"]
@@ -90,10 +91,10 @@ class HiSparseDevicePool(DSATokenToKVPool):
 
     # ---------------------------------------------------------------- KV access through the table
     def set_kv_buffer(self, layer, loc, cache_k, cache_v):
-        super().set_kv_buffer(layer, self._rows_of(loc), cache_k, cache_v)
+        super().set_kv_buffer(layer, self._rows_of(compat.write_locations(loc)), cache_k, cache_v)
 
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope):
-        super().set_mla_kv_buffer(layer, self._rows_of(loc), cache_k_nope, cache_k_rope)
+        super().set_mla_kv_buffer(layer, self._rows_of(compat.write_locations(loc)), cache_k_nope, cache_k_rope)
 
     def get_mla_kv_buffer(self, layer, loc, dst_dtype=None):
         return super().get_mla_kv_buffer(layer, self._rows_of(loc), dst_dtype)
