@@ -1,5 +1,6 @@
 """Startup validation through the hook that replaces SGLang's validate_hisparse (main process)."""
 
+import pathlib
 import types
 
 import pytest
@@ -9,8 +10,8 @@ from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
 pytestmark = pytest.mark.sglang
 
 
-def server_args(architecture="DeepseekV32ForCausalLM", index_topk=2048, **overrides):
-    hf_config = types.SimpleNamespace(architectures=[architecture], index_topk=index_topk)
+def server_args(architecture="DeepseekV32ForCausalLM", index_topk=2048, hf_config=None, **overrides):
+    hf_config = hf_config or types.SimpleNamespace(architectures=[architecture], index_topk=index_topk)
     values = dict(
         enable_hisparse=True,
         hisparse_config='{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 10}',
@@ -97,3 +98,65 @@ def test_parse_hisparse_config_replacement_returns_sglang_sparse_config():
     assert (config.top_k, config.device_buffer_size, config.host_to_device_ratio) == (2048, 4096, 10)
     with pytest.raises(HiSparseConfigError):
         _parse_hisparse_config(server_args(hisparse_config='{"resident_first": "yes"}'))
+
+
+TINY_MODELS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "models"
+
+
+@pytest.mark.parametrize("name", ["tiny-dsv32", "tiny-glm5"])
+def test_tiny_models_parse_with_sglang_and_are_accepted(name):
+    """The shipped tiny configs, read by SGLang's ModelConfig, are DSA models our validation accepts."""
+    from sglang.srt.configs.model_config import AttentionArch, ModelConfig
+
+    from hisparse_sglang.integration.sglang import compat
+
+    model_config = ModelConfig(str(TINY_MODELS / name))
+    assert model_config.attention_arch == AttentionArch.MLA and model_config.num_hidden_layers == 4
+    assert (model_config.kv_lora_rank, model_config.qk_rope_head_dim) == (512, 64)
+    assert compat.model_kind(model_config.hf_config) == {
+        "dsa": True, "dsv4": False, "minimax_sparse": False, "kda_hybrid": False, "index_kpool": 1
+    }
+    validate(server_args(hf_config=model_config.hf_config))
+    validate(server_args(hf_config=model_config.hf_config, kv_cache_dtype="fp8_e4m3",
+                         dsa_decode_backend="flashmla_kv", dsa_prefill_backend="flashmla_kv"))
+
+
+# Every architecture some supported release classifies as DSA (docs/sglang-versions.md), and others.
+ARCHITECTURES = [
+    "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV3ForCausalLMNextN", "MistralLarge3ForCausalLM",
+    "PixtralForConditionalGeneration", "GlmMoeDsaForCausalLM", "GlmMoeDsaForCausalLMNextN",
+    "LongcatFlashForCausalLM", "LongcatFlashForCausalLMNextN", "Dots3NoteForCausalLM", "Dots3NoteForCausalLMNextN",
+    "Glm5NextForConditionalGeneration", "Glm5NextForConditionalGenerationNextN", "HYV4ForCausalLM",
+    "HYV4ForCausalLMNextN", "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM",
+]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_model_is_accepted_exactly_when_the_installed_release_serves_it_as_dsa(architecture):
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+
+    args = server_args(architecture=architecture)
+    if is_deepseek_dsa(args.get_model_config().hf_config):
+        validate(args)
+    else:
+        with pytest.raises(UnsupportedSetupError, match=f"{architecture} is not one"):
+            validate(args)
+
+
+def test_dsa_models_with_kda_layers_or_pooled_index_keys_are_refused_by_name():
+    from sglang.srt.configs import model_config
+
+    glm53 = types.SimpleNamespace(
+        architectures=["Glm5NextForConditionalGeneration"], index_topk=2048,
+        linear_attn_config={"kda_layers": [0, 1, 2], "full_attn_layers": [3]},
+    )
+    with pytest.raises(UnsupportedSetupError, match="Glm5NextForConditionalGeneration") as info:
+        validate(server_args(hf_config=glm53))
+    if hasattr(model_config, "uses_kda_attention"):  # 0.5.20+ serves it as DSA
+        assert "KDA linear-attention layers" in str(info.value) and "in-tree HiSparse" in str(info.value)
+    pooled = types.SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048, index_kpool=4)
+    if hasattr(model_config, "get_dsa_index_kpool"):  # 0.5.20+ pools indexer keys
+        with pytest.raises(UnsupportedSetupError, match="DeepseekV32ForCausalLM pools its indexer keys .index_kpool 4."):
+            validate(server_args(hf_config=pooled))
+    else:  # earlier releases ignore the field
+        validate(server_args(hf_config=pooled))
