@@ -94,7 +94,7 @@ class DecodeQueues:
         # TpModelWorker.get_worker_info reads these; SGLang's scheduler unpacks its tuple at startup.
         self.worker = types.SimpleNamespace(
             model_config=types.SimpleNamespace(context_len=CONTEXT_LEN), model_runner=model_runner,
-            server_args=server_args, ps=types.SimpleNamespace(tp_rank=0), random_seed=0, device="cpu",
+            server_args=server_args, ps=types.SimpleNamespace(tp_rank=0, attn_dcp_size=1), random_seed=0, device="cpu",
             dllm_algorithm=None,
         )
         self.worker_info = TpModelWorker.get_worker_info(self.worker)
