@@ -1,7 +1,8 @@
 """Test markers, each skipped with a reason when its requirement is missing.
 
 * ``gpu``: a CUDA GPU (the kernel tests; run them on the GPU machine).
-* ``sglang``: sglang==0.5.17 importable (installed by .ci/run).
+* ``sglang``: an SGLang release in the supported range importable (``compat.SUPPORTED_SGLANG``;
+  .ci/run installs each end of the range in turn).
 * ``mooncake``: the Mooncake transfer engine importable (installed by .ci/run).
 * ``slow``: long tests; skipped unless HISPARSE_RUN_SLOW=1.
 * ``e2e``: serves a real model; needs a GPU and HISPARSE_E2E=1 (see docs/gpu-e2e.md).
@@ -15,7 +16,7 @@ import os
 
 import pytest
 
-from hisparse_sglang.integration.sglang.compat import SUPPORTED_SGLANG, sglang_version
+from hisparse_sglang.integration.sglang.compat import SUPPORTED_SGLANG, is_supported, sglang_version
 
 
 @functools.cache
@@ -44,10 +45,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") and not _has_gpu():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine (docs/kernels.md)"))
-        if item.get_closest_marker("sglang") and sglang_version() != SUPPORTED_SGLANG:
+        if item.get_closest_marker("sglang") and not is_supported(sglang_version()):
             item.add_marker(
                 pytest.mark.skip(
-                    reason=f"needs sglang=={SUPPORTED_SGLANG} (found {sglang_version()}); .ci/run installs it"
+                    reason=f"needs sglang{SUPPORTED_SGLANG} (found {sglang_version()}); .ci/run installs it"
                 )
             )
         if item.get_closest_marker("mooncake"):

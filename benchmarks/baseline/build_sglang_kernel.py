@@ -213,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     sglang_dir = pathlib.Path(sglang.__file__).resolve().parent
     sglang_version = importlib.metadata.version("sglang")
     if sglang_version != EXPECTED_SGLANG:
-        print(f"WARNING: sglang {sglang_version} installed, expected {EXPECTED_SGLANG}",
-              file=sys.stderr)
+        # The baseline is 0.5.17's kernel: 0.5.18 added three miss-plan arguments to
+        # load_cache_to_device_buffer (sglang_kernel.py calls the 0.5.17 signature) and 0.5.19
+        # moved the source to csrc/kvcacheio/hisparse.cuh (docs/sglang-versions.md).
+        raise SystemExit(f"sglang {sglang_version} is installed; this builds SGLang {EXPECTED_SGLANG}'s kernel: "
+                         f"run it with sglang=={EXPECTED_SGLANG}")
     tvm_ffi_version = importlib.metadata.version("apache-tvm-ffi")
     default_block, block_sources = in_tree_default_block_size(sglang_dir)
 

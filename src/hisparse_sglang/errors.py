@@ -10,6 +10,7 @@ __all__ = [
     "KernelBuildError",
     "UnsupportedSetupError",
     "MooncakeRegistrationError",
+    "UnsupportedSGLangError",
 ]
 
 
@@ -39,3 +40,7 @@ class UnsupportedSetupError(HiSparseError, ValueError):
 
 class MooncakeRegistrationError(HiSparseError, RuntimeError):
     """Mooncake could not register the host KV pool that a PD prefill instance writes into."""
+
+
+class UnsupportedSGLangError(UnsupportedSetupError):
+    """The installed SGLang release is outside the range hisparse-sglang supports."""

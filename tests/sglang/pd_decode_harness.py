@@ -15,6 +15,8 @@ from array import array
 
 from pd_peer import leak_report
 
+from hisparse_sglang.integration.sglang import compat
+
 PAGE = 64
 DEVICE_TOKENS = PAGE * 8
 RATIO = 8
@@ -65,8 +67,6 @@ class DecodeQueues:
         from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
         from sglang.srt.distributed import parallel_state
         from sglang.srt.managers.tp_worker import TpModelWorker
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.chunk_cache import ChunkCache
         from sglang.srt.runtime_context import get_disagg
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
         from test_coordinator_sglang import Stack
@@ -80,21 +80,22 @@ class DecodeQueues:
         )
         self.coordinator, self.allocator = self.stack.coordinator, self.stack.allocator
         self.req_to_token_pool = self.stack.req_to_token_pool
-        self.tree_cache = ChunkCache(
-            CacheInitParams(
-                disable=True, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-                page_size=PAGE,
-            )
+        self.tree_cache = self.stack.cache
+        # What SGLang's ModelRunner reports (the union over the supported releases): the device pool
+        # sizes, and under HiSparse the logical pool as max_token_pool_size (allocator.size_full).
+        model_runner = types.SimpleNamespace(
+            max_total_num_tokens=DEVICE_TOKENS, effective_max_total_num_tokens=DEVICE_TOKENS, dcp_size=1,
+            logical_max_total_num_tokens=DEVICE_TOKENS, effective_logical_max_total_num_tokens=DEVICE_TOKENS,
+            max_token_pool_size=self.allocator.size_full, max_running_requests=8, forward_stream=None,
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.stack.pool,
+            token_to_kv_pool_allocator=self.allocator, hisparse_coordinator=self.coordinator,
+            kv_cache_dtype_str="auto",
         )
         # TpModelWorker.get_worker_info reads these; SGLang's scheduler unpacks its tuple at startup.
         self.worker = types.SimpleNamespace(
-            model_config=types.SimpleNamespace(context_len=CONTEXT_LEN),
-            model_runner=types.SimpleNamespace(
-                max_total_num_tokens=DEVICE_TOKENS, effective_max_total_num_tokens=DEVICE_TOKENS, dcp_size=1,
-                max_running_requests=8, forward_stream=None, req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool=self.stack.pool, hisparse_coordinator=self.coordinator,
-            ),
-            server_args=server_args, ps=types.SimpleNamespace(tp_rank=0), random_seed=0, device="cpu",
+            model_config=types.SimpleNamespace(context_len=CONTEXT_LEN), model_runner=model_runner,
+            server_args=server_args, ps=types.SimpleNamespace(tp_rank=0, attn_dcp_size=1), random_seed=0, device="cpu",
+            dllm_algorithm=None,
         )
         self.worker_info = TpModelWorker.get_worker_info(self.worker)
         self.streamer = Streamer()
@@ -104,33 +105,42 @@ class DecodeQueues:
             # init_req_max_new_tokens
             max_total_num_tokens=self.worker_info[0], max_req_len=self.worker_info[4],
             max_req_input_len=self.worker_info[5], max_new_tokens_limit=None, page_size=PAGE,
+            token_to_kv_pool_allocator=self.allocator, kv_shard_widening=1, chunked_prefill_size=None,
             # the PD queues
             server_args=server_args, ps=types.SimpleNamespace(tp_rank=0, dp_rank=0, gpu_id=0, pp_size=1),
-            tp_worker=types.SimpleNamespace(
-                model_runner=types.SimpleNamespace(kv_cache_dtype_str="auto"), is_hybrid_swa=False
-            ),
+            tp_worker=types.SimpleNamespace(model_runner=model_runner, is_hybrid_swa=False),
             model_config=types.SimpleNamespace(num_hidden_layers=len(self.stack.layers)),
             enable_hisparse=True, hisparse_coordinator=self.coordinator,
             running_batch=types.SimpleNamespace(reqs=self.running), last_batch=None, waiting_queue=self.waiting,
             enable_priority_scheduling=False, enable_decode_hicache=False, spec_algorithm=SpeculativeAlgorithm.NONE,
-            sliding_window_size=None, metrics_reporter=types.SimpleNamespace(enable_metrics=False),
+            sliding_window_size=None,
+            metrics_reporter=types.SimpleNamespace(enable_metrics=False, current_scheduler_metrics_enabled=False),
             output_streamer=self.streamer,
+            # read by later releases' decode queues: 0.5.2x's KV checksums, LoRA budget, overlap streams
+            random_seed=0, kv_checksum_computer=None, enable_lora=False, enable_overlap=False,
+            # the reasoning-token count of the handed-over first token (0.5.2x): not counted here
+            batch_result_processor=types.SimpleNamespace(_maybe_update_reasoning_tokens=lambda req, token: None),
         )
-        self.metadata_buffers = MetadataBuffers(8, hidden_size=16, hidden_states_dtype=torch.bfloat16)
+        self.metadata_buffers = MetadataBuffers(
+            8, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
+        )
         self.metadata_allocator = ReqToMetadataIdxAllocator(8)
         gloo_group = parallel_state.get_attn_tp_group().cpu_group
-        self.transfer_queue = DecodeTransferQueue(
-            gloo_group=gloo_group, req_to_metadata_buffer_idx_allocator=self.metadata_allocator, tp_rank=0,
+        self.transfer_queue = compat.call(
+            DecodeTransferQueue, req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=self.metadata_buffers, scheduler=self.scheduler, tree_cache=self.tree_cache,
+            optional=dict(gloo_group=gloo_group, tp_rank=0),
         )
-        self.prealloc_queue = DecodePreallocQueue(
-            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+        self.prealloc_queue = compat.call(
+            DecodePreallocQueue, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
             draft_token_to_kv_pool=None, req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=self.metadata_buffers, scheduler=self.scheduler, transfer_queue=self.transfer_queue,
-            tree_cache=self.tree_cache, gloo_group=gloo_group, tp_rank=0, tp_size=1, dp_size=1, gpu_id=0,
-            bootstrap_port=0, max_total_num_tokens=self.scheduler.max_total_num_tokens, pp_rank=0,
+            tree_cache=self.tree_cache, gpu_id=0, bootstrap_port=0,
+            max_total_num_tokens=self.scheduler.max_total_num_tokens,
             num_reserved_decode_tokens=get_disagg().num_reserved_decode_tokens, transfer_backend=TransferBackend.FAKE,
+            optional=dict(gloo_group=gloo_group, tp_rank=0, tp_size=1, dp_size=1, pp_rank=0),
         )
+        self.scheduler.disagg_decode_prealloc_queue = self.prealloc_queue  # the transfer queue asks (0.5.22+)
 
     # -------------------------------------------------------------- requests
     def new_req(self, rid: str, prompt_len: int, max_new_tokens: int = 200):
@@ -147,6 +157,7 @@ class DecodeQueues:
             rid, "", array("q", range(prompt_len)), SamplingParams(max_new_tokens=max_new_tokens),
             bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_port=8998, bootstrap_room=uid,
         )
+        req.vocab_size = 32000  # the FAKE backend derives the handed-over first token from it (0.5.22+)
         Scheduler.init_req_max_new_tokens(self.scheduler, req)
         req.validation_error = scheduler_module.validate_input_length(req, self.scheduler.max_req_input_len, False)
         return req
@@ -183,7 +194,7 @@ class DecodeQueues:
         from test_coordinator_sglang import token_values
 
         fill_len = req.kv.kv_allocated_len
-        host_rows = self.req_to_token_pool.req_to_token[req.req_pool_idx, :fill_len].to(torch.int64)
+        host_rows = self.req_to_token_pool.req_to_token[compat.req_slot(req), :fill_len].to(torch.int64)
         for layer in self.stack.layers:
             nope, rope = token_values(self.stack.uids[req.rid], torch.arange(fill_len), layer.layer_id)
             row_bytes = torch.cat([nope, rope], dim=-1).reshape(fill_len, -1).view(torch.uint8)
@@ -207,7 +218,7 @@ class DecodeQueues:
             SpeculativeAlgorithm.NONE,
         )
         batch.hisparse_coordinator = self.coordinator
-        slots = [req.req_pool_idx for req in batch.reqs]
+        slots = [compat.req_slot(req) for req in batch.reqs]
         lens = [self.stack.lens[req.rid] for req in batch.reqs]
         batch.req_pool_indices, batch.req_pool_indices_cpu = torch.tensor(slots), torch.tensor(slots)
         batch.seq_lens, batch.seq_lens_cpu = torch.tensor(lens), torch.tensor(lens)
@@ -222,18 +233,15 @@ class DecodeQueues:
             self.stack.decode(self.running)  # checks every swapped-in row's KV
             for req in self.running:
                 req.output_ids.append(7)
-                req.kv_committed_len += 1
         return fits
 
     def finish(self, req) -> None:
-        from sglang.srt.mem_cache.common import release_kv_cache
-
         self.coordinator.request_finished(req)
-        release_kv_cache(req, self.tree_cache, is_insert=False)
+        compat.release_kv_cache(req, self.tree_cache)
         self.running.remove(req)
 
     def mode(self, req) -> str:
-        return self.coordinator.core.requests[req.req_pool_idx].mode
+        return self.coordinator.core.requests[compat.req_slot(req)].mode
 
     def leaks(self) -> dict:
         return leak_report(self)
@@ -246,18 +254,17 @@ def init_single_rank_scheduler(server_args) -> None:
     import socket
 
     import torch
-    from sglang.srt import runtime_context
     from sglang.srt.distributed import parallel_state
     from sglang.srt.layers import dp_attention
 
-    runtime_context.publish(server_args, role="scheduler")
+    compat.publish_single_rank_scheduler(server_args)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     parallel_state.init_distributed_environment(
         world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
     )
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    compat.call(parallel_state.initialize_model_parallel, optional=dict(tensor_model_parallel_size=1))
     model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(), hidden_size=16, dtype=torch.bfloat16)
-    dp_attention.initialize_dp_attention(server_args, model_config)
+    compat.call(dp_attention.initialize_dp_attention, server_args, optional=dict(model_config=model_config))
 

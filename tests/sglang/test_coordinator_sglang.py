@@ -13,6 +13,8 @@ import types
 import pytest
 import torch
 
+from hisparse_sglang.integration.sglang import compat
+
 pytestmark = pytest.mark.sglang
 
 LAYERS = 2
@@ -63,6 +65,7 @@ class Stack:
         self.coordinator = SGLangHiSparseCoordinator(
             self.config, self.req_to_token_pool, self.allocator, self.pool, "cpu"
         )
+        self.cache = compat.disabled_prefix_cache(self.req_to_token_pool, self.allocator, PAGE)
         self.layers = [types.SimpleNamespace(layer_id=i) for i in range(LAYERS)]
         self.lens: dict[str, int] = {}
         self.uids: dict[str, int] = {}
@@ -79,7 +82,7 @@ class Stack:
     def write_kv(self, req, positions: torch.Tensor) -> None:
         """The model's KV write: SGLang's set_mla_kv_buffer translates the location the same way
         (its Triton writer has no CPU path, so the bytes are stored directly here)."""
-        locs = self.req_to_token_pool.req_to_token[req.req_pool_idx, positions].to(torch.int64)
+        locs = self.req_to_token_pool.req_to_token[compat.req_slot(req), positions].to(torch.int64)
         rows = self.pool.translate_loc_to_hisparse_device(locs).to(torch.int64)
         assert bool((rows > 0).all()), "a token is written to an unmapped location"
         for layer in self.layers:
@@ -87,24 +90,21 @@ class Stack:
             self.pool.kv_buffer[layer.layer_id][rows] = torch.cat([nope, rope], dim=-1)
 
     def prefill(self, req, prompt_len: int) -> None:
-        from sglang.srt.managers.schedule_batch import ReqKvInfo
-
         self.req_to_token_pool.alloc([req])
         locs = self.allocator.alloc_extend(
             torch.tensor([0]), torch.tensor([0]), torch.tensor([prompt_len]), torch.tensor([prompt_len]),
             torch.tensor([-1]), prompt_len,
         )
         assert locs is not None
-        self.req_to_token_pool.req_to_token[req.req_pool_idx, :prompt_len] = locs.to(torch.int32)
-        req.kv = ReqKvInfo(kv_allocated_len=prompt_len, swa_evicted_seqlen=0)
-        req.set_extend_range(0, prompt_len)
+        self.req_to_token_pool.req_to_token[compat.req_slot(req), :prompt_len] = locs.to(torch.int32)
+        compat.begin_prefill(req, prompt_len)
         self.write_kv(req, torch.arange(prompt_len))
         self.lens[req.rid] = prompt_len
         self.coordinator.admit_request_into_staging(req)
         assert req.hisparse_staging
 
     def decode(self, reqs) -> None:
-        slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        slots = torch.tensor([compat.req_slot(r) for r in reqs], dtype=torch.int64)
         lens = torch.tensor([self.lens[r.rid] for r in reqs], dtype=torch.int64)
         last_loc = self.req_to_token_pool.req_to_token[slots, lens - 1].to(torch.int64)
         out_cache_loc = self.allocator.alloc_decode(lens + 1, lens + 1, last_loc)
@@ -115,6 +115,7 @@ class Stack:
         for r in reqs:
             self.lens[r.rid] += 1
             r.kv.kv_allocated_len += 1
+            compat.set_kv_committed_len(r, r.kv.kv_allocated_len)
             self.write_kv(r, torch.tensor([self.lens[r.rid] - 1]))
         self.coordinator.num_real_reqs.fill_(len(reqs))
         for layer in self.layers:
@@ -140,15 +141,15 @@ class Stack:
         from hisparse_sglang.integration.sglang.hooks import _alloc_for_decode_prealloc_after
 
         self.req_to_token_pool.alloc([req])
-        req.kv_committed_len = fill_len
+        compat.set_kv_committed_len(req, fill_len)
         prealloc = dict(req=req, fill_len=fill_len, uses_swa_tail=False, swa_tail_len=0)
         locs = alloc_for_decode_prealloc_hisparse(self.allocator, **prealloc)
         _alloc_for_decode_prealloc_after(locs, self.allocator, **prealloc)
         host_rows = self.coordinator.mem_pool_host.alloc_paged_token_slots(
-            self.coordinator.req_to_host_pool, self.coordinator.req_to_host_pool_allocated_len, req.req_pool_idx, 0,
+            self.coordinator.req_to_host_pool, self.coordinator.req_to_host_pool_allocated_len, compat.req_slot(req), 0,
             fill_len,
         )
-        self.req_to_token_pool.write((req.req_pool_idx, slice(0, fill_len)), locs.to(torch.int32))
+        self.req_to_token_pool.write((compat.req_slot(req), slice(0, fill_len)), locs.to(torch.int32))
         self.lens[req.rid] = fill_len
         return host_rows
 
@@ -163,10 +164,8 @@ class Stack:
         self.coordinator.admit_request_direct(req)
 
     def release(self, req) -> None:
-        """What release_kv_cache does for a ChunkCache: free the request's locations and its slot."""
-        self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv.kv_allocated_len])
-        self.req_to_token_pool.free(req)
-        req.kv = None
+        """SGLang's release_kv_cache with the prefix cache --disable-radix-cache builds."""
+        compat.release_kv_cache(req, self.cache)
 
     def assert_all_free(self) -> None:
         rows = self.allocator.rows
@@ -243,9 +242,6 @@ def test_long_requests_are_demoted_under_pressure_and_swap_in_stays_correct(capl
 
 def test_release_hook_frees_state_when_request_finished_is_skipped():
     """SGLang 0.5.17 releases a PD waiting-queue abort without request_finished; our hook covers it."""
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.chunk_cache import ChunkCache
-
     from hisparse_sglang.integration.sglang.hooks import _release_kv_cache_before
 
     stack = Stack(resident_first=False)
@@ -254,9 +250,7 @@ def test_release_hook_frees_state_when_request_finished_is_skipped():
     running = stack.coordinator.collect_ready_reqs()
     stack.decode(running)
     assert stack.coordinator.buffers.used_buffers == 1  # demoted to its buffer (always-offload)
-    cache = ChunkCache(CacheInitParams(disable=True, req_to_token_pool=stack.req_to_token_pool,
-                                       token_to_kv_pool_allocator=stack.allocator, page_size=PAGE))
-    _release_kv_cache_before(req, cache)
+    _release_kv_cache_before(req, stack.cache)
     stack.release(req)
     stack.assert_all_free()
 
@@ -286,28 +280,31 @@ def test_pd_host_pool_exposes_layer_regions_and_preallocated_rows():
         host.alloc_paged_token_slots(None, None, 3, 100, 64)
 
 
+def publish_server_args(**values):
+    """SGLang's release path reads the process config SGLang publishes at launch: publish ServerArgs'
+    declared defaults (not resolved against a model) with ``values``."""
+    from sglang.srt import runtime_context
+
+    args = compat.unresolved_server_args(**values)
+    runtime_context.publish(args, role="scheduler")
+    return args
+
+
+@pytest.fixture(autouse=True)
+def published_server_args():
+    from sglang.srt import runtime_context
+
+    yield publish_server_args()
+    runtime_context.reset_context()
+
+
 @pytest.fixture
 def pd_decode_server_args():
-    """SGLang's release path reads the process config SGLang publishes at launch: publish
-    ServerArgs' declared defaults (without __post_init__, which resolves a model) for a PD decode
-    instance, and withdraw them afterwards."""
-    import dataclasses
-
-    from sglang.srt import runtime_context
-    from sglang.srt.server_args import ServerArgs
-
-    args = object.__new__(ServerArgs)
-    for field in dataclasses.fields(ServerArgs):
-        if field.default is not dataclasses.MISSING:
-            setattr(args, field.name, field.default)
-        elif field.default_factory is not dataclasses.MISSING:
-            setattr(args, field.name, field.default_factory())
-        else:
-            setattr(args, field.name, None)
-    args.disaggregation_mode = "decode"
-    runtime_context.publish(args, role="test")
-    yield args
-    runtime_context.reset_context()
+    """A PD decode instance's config (retracted KV kept in CPU tensors, as resolved at launch from 0.5.18)."""
+    values = dict(disaggregation_mode="decode")
+    if compat.retraction_backup_is_configurable():
+        values["disaggregation_decode_retraction_backup"] = "cpu_tensor"
+    return publish_server_args(**values)
 
 
 @pytest.mark.parametrize("prompt_len, resident_first", [(200, True), (700, True), (700, False)])
@@ -317,40 +314,33 @@ def test_pd_decode_retraction_round_trip_restores_kv_and_indexer_keys(
     """SGLang's PD-decode retraction (release_req with offload_kv) and resume (load_kv_cache):
     the resumed request decodes on from exactly the KV it had (short ones resident, long ones
     offloaded), though its old locations were reused in between. The in-tree HiSparse raises."""
-    from sglang.srt.managers.schedule_batch import release_req
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.chunk_cache import ChunkCache
-
     from hisparse_sglang.integration.sglang.hooks import _load_kv_cache_after
 
     stack = Stack(resident_first=resident_first)
-    cache = ChunkCache(CacheInitParams(disable=True, req_to_token_pool=stack.req_to_token_pool,
-                                       token_to_kv_pool_allocator=stack.allocator, page_size=PAGE))
     req = stack.new_req("p", prompt_len)
     stack.pd_admit(req, prompt_len)
-    offloaded = stack.coordinator.core.requests[req.req_pool_idx].mode == "offloaded"
+    offloaded = stack.coordinator.core.requests[compat.req_slot(req)].mode == "offloaded"
     assert offloaded == (prompt_len > stack.config.device_buffer_size), "long requests start offloaded"
     req.output_ids = [7]  # the prefill instance's first token
     index_k = stack.pool.index_k_with_scale_buffer
-    pages = stack.pool.index_k_pages(stack.req_to_token_pool.req_to_token[req.req_pool_idx, :prompt_len])
+    pages = stack.pool.index_k_pages(stack.req_to_token_pool.req_to_token[compat.req_slot(req), :prompt_len])
     for layer, buffer in enumerate(index_k):
         pattern = torch.arange(buffer.shape[1], dtype=torch.int64) + 31 * layer
         buffer[pages] = ((pattern[None, :] + 7 * pages[:, None]) % 251).to(torch.uint8)
     for _ in range(5):
         stack.decode([req])
         req.output_ids.append(7)
-        req.kv_committed_len += 1
     assert req.seqlen - 1 == stack.lens["p"]
     if not resident_first:
-        assert stack.coordinator.core.requests[req.req_pool_idx].mode == "offloaded"
+        assert stack.coordinator.core.requests[compat.req_slot(req)].mode == "offloaded"
 
-    kept_pages = stack.pool.index_k_pages(stack.req_to_token_pool.req_to_token[req.req_pool_idx, : req.seqlen - 1])
+    kept_pages = stack.pool.index_k_pages(stack.req_to_token_pool.req_to_token[compat.req_slot(req), : req.seqlen - 1])
     expected_index_k = [buffer[kept_pages].clone() for buffer in index_k]
-    release_req(
+    compat.release_req(
         req=req, remaing_req_count=1, server_args=pd_decode_server_args, req_to_token_pool=stack.req_to_token_pool,
-        token_to_kv_pool_allocator=stack.allocator, tree_cache=cache, hisparse_coordinator=stack.coordinator,
+        token_to_kv_pool_allocator=stack.allocator, tree_cache=stack.cache, hisparse_coordinator=stack.coordinator,
     )
-    assert req.kv is None and req.kv_cache_cpu is not None
+    assert compat.req_slot_or_none(req) is None and compat.retraction_backup(req) is not None
     stack.assert_all_free()
 
     # another request takes the freed locations and overwrites their host rows and indexer keys
@@ -363,9 +353,9 @@ def test_pd_decode_retraction_round_trip_restores_kv_and_indexer_keys(
     stack.pd_prealloc(req, req.seqlen - 1)
     req.load_kv_cache(stack.req_to_token_pool, stack.allocator)
     _load_kv_cache_after(None, req, stack.req_to_token_pool, stack.allocator)
-    assert req.req_pool_idx in stack.coordinator.core.requests
+    assert compat.req_slot(req) in stack.coordinator.core.requests
 
-    new_pages = stack.pool.index_k_pages(stack.req_to_token_pool.req_to_token[req.req_pool_idx, : req.seqlen - 1])
+    new_pages = stack.pool.index_k_pages(stack.req_to_token_pool.req_to_token[compat.req_slot(req), : req.seqlen - 1])
     for buffer, expected in zip(index_k, expected_index_k):
         assert torch.equal(buffer[new_pages], expected), "indexer keys were not restored"
     for _ in range(5):

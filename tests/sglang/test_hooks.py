@@ -1,21 +1,63 @@
-"""The plugin's hook specs against the installed SGLang, and loading through SGLang's load_plugins()."""
+"""The plugin's hook specs against the installed SGLang, and loading through SGLang's load_plugins()
+in the processes that load plugins: a scheduler, the main process, a light process (detokenizer,
+DP controller) and the main process of an SGLang outside the supported range."""
 
+import json
 import multiprocessing
+import os
 import pkgutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 pytestmark = pytest.mark.sglang
 
 
-def test_every_declared_target_exists_in_installed_sglang():
-    from hisparse_sglang.integration.sglang.hooks import HOOKS
+def test_every_target_resolves_in_the_installed_sglang_for_the_hooks_covering_it():
+    from hisparse_sglang.integration.sglang import compat
+    from hisparse_sglang.integration.sglang.hooks import HOOKS, UNSUPPORTED_SGLANG_GUARD
 
+    installed = compat.sglang_version()
+    covering = [spec for spec in HOOKS if spec.applies_to(installed)]
+    assert covering, f"no hook covers sglang {installed}"
+    for spec in covering + [UNSUPPORTED_SGLANG_GUARD]:
+        assert pkgutil.resolve_name(spec.target) is not None, spec.target
     for spec in HOOKS:
-        obj = pkgutil.resolve_name(spec.target)
-        assert obj is not None, spec.target
         assert spec.hook_type in ("BEFORE", "AFTER", "AROUND", "REPLACE")
-        assert spec.why and spec.upstream and spec.sglang_version == "0.5.17"
+        assert spec.why and spec.upstream
+        # Every range lies inside the supported one: its releases are among those checked.
+        releases = [f"0.5.{minor}" for minor in range(10, 30)]
+        assert set(SpecifierSet(spec.versions).filter(releases)) <= set(
+            SpecifierSet(compat.SUPPORTED_SGLANG).filter(releases)
+        ), spec.target
+
+
+def test_hooks_registered_per_process_role_and_release():
+    from hisparse_sglang.integration.sglang.hooks import HOOKS, UNSUPPORTED_SGLANG_GUARD, specs_for
+
+    scheduler = specs_for("scheduler", "0.5.17")
+    main = specs_for("main", "0.5.17")
+    assert set(main) == {spec for spec in HOOKS if not spec.scheduler_only}
+    assert set(main) < set(scheduler) <= set(HOOKS)
+    prealloc_init = "sglang.srt.disaggregation.decode.DecodePreallocQueue.__init__"
+    assert prealloc_init in {spec.target for spec in scheduler}
+    assert prealloc_init not in {spec.target for spec in specs_for("scheduler", "0.5.23")}
+    assert specs_for("light", "0.5.23") == []
+    for unsupported in ("0.5.16", "0.5.24", "0.5.24rc1", "0.6.0"):
+        assert specs_for("main", unsupported) == [UNSUPPORTED_SGLANG_GUARD]
+        assert specs_for("scheduler", unsupported) == []
+
+
+def test_process_roles():
+    from hisparse_sglang.integration.sglang.compat import process_role
+
+    assert process_role("sglang::detokenizer", has_parent=True) == "light"
+    assert process_role("sglang::data_parallel_controller", has_parent=True) == "light"
+    assert process_role("python -m sglang.launch_server", has_parent=False) == "main"
+    assert process_role("python -c from multiprocessing.spawn import spawn_main", has_parent=True) == "scheduler"
 
 
 def test_entry_point_is_registered():
@@ -25,43 +67,57 @@ def test_entry_point_is_registered():
     assert names.get("hisparse") == "hisparse_sglang.integration.sglang.plugin:register"
 
 
-def _load_in_child(queue) -> None:
-    """Runs in a spawned child, like an SGLang scheduler process."""
-    import os
-
+def _load_in_child(queue, title) -> None:
+    """Runs in a spawned child, like an SGLang scheduler process (or, with a title, a light one)."""
     os.environ["SGLANG_PLUGINS"] = "hisparse"
+    if title:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    import torch
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     load_plugins()
-    from sglang.srt.mem_cache import kv_cache_configurator
-    from sglang.srt.model_executor.model_runner import ModelRunner
+    report = {
+        "patched": sorted(HookRegistry._patched),
+        "model_runner_imported": "sglang.srt.model_executor.model_runner" in sys.modules,
+        "cuda_initialized": torch.cuda.is_initialized(),
+    }
+    if not title:
+        from sglang.srt.mem_cache import kv_cache_configurator
+        from sglang.srt.model_executor.model_runner import ModelRunner
 
-    from hisparse_sglang.integration.sglang.allocator import HiSparseTokenAllocator
-    from hisparse_sglang.integration.sglang.pool import HiSparseDevicePool
+        from hisparse_sglang.integration.sglang.allocator import HiSparseTokenAllocator
+        from hisparse_sglang.integration.sglang.pool import HiSparseDevicePool
 
-    queue.put(
-        {
-            "patched": sorted(HookRegistry._patched),
-            "pool": kv_cache_configurator.HiSparseDSATokenToKVPool is HiSparseDevicePool,
-            "allocator": kv_cache_configurator.HiSparseTokenToKVPoolAllocator is HiSparseTokenAllocator,
-            "coordinator_wrapped": hasattr(ModelRunner.maybe_init_hisparse_coordinator, "__wrapped__"),
-        }
-    )
+        report.update(
+            pool=kv_cache_configurator.HiSparseDSATokenToKVPool is HiSparseDevicePool,
+            allocator=kv_cache_configurator.HiSparseTokenToKVPoolAllocator is HiSparseTokenAllocator,
+            coordinator_wrapped=hasattr(ModelRunner.maybe_init_hisparse_coordinator, "__wrapped__"),
+        )
+    queue.put(report)
 
 
-def test_load_plugins_applies_every_hook_in_a_scheduler_like_process():
-    from hisparse_sglang.integration.sglang.hooks import HOOKS
-
+def _run_child(title=None) -> dict:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    child = context.Process(target=_load_in_child, args=(queue,))
+    child = context.Process(target=_load_in_child, args=(queue, title))
     child.start()
     report = queue.get(timeout=600)
     child.join(timeout=60)
-    assert report["patched"] == sorted(spec.target for spec in HOOKS)
+    return report
+
+
+def test_load_plugins_applies_every_hook_covering_the_release_in_a_scheduler_like_process():
+    from hisparse_sglang.integration.sglang import compat
+    from hisparse_sglang.integration.sglang.hooks import specs_for
+
+    report = _run_child()
+    assert report["patched"] == sorted(spec.target for spec in specs_for("scheduler", compat.sglang_version()))
     assert report["pool"] and report["allocator"]
     assert report["coordinator_wrapped"]
+    assert not report["cuda_initialized"]
 
 
 def test_a_failed_mooncake_registration_of_the_host_pool_raises_a_typed_error():
@@ -80,3 +136,72 @@ def test_a_failed_mooncake_registration_of_the_host_pool_raises_a_typed_error():
     # registered: the code passes through; other regions (SGLang's own buffers) are not ours to judge
     assert _batch_register_after(0, None, regions, lengths) == 0
     assert _batch_register_after(-7, None, [1 << 40], [4096]) == -7
+
+
+def test_a_light_process_registers_nothing_and_imports_no_model_code():
+    """SGLang 0.5.22+ loads plugins in the detokenizer and the DP controller too."""
+    report = _run_child("sglang::detokenizer")
+    assert report == {"patched": [], "model_runner_imported": False, "cuda_initialized": False}
+
+
+MAIN_PROCESS = textwrap.dedent(
+    """
+    import json, logging, os, sys, types
+    os.environ["SGLANG_PLUGINS"] = "hisparse"
+    from hisparse_sglang.integration.sglang import compat
+    if sys.argv[1] != "installed":
+        compat.sglang_version = lambda: sys.argv[1]  # the release this process pretends is installed
+    errors = []
+    handler = logging.Handler()
+    handler.emit = lambda record: errors.append(record.getMessage()) if record.levelno >= logging.ERROR else None
+    logging.getLogger("hisparse_sglang").addHandler(handler)
+    from sglang.srt.arg_groups import overrides
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    load_plugins()
+    model_config = types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048)
+    )
+    view = types.SimpleNamespace(
+        enable_hisparse=True, disable_radix_cache=True, kv_cache_dtype="bfloat16", hisparse_config='{"top_k": 1}',
+        get_model_config=lambda: model_config, _model_config=model_config,
+    )
+    try:
+        overrides._hisparse_validation(view)  # SGLang's own validation pass
+        raised = None
+    except Exception as exc:
+        raised = [type(exc).__name__, str(exc)]
+    print(json.dumps({"patched": sorted(HookRegistry._patched), "raised": raised, "errors": errors,
+                      "model_runner_imported": "sglang.srt.model_executor.model_runner" in sys.modules}))
+    """
+)
+
+
+def _run_main_process(release: str) -> dict:
+    """A fresh interpreter (no parent process: the main-process role) that loads the plugin."""
+    result = subprocess.run(
+        [sys.executable, "-c", MAIN_PROCESS, release], capture_output=True, text=True, timeout=600, env=os.environ
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_an_unsupported_sglang_refuses_enable_hisparse_at_startup_with_the_versions():
+    report = _run_main_process("0.5.24")
+    assert report["patched"] == ["sglang.srt.arg_groups.hisparse_hook.validate_hisparse"]
+    name, message = report["raised"]
+    assert name == "UnsupportedSGLangError"
+    assert "sglang 0.5.24 is installed" in message and ">=0.5.17,<0.5.24" in message
+    assert any("sglang 0.5.24 is installed" in line for line in report["errors"])
+    assert not report["model_runner_imported"]
+
+
+def test_the_main_process_registers_validation_hooks_only():
+    from hisparse_sglang.integration.sglang import compat
+    from hisparse_sglang.integration.sglang.hooks import specs_for
+
+    report = _run_main_process("installed")
+    assert report["patched"] == sorted(spec.target for spec in specs_for("main", compat.sglang_version()))
+    assert report["raised"][0] == "HiSparseConfigError"  # our validation ran (top_k 1 < page size)
+    assert report["errors"] == []
+    assert not report["model_runner_imported"]

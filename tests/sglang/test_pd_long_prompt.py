@@ -60,7 +60,7 @@ def _admit(decode: DecodeQueues, req) -> None:
 def _long_prompt(server_args) -> dict:
     """A 1500-token prompt (device pool 512): limits, admission, 45 decode steps, retraction round
     trip, then a prompt longer than the decode-side capacity."""
-    from sglang.srt.managers.schedule_batch import release_req
+    from hisparse_sglang.integration.sglang import compat
 
     LOG.take("")
     decode = DecodeQueues(server_args)
@@ -83,7 +83,7 @@ def _long_prompt(server_args) -> dict:
 
     # retraction round trip: SGLang's release_req (KV copied out), the prealloc queue's retracted
     # path (its capacity check), then resume (preallocate, load_kv_cache, admission by our hook)
-    release_req(
+    compat.release_req(
         req=req, remaing_req_count=0, server_args=server_args, req_to_token_pool=decode.req_to_token_pool,
         token_to_kv_pool_allocator=decode.allocator, tree_cache=decode.tree_cache,
         hisparse_coordinator=decode.coordinator,
@@ -126,8 +126,10 @@ def _retract_under_device_pressure(server_args, hooked: bool, long_len: int) -> 
     while decode.decode_step():
         steps += 1
     report["steps_until_short"] = steps
+    from hisparse_sglang.integration.sglang import compat
+
     batch = decode.batch()
-    retracted, _, to_abort = batch.retract_decode(server_args)
+    retracted, _, to_abort = compat.call(batch.retract_decode, optional=dict(server_args=server_args))
     report["retracted"] = [r.rid for r in retracted]
     report["aborted_by_retraction"] = [r.rid for r in to_abort]
     for req in retracted:
@@ -236,9 +238,13 @@ def _child(conn) -> None:
     try:
         from sglang.srt.server_args import ServerArgs
 
+        from hisparse_sglang.integration.sglang import compat
+
+        # SGLang resolves the retraction backup at launch from the KV pool (0.5.18+): CPU tensors for a DSA pool
+        backup = dict(disaggregation_decode_retraction_backup="cpu_tensor") if compat.retraction_backup_is_configurable() else {}
         server_args = ServerArgs(
             model_path="dummy", device="cpu", host="127.0.0.1", page_size=PAGE, disaggregation_mode="decode",
-            disaggregation_transfer_backend="fake",
+            disaggregation_transfer_backend="fake", **backup,
         )
         init_single_rank_scheduler(server_args)
         os.environ["SGLANG_PLUGINS"] = "hisparse"
@@ -312,7 +318,9 @@ def test_long_prompt_is_admitted_decoded_and_retracted_on_a_hisparse_decode_inst
     ]
     assert report["max_new_tokens"] == 200, "init_req_max_new_tokens clamped by the device pool"
     assert report["validation_error"] is None
-    assert report["prealloc_max_total_num_tokens"] == CAPACITY
+    # 0.5.17 checks a new request against the prealloc queue's max_total_num_tokens, which our hook
+    # sets to the decode capacity; from 0.5.18 SGLang checks HiSparse requests against the logical pool
+    assert report["prealloc_max_total_num_tokens"] == (CAPACITY if _prealloc_capacity_hooked() else DEVICE_TOKENS)
     assert report["queued"] == ["long"]
     assert report["mode_at_admission"] == "offloaded"
     assert report["device_pages_at_admission"] == (BUFFER_SIZE + PAGE) // PAGE  # one buffer, nothing else
@@ -334,9 +342,21 @@ def test_prompt_longer_than_the_decode_capacity_is_rejected_with_the_reason(repo
     sglang_part = f"Input length ({CAPACITY + PAGE} tokens) exceeds the maximum allowed length ({CAPACITY - 6} tokens)"
     assert error.startswith(sglang_part)
     assert "logical (host) KV pool" in error and f"leaves {CAPACITY}" in error and "host_to_device_ratio" in error
-    assert report["too_long_aborted"] == (
-        f"Request too_long exceeds the maximum number of tokens: {CAPACITY + PAGE} > {CAPACITY}"
-    )
+    if _prealloc_capacity_hooked():
+        assert report["too_long_aborted"] == (
+            f"Request too_long exceeds the maximum number of tokens: {CAPACITY + PAGE} > {CAPACITY}"
+        )
+    else:  # SGLang's own check (logical pool, 0.5.18+) lets it queue; its validation error rejects it
+        assert report["too_long_aborted"] is None
+
+
+def _prealloc_capacity_hooked() -> bool:
+    """Whether the installed release gets our DecodePreallocQueue.__init__ hook (0.5.17 only)."""
+    from hisparse_sglang.integration.sglang import compat
+    from hisparse_sglang.integration.sglang.hooks import specs_for
+
+    targets = {spec.target for spec in specs_for("scheduler", compat.sglang_version())}
+    return "sglang.srt.disaggregation.decode.DecodePreallocQueue.__init__" in targets
 
 
 def test_sglang_resume_of_a_retracted_request_without_device_pages_crashes(reports):

@@ -1,5 +1,6 @@
 """Startup validation through the hook that replaces SGLang's validate_hisparse (main process)."""
 
+import pathlib
 import types
 
 import pytest
@@ -9,8 +10,8 @@ from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
 pytestmark = pytest.mark.sglang
 
 
-def server_args(architecture="DeepseekV32ForCausalLM", index_topk=2048, **overrides):
-    hf_config = types.SimpleNamespace(architectures=[architecture], index_topk=index_topk)
+def server_args(architecture="DeepseekV32ForCausalLM", index_topk=2048, hf_config=None, **overrides):
+    hf_config = hf_config or types.SimpleNamespace(architectures=[architecture], index_topk=index_topk)
     values = dict(
         enable_hisparse=True,
         hisparse_config='{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 10}',
@@ -26,7 +27,11 @@ def server_args(architecture="DeepseekV32ForCausalLM", index_topk=2048, **overri
     )
     values.update(overrides)
     args = types.SimpleNamespace(**values)
-    args.get_model_config = lambda: types.SimpleNamespace(hf_config=hf_config)
+    # How SGLang's validate_hisparse reaches the model: get_model_config() up to 0.5.18; from 0.5.19
+    # model_config_of(), which hands back a ModelConfig a fixture stored on the record.
+    model_config = types.SimpleNamespace(hf_config=hf_config)
+    args.get_model_config = lambda: model_config
+    args._model_config = model_config
     return args
 
 
@@ -42,6 +47,7 @@ def test_supported_setups_pass():
     validate(server_args(kv_cache_dtype="auto", dsa_decode_backend=None, dsa_prefill_backend=None))
     validate(server_args(disaggregation_mode="decode"))
     validate(server_args(hisparse_config=None))
+    validate(server_args(speculative_algorithm="NONE", disaggregation_decode_retraction_backup="cpu_tensor"))
 
 
 def test_disabled_hisparse_is_not_checked():
@@ -53,7 +59,12 @@ CASES = [
     (dict(architecture="DeepseekV4ForCausalLM"), UnsupportedSetupError, "not DeepSeek-V4"),
     (dict(disable_radix_cache=False), UnsupportedSetupError, "--disable-radix-cache"),
     (dict(disaggregation_mode="prefill"), UnsupportedSetupError, "remove it from the prefill instance"),
-    (dict(speculative_algorithm="EAGLE"), UnsupportedSetupError, "speculative decoding"),
+    (dict(speculative_algorithm="EAGLE"), UnsupportedSetupError, "speculative decoding (--speculative-algorithm EAGLE)"),
+    (dict(architecture="MiniMaxM3SparseForCausalLM"), UnsupportedSetupError, "not MiniMax-M3"),
+    (dict(dcp_size=2), UnsupportedSetupError, "--dcp-size 2"),
+    (dict(disaggregation_decode_retraction_backup="host_pool"), UnsupportedSetupError, "cpu_tensor"),
+    (dict(kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashinfer_sparse_mla", dsa_prefill_backend="flashmla_kv"),
+     UnsupportedSetupError, "--dsa-decode-backend flashmla_kv, got 'flashinfer_sparse_mla'"),
     (dict(pp_size=2), UnsupportedSetupError, "--pp-size 2"),
     (dict(enable_mixed_chunk=True), UnsupportedSetupError, "--enable-mixed-chunk"),
     (dict(kv_cache_dtype="fp8_e5m2"), UnsupportedSetupError, "'fp8_e5m2'"),
@@ -87,3 +98,65 @@ def test_parse_hisparse_config_replacement_returns_sglang_sparse_config():
     assert (config.top_k, config.device_buffer_size, config.host_to_device_ratio) == (2048, 4096, 10)
     with pytest.raises(HiSparseConfigError):
         _parse_hisparse_config(server_args(hisparse_config='{"resident_first": "yes"}'))
+
+
+TINY_MODELS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "models"
+
+
+@pytest.mark.parametrize("name", ["tiny-dsv32", "tiny-glm5"])
+def test_tiny_models_parse_with_sglang_and_are_accepted(name):
+    """The shipped tiny configs, read by SGLang's ModelConfig, are DSA models our validation accepts."""
+    from sglang.srt.configs.model_config import AttentionArch, ModelConfig
+
+    from hisparse_sglang.integration.sglang import compat
+
+    model_config = ModelConfig(str(TINY_MODELS / name))
+    assert model_config.attention_arch == AttentionArch.MLA and model_config.num_hidden_layers == 4
+    assert (model_config.kv_lora_rank, model_config.qk_rope_head_dim) == (512, 64)
+    assert compat.model_kind(model_config.hf_config) == {
+        "dsa": True, "dsv4": False, "minimax_sparse": False, "kda_hybrid": False, "index_kpool": 1
+    }
+    validate(server_args(hf_config=model_config.hf_config))
+    validate(server_args(hf_config=model_config.hf_config, kv_cache_dtype="fp8_e4m3",
+                         dsa_decode_backend="flashmla_kv", dsa_prefill_backend="flashmla_kv"))
+
+
+# Every architecture some supported release classifies as DSA (docs/sglang-versions.md), and others.
+ARCHITECTURES = [
+    "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV3ForCausalLMNextN", "MistralLarge3ForCausalLM",
+    "PixtralForConditionalGeneration", "GlmMoeDsaForCausalLM", "GlmMoeDsaForCausalLMNextN",
+    "LongcatFlashForCausalLM", "LongcatFlashForCausalLMNextN", "Dots3NoteForCausalLM", "Dots3NoteForCausalLMNextN",
+    "Glm5NextForConditionalGeneration", "Glm5NextForConditionalGenerationNextN", "HYV4ForCausalLM",
+    "HYV4ForCausalLMNextN", "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM",
+]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_model_is_accepted_exactly_when_the_installed_release_serves_it_as_dsa(architecture):
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+
+    args = server_args(architecture=architecture)
+    if is_deepseek_dsa(args.get_model_config().hf_config):
+        validate(args)
+    else:
+        with pytest.raises(UnsupportedSetupError, match=f"{architecture} is not one"):
+            validate(args)
+
+
+def test_dsa_models_with_kda_layers_or_pooled_index_keys_are_refused_by_name():
+    from sglang.srt.configs import model_config
+
+    glm53 = types.SimpleNamespace(
+        architectures=["Glm5NextForConditionalGeneration"], index_topk=2048,
+        linear_attn_config={"kda_layers": [0, 1, 2], "full_attn_layers": [3]},
+    )
+    with pytest.raises(UnsupportedSetupError, match="Glm5NextForConditionalGeneration") as info:
+        validate(server_args(hf_config=glm53))
+    if hasattr(model_config, "uses_kda_attention"):  # 0.5.20+ serves it as DSA
+        assert "KDA linear-attention layers" in str(info.value) and "in-tree HiSparse" in str(info.value)
+    pooled = types.SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048, index_kpool=4)
+    if hasattr(model_config, "get_dsa_index_kpool"):  # 0.5.20+ pools indexer keys
+        with pytest.raises(UnsupportedSetupError, match="DeepseekV32ForCausalLM pools its indexer keys .index_kpool 4."):
+            validate(server_args(hf_config=pooled))
+    else:  # earlier releases ignore the field
+        validate(server_args(hf_config=pooled))

@@ -29,7 +29,7 @@ class _Capacity:
 
 
 class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
-    """Constructor arguments are those of SGLang 0.5.17's HiSparseTokenToKVPoolAllocator.
+    """Constructor arguments are those of SGLang's HiSparseTokenToKVPoolAllocator (the same in 0.5.17 - 0.5.23).
 
     Args:
         size: device KV pool tokens (SGLang's max_total_num_tokens).
@@ -57,6 +57,9 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
         self.logical_attn_allocator = _Capacity(self._logical_free_rows)
         self.hisparse_attn_allocator = _Capacity(self._device_rows_obtainable)
         self.compress_ratio = 1
+        # Frees held between free_group_begin() and free_group_end() (None: free at once). Kept
+        # here, not in the base class's fields, whose representation changed in SGLang 0.5.19.
+        self._held_frees: list[torch.Tensor] | None = None
 
     # ---------------------------------------------------------------- capacity
     @staticmethod
@@ -127,15 +130,23 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
     def free(self, free_index: torch.Tensor):
         if free_index.numel() == 0:
             return
-        if self.is_not_in_free_group:
-            free_index = self.quarantine.intercept(free_index)
-            if free_index.numel():
-                self.rows.free(free_index)
-        else:
-            self.free_group.append(free_index)
+        if self._held_frees is not None:
+            self._held_frees.append(free_index.clone())  # the caller may reuse the tensor
+            return
+        free_index = self.quarantine.intercept(free_index)
+        if free_index.numel():
+            self.rows.free(free_index)
+
+    def free_group_begin(self):
+        self._held_frees = []
+
+    def free_group_end(self):
+        held, self._held_frees = self._held_frees, None
+        if held:
+            self.free(torch.cat(held))
 
     # ---------------------------------------------------------------- PD decode retraction
-    def get_cpu_copy(self, indices, mamba_indices=None):
+    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
         """Copy of a retracted request's KV for SGLang to keep until it resumes (PD decode).
 
         The coordinator's ``retract_req`` has completed the request's host rows; they and the
@@ -144,6 +155,8 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
 
         Args:
             indices: the request's logical locations, positions ``[0, seqlen - 1)``.
+            mamba_indices, req_pool_index: SGLang's other arguments (``req_pool_index`` from 0.5.20);
+                unused.
         Returns:
             ``{"kv": [layer uint8 [n, row bytes]], "index_k": [layer uint8 [pages, page bytes]]}``.
         """
@@ -156,7 +169,7 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
             "index_k": self._kvcache.index_k_to_cpu(indices),
         }
 
-    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
         """Restore :meth:`get_cpu_copy`'s copy at the resumed request's new locations; SGLang then
         admits the request like a PD transfer (``admit_request_direct``, hooked on load_kv_cache)."""
         host_pool = self._host_pool()
@@ -182,5 +195,4 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
     def clear(self):
         self.quarantine.clear()
         self.rows.clear()
-        self.is_not_in_free_group = True
-        self.free_group = []
+        self._held_frees = None

@@ -1,51 +1,127 @@
 """Everything that depends on the SGLang version, in one place.
 
-Written against sglang 0.5.17. Request fields moved between releases (0.5.23 keeps the request
-slot in ``req.kv.req_pool_idx``); accessors here absorb that, and :func:`check_version` says
-when the installed SGLang is not the one the hooks were verified against.
+hisparse-sglang supports every SGLang release in :data:`SUPPORTED_SGLANG` (0.5.17 to 0.5.23;
+``docs/sglang-versions.md`` lists each difference between them and how it is handled here). The
+rest of the package calls the accessors below instead of reading fields or calling functions whose
+name, place or signature changed between those releases.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing
 from importlib.metadata import PackageNotFoundError, version
+
+from hisparse_sglang.errors import UnsupportedSetupError, UnsupportedSGLangError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_SGLANG = "0.5.17"
+# The releases whose hook targets, signatures and coordinator calls were checked one by one
+# (docs/sglang-versions.md); pyproject.toml pins the same range.
+SUPPORTED_SGLANG = ">=0.5.17,<0.5.24"
+OLDEST_SGLANG = "0.5.17"
+NEWEST_SGLANG = "0.5.23"
+# The release the CUDA kernels and the end-to-end runs were proven on (the GPU image's torch 2.11).
+GPU_PROVEN_SGLANG = "0.5.17"
 
 
 @functools.cache
 def sglang_version() -> str | None:
+    """The installed SGLang's version string, or None when SGLang is not installed."""
     try:
         return version("sglang")
     except PackageNotFoundError:
         return None
 
 
-def check_version() -> bool:
-    """True if the installed SGLang is the supported one; logs a warning otherwise."""
-    installed = sglang_version()
-    if installed != SUPPORTED_SGLANG:
-        logger.warning(
-            "hisparse-sglang was verified against sglang==%s but sglang %s is installed; its hooks may not "
-            "apply (each failed hook is logged by SGLang's HookRegistry).",
-            SUPPORTED_SGLANG,
-            installed,
-        )
+def is_supported(installed: str | None) -> bool:
+    """True if ``installed`` (a version string, None: not installed) is in :data:`SUPPORTED_SGLANG`."""
+    if installed is None:
         return False
-    return True
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(installed) in SpecifierSet(SUPPORTED_SGLANG)
+    except InvalidVersion:
+        return False
+
+
+def unsupported_message(installed: str | None) -> str:
+    """Why hisparse-sglang does not run with ``installed``, and the two ways out."""
+    found = f"sglang {installed} is installed" if installed else "sglang is not installed"
+    return (
+        f"hisparse-sglang supports sglang{SUPPORTED_SGLANG} ({OLDEST_SGLANG} to {NEWEST_SGLANG}) but {found}. "
+        f"Install a supported release (pip install 'sglang{SUPPORTED_SGLANG}'), or run SGLang without this "
+        f"plugin (pip uninstall hisparse-sglang, or set SGLANG_PLUGINS to the other plugins' names)."
+    )
+
+
+def check_version(installed: str | None = None) -> None:
+    """Raise :class:`UnsupportedSGLangError` unless the installed SGLang (or ``installed``) is supported."""
+    installed = sglang_version() if installed is None else installed
+    if not is_supported(installed):
+        raise UnsupportedSGLangError(unsupported_message(installed))
+
+
+# ---------------------------------------------------------------------------------------------------
+# process roles
+
+# Processes that run SGLang's load_plugins() but never touch KV memory. Since 0.5.22 the data-parallel
+# controller and the detokenizer load plugins too, each right after setting this process title.
+LIGHT_PROCESS_TITLES = ("sglang::detokenizer", "sglang::data_parallel_controller")
+
+
+def process_title() -> str:
+    """This process's title (``setproctitle``; empty when it is not installed)."""
+    try:
+        import setproctitle
+    except ImportError:
+        return ""
+    return setproctitle.getproctitle() or ""
+
+
+def process_role(title: str | None = None, has_parent: bool | None = None) -> str:
+    """Which SGLang process is loading the plugin.
+
+    * ``"light"``: a process that loads plugins but holds no model or KV memory (detokenizer, DP
+      controller; 0.5.22+), recognised by the title SGLang sets before loading plugins;
+    * ``"main"``: the process that parses and validates the server arguments (no parent process);
+    * ``"scheduler"``: any other child process. SGLang's scheduler loads plugins before it sets its
+      title, so it cannot be told apart by its title; a child that is not a scheduler gets the
+      scheduler hooks too, which only import modules.
+
+    Args:
+        title, has_parent: the process title and whether a parent process exists (default: this
+            process's).
+    """
+    title = process_title() if title is None else title
+    if title.startswith(LIGHT_PROCESS_TITLES):
+        return "light"
+    if has_parent is None:
+        has_parent = multiprocessing.parent_process() is not None
+    return "scheduler" if has_parent else "main"
+
+
+# ---------------------------------------------------------------------------------------------------
+# request fields
 
 
 def req_slot(req) -> int:
-    """The request's slot in ReqToTokenPool."""
+    """The request's slot in ReqToTokenPool (``req.req_pool_idx`` up to 0.5.22, ``req.kv.req_pool_idx`` in 0.5.23)."""
+    slot = req_slot_or_none(req)
+    if slot is None:
+        raise ValueError(f"request {getattr(req, 'rid', '?')} has no request-pool slot")
+    return slot
+
+
+def req_slot_or_none(req) -> int | None:
+    """:func:`req_slot`, or None for a request that holds no slot (released, or never admitted)."""
     slot = getattr(req, "req_pool_idx", None)
     if slot is None and getattr(req, "kv", None) is not None:
         slot = getattr(req.kv, "req_pool_idx", None)
-    if slot is None:
-        raise ValueError(f"request {getattr(req, 'rid', '?')} has no request-pool slot")
-    return int(slot)
+    return None if slot is None else int(slot)
 
 
 def req_kv_allocated_len(req) -> int:
@@ -54,11 +130,307 @@ def req_kv_allocated_len(req) -> int:
 
 
 def req_prefill_len(req) -> int:
-    """Tokens computed by the prefill that just finished."""
-    return int(req.extend_range.end)
+    """Tokens computed by the prefill that just finished (``req.extend_range.end`` up to 0.5.21,
+    ``req.extend_end`` from 0.5.22)."""
+    extend_range = getattr(req, "extend_range", None)
+    return int(extend_range.end if extend_range is not None else req.extend_end)
 
 
 def abort_reason(message: str):
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     return FINISH_ABORT(message)
+
+
+# ---------------------------------------------------------------------------------------------------
+# server arguments and configuration
+
+
+def hisparse_config_json(server_args=None) -> str | None:
+    """The ``--hisparse-config`` JSON text.
+
+    SGLang 0.5.17 and 0.5.18 call ``parse_hisparse_config(server_args)``; from 0.5.19 it takes no
+    argument and reads the published memory settings (``get_memory().hisparse_config``).
+    """
+    if server_args is not None:
+        return getattr(server_args, "hisparse_config", None)
+    from sglang.srt.runtime_context import get_memory
+
+    return get_memory().hisparse_config
+
+
+def validation_inputs(server_args):
+    """What ``validate_hisparse(server_args)`` reads: the resolved server-argument view and the
+    model's Hugging Face config.
+
+    SGLang passes its resolution view; up to 0.5.18 the view reaches the model through
+    ``get_model_config()``, from 0.5.19 through ``model_override_base.model_config_of``.
+    """
+    try:
+        from sglang.srt.arg_groups.model_override_base import model_config_of, resolved_view
+    except ImportError:  # 0.5.17, 0.5.18
+        from sglang.srt.arg_groups.overrides import resolved_view
+
+        return resolved_view(server_args), server_args.get_model_config().hf_config
+    return resolved_view(server_args), model_config_of(server_args).hf_config
+
+
+def model_kind(hf_config) -> dict[str, bool | int]:
+    """SGLang's classification of a model, as the installed release makes it.
+
+    ``dsa``: DeepSeek Sparse Attention (``is_deepseek_dsa``; its list of architectures grows from
+    release to release); ``dsv4``: DeepSeek-V4; ``minimax_sparse``: MiniMax-M3 sparse attention;
+    ``kda_hybrid``: KDA linear-attention layers beside the sparse ones (``uses_kda_attention``,
+    0.5.20+; no such model is served before); ``index_kpool``: indexer keys pooled per this many
+    tokens (``get_dsa_index_kpool``, 0.5.20+; 1 before).
+    """
+    from sglang.srt.configs import model_config
+
+    uses_kda_attention = getattr(model_config, "uses_kda_attention", None)
+    get_dsa_index_kpool = getattr(model_config, "get_dsa_index_kpool", None)
+    dsa = bool(model_config.is_deepseek_dsa(hf_config))
+    return {
+        "dsa": dsa,
+        "dsv4": bool(model_config.is_deepseek_v4(hf_config)),
+        "minimax_sparse": bool(model_config.is_minimax_sparse(hf_config)),
+        "kda_hybrid": bool(uses_kda_attention(hf_config)) if uses_kda_attention else False,
+        "index_kpool": int(get_dsa_index_kpool(hf_config) or 1) if get_dsa_index_kpool and dsa else 1,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# scheduler-process state
+
+
+def coordinator_cpu_group(model_runner):
+    """The CPU process group whose ranks must take the same HiSparse decisions: the TP ranks of this
+    DP rank. SGLang 0.5.22+ names it ``get_dp_tp_group()``; before, the model runner held the
+    attention-TP and TP groups."""
+    try:
+        from sglang.srt.layers.dp_attention import get_dp_tp_group
+    except ImportError:  # 0.5.17 - 0.5.21
+        from sglang.srt.runtime_context import get_parallel
+
+        group = model_runner.attention_tp_group if get_parallel().enable_dp_attention else model_runner.tp_group
+    else:
+        group = get_dp_tp_group()
+    return getattr(group, "cpu_group", None)
+
+
+def tp_rank() -> int:
+    """This scheduler's tensor-parallel rank."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(get_parallel().tp_rank)
+
+
+class CoordinatorCalls:
+    """Calls SGLang makes on ``model_runner.hisparse_coordinator`` in newer releases only.
+
+    0.5.22 added speculative decoding to its in-tree HiSparse: every prefill batch calls
+    ``allocate_spec_scratch`` (mem_cache/allocation.py) and PD decode admission reads
+    ``spec_swap.scratch_capacity`` (the per-request device rows of the speculative scratch).
+    hisparse-sglang refuses speculative decoding at startup, so there is no scratch; the verify
+    calls are reached only with speculative decoding and fail with the way out.
+    """
+
+    class _NoSpecScratch:
+        scratch_capacity = 0
+
+    spec_swap = _NoSpecScratch()
+
+    def allocate_spec_scratch(self, req_pool_indices) -> None:
+        """No speculative scratch to allocate (speculative decoding is refused at startup)."""
+
+    def prepare_spec_verify(self, batch) -> None:
+        raise UnsupportedSetupError(_NO_SPECULATIVE_DECODING)
+
+    def commit_spec_accept_tokens(self, batch=None, accept_indices=None) -> None:
+        raise UnsupportedSetupError(_NO_SPECULATIVE_DECODING)
+
+
+_NO_SPECULATIVE_DECODING = (
+    "hisparse-sglang does not support speculative decoding, but SGLang asked its coordinator to verify "
+    "draft tokens; remove --speculative-algorithm, or run without this plugin to use SGLang's in-tree "
+    "HiSparse (0.5.22+)."
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# SGLang's own objects, driven as its scheduler drives them (tests/sglang build and step real ones)
+
+
+def disabled_prefix_cache(req_to_token_pool, allocator, page_size: int):
+    """The prefix cache SGLang builds with ``--disable-radix-cache``: a ChunkCache up to 0.5.21; from
+    0.5.22 (chunk_cache.py removed) a UnifiedRadixCache with ``disable=True``."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    params = CacheInitParams(
+        disable=True, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, page_size=page_size
+    )
+    try:
+        from sglang.srt.mem_cache.chunk_cache import ChunkCache
+    except ImportError:  # 0.5.22+
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        params.tree_components = (ComponentType.FULL,)
+        return UnifiedRadixCache(params)
+    return ChunkCache(params)
+
+
+def release_kv_cache(req, tree_cache) -> None:
+    """SGLang's release of a request's KV without caching it (``is_insert=False`` up to 0.5.21,
+    ``checkpoint=False`` from 0.5.22)."""
+    import inspect
+
+    from sglang.srt.mem_cache import common
+
+    keep = "checkpoint" if "checkpoint" in inspect.signature(common.release_kv_cache).parameters else "is_insert"
+    common.release_kv_cache(req, tree_cache, **{keep: False})
+
+
+def release_req(**kwargs):
+    """SGLang's ``release_req`` (retraction); it took ``server_args`` up to 0.5.18 only."""
+    import inspect
+
+    from sglang.srt.managers.schedule_batch import release_req as sglang_release_req
+
+    if "server_args" not in inspect.signature(sglang_release_req).parameters:
+        kwargs.pop("server_args", None)
+    return sglang_release_req(**kwargs)
+
+
+def begin_prefill(req, prompt_len: int) -> None:
+    """What SGLang records on a request whose prompt of ``prompt_len`` tokens was just prefilled
+    into freshly allocated locations: its KV length (``req.kv`` is created here up to 0.5.18 and
+    always present from 0.5.19) and its extend range (``extend_end`` from 0.5.22)."""
+    if req.kv is None:
+        from sglang.srt.managers.schedule_batch import ReqKvInfo
+
+        req.kv = ReqKvInfo(kv_allocated_len=prompt_len, swa_evicted_seqlen=0)
+    else:
+        req.kv.kv_allocated_len = prompt_len
+    set_extend_range(req, 0, prompt_len)
+    set_kv_committed_len(req, prompt_len)
+
+
+def set_extend_range(req, start: int, end: int) -> None:
+    """The prompt positions ``[start, end)`` the request's current prefill (chunk) computes
+    (``set_extend_range`` up to 0.5.21; ``prefix_len`` and ``extend_end`` from 0.5.22)."""
+    if hasattr(req, "set_extend_range"):
+        req.set_extend_range(start, end)
+    else:
+        req.prefix_len, req.extend_end = start, end
+
+
+def disabled_stage_metrics():
+    """A scheduler stage-metrics recorder that records nothing (a constructor argument of the PD
+    queues from 0.5.21), or None before."""
+    try:
+        from sglang.srt.observability.scheduler_stage_metrics import SchedulerStageMetricsRecorder
+    except ImportError:
+        return None
+    return SchedulerStageMetricsRecorder(enabled=False)
+
+
+def kv_committed_len(req) -> int:
+    """Tokens whose KV is committed (``req.kv_committed_len``; ``req.kv.kv_committed_len`` from 0.5.19)."""
+    return int(req.kv.kv_committed_len if hasattr(req.kv, "kv_committed_len") else req.kv_committed_len)
+
+
+def set_kv_committed_len(req, length: int) -> None:
+    if req.kv is not None and hasattr(req.kv, "kv_committed_len"):
+        req.kv.kv_committed_len = length
+    else:
+        req.kv_committed_len = length
+
+
+def retraction_backup(req):
+    """The KV copy a retracted request keeps (``req.kv_cache_cpu`` in 0.5.17,
+    ``req.retraction_backup`` in 0.5.18, ``req.kv.retraction_backup`` from 0.5.19), or None."""
+    if hasattr(req, "kv_cache_cpu"):
+        return req.kv_cache_cpu
+    if hasattr(req, "retraction_backup"):
+        return req.retraction_backup
+    return getattr(req.kv, "retraction_backup", None)
+
+
+def unresolved_server_args(**values):
+    """A ServerArgs record with its declared defaults and ``values``, not resolved against a model
+    (resolution reads the checkpoint and queries the GPU). From 0.5.19 construction leaves the
+    record unresolved (``resolve_once`` resolves it); 0.5.17 and 0.5.18 resolve in ``__post_init__``,
+    so there the record is filled field by field."""
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+
+    values.setdefault("model_path", "dummy")
+    if hasattr(ServerArgs, "resolve_once"):
+        return ServerArgs(**values)
+    args = object.__new__(ServerArgs)
+    for field in dataclasses.fields(ServerArgs):
+        if field.default is not dataclasses.MISSING:
+            setattr(args, field.name, field.default)
+        elif field.default_factory is not dataclasses.MISSING:
+            setattr(args, field.name, field.default_factory())
+        else:
+            setattr(args, field.name, None)
+    for name, value in values.items():
+        setattr(args, name, value)
+    return args
+
+
+def retraction_backup_is_configurable() -> bool:
+    """Whether ServerArgs has ``disaggregation_decode_retraction_backup`` (0.5.18+)."""
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+
+    names = {field.name for field in dataclasses.fields(ServerArgs)} if dataclasses.is_dataclass(ServerArgs) else set()
+    return "disaggregation_decode_retraction_backup" in names or hasattr(ServerArgs, "disaggregation_decode_retraction_backup")
+
+
+def call(func, /, *args, optional: dict | None = None, **kwargs):
+    """``func(*args, **kwargs, **optional)``, leaving out the ``optional`` keyword arguments the
+    installed release's ``func`` no longer (or not yet) takes. SGLang's decode-side constructors
+    dropped ``tp_rank``/``tp_size``/``dp_size``/``pp_rank`` (0.5.21) and ``gloo_group`` (0.5.22);
+    ``initialize_model_parallel`` and ``initialize_dp_attention`` read the published config from
+    0.5.21 instead of taking sizes and a model config."""
+    import inspect
+
+    parameters = inspect.signature(func).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    for name, value in (optional or {}).items():
+        if takes_any or name in parameters:
+            kwargs[name] = value
+    return func(*args, **kwargs)
+
+
+def publish_single_rank_scheduler(server_args) -> None:
+    """Publish ``server_args`` as the config of a one-rank scheduler process. From 0.5.21 the
+    publisher also places the process (``SpawnRanks``); ranks are read from that placement."""
+    from sglang.srt import runtime_context
+
+    spawn_ranks = getattr(runtime_context, "SpawnRanks", None)
+    if spawn_ranks is None:
+        runtime_context.publish(server_args, role="scheduler")
+    else:
+        runtime_context.publish(server_args, role="scheduler", ranks=spawn_ranks(world_rank=0, dp_rank=None, gpu_id=0))
+
+
+def resolve_deferred_releases(transfer_queue) -> None:
+    """What ``process_decode_queue`` does every step from 0.5.20: release the KV of failed transfers
+    whose prefill acknowledged that its writes drained (deferred by default from 0.5.21)."""
+    resolve = getattr(transfer_queue, "resolve_deferred_releases", None)
+    if resolve is not None:
+        resolve()
+
+
+def write_locations(loc_info):
+    """The logical locations a KV write targets: SGLang may pass a ``KVWriteLoc`` (locations with
+    their SWA / full views) instead of the location tensor; its in-tree HiSparse pool unwraps it
+    from 0.5.21 (``unwrap_write_loc`` exists in every supported release)."""
+    from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
+
+    return unwrap_write_loc(loc_info)[0]

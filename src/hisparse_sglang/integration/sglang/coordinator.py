@@ -87,7 +87,7 @@ class PDHostPool:
         return locations[start_pos : start_pos + num_tokens].to(torch.int64)
 
 
-class SGLangHiSparseCoordinator:
+class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
     """HiSparse coordinator of one scheduler process (one TP rank).
 
     Args:
@@ -248,10 +248,9 @@ class SGLangHiSparseCoordinator:
 
     def release_request(self, req, retract: bool = False) -> None:
         """Drop everything held for a request's slot; a no-op for slots HiSparse does not know."""
-        slot = getattr(req, "req_pool_idx", None)
+        slot = compat.req_slot_or_none(req)
         if slot is None:
             return
-        slot = int(slot)
         self._staging.pop(slot, None)
         untransferred = self.mem_pool_host.preallocated.pop(slot, None)
         if untransferred is not None and untransferred.numel() and self.allocator.quarantine.seconds > 0:

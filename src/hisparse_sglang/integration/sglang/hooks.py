@@ -1,9 +1,10 @@
 """The hooks hisparse-sglang installs into SGLang, each a declared spec.
 
 Every spec names its target (a dotted path that must exist in the installed SGLang), the SGLang
-version it was written against, why it is needed and what upstream change would make it
-unnecessary. ``tests/sglang/test_hooks.py`` checks that every target resolves and that SGLang's
-``load_plugins()`` applies every hook.
+releases it applies to (a PEP 440 specifier within ``compat.SUPPORTED_SGLANG``), why it is needed
+and what upstream change would make it unnecessary. ``tests/sglang/test_hooks.py`` checks that the
+target of every spec covering the installed release resolves and that SGLang's ``load_plugins()``
+applies each of them. ``docs/sglang-versions.md`` says what differs between the releases.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import dataclasses
 import logging
 from typing import Callable
 
-from hisparse_sglang.errors import UnsupportedSetupError
+from hisparse_sglang.errors import UnsupportedSetupError, UnsupportedSGLangError
+from hisparse_sglang.integration.sglang import compat
 
 logger = logging.getLogger(__name__)
-
-VERIFIED_ON = "0.5.17"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,12 @@ class HookSpec:
     why: str
     upstream: str
     scheduler_only: bool = True
-    sglang_version: str = VERIFIED_ON
+    versions: str = compat.SUPPORTED_SGLANG  # the SGLang releases (PEP 440 specifier) it applies to
+
+    def applies_to(self, sglang_version: str) -> bool:
+        from packaging.specifiers import SpecifierSet
+
+        return sglang_version in SpecifierSet(self.versions)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -38,27 +43,26 @@ def _validate_hisparse(server_args) -> None:
     """REPLACE validate_hisparse: our validation (main process, before any model load)."""
     if not server_args.enable_hisparse:
         return
-    from sglang.srt.configs.model_config import is_deepseek_dsa, is_deepseek_v4
-
     from hisparse_sglang.integration.sglang.validation import validate_server_args
 
-    hf_config = server_args.get_model_config().hf_config
-    validate_server_args(
-        server_args,
-        hf_config,
-        kv_cache_dtype=str(server_args.kv_cache_dtype),
-        is_dsa=bool(is_deepseek_dsa(hf_config)),
-        is_dsv4=bool(is_deepseek_v4(hf_config)),
-    )
+    settings, hf_config = compat.validation_inputs(server_args)
+    validate_server_args(settings, hf_config, kv_cache_dtype=str(settings.kv_cache_dtype), **compat.model_kind(hf_config))
 
 
-def _parse_hisparse_config(server_args):
+def _refuse_unsupported_sglang(server_args) -> None:
+    """REPLACE validate_hisparse on an SGLang outside the supported range: --enable-hisparse stops
+    the server at startup, before any scheduler starts, with the installed and supported versions."""
+    if getattr(server_args, "enable_hisparse", False):
+        raise UnsupportedSGLangError(compat.unsupported_message(compat.sglang_version()))
+
+
+def _parse_hisparse_config(server_args=None):
     """REPLACE parse_hisparse_config: SGLang's SparseConfig, filled from our validated config."""
     from sglang.srt.mem_cache.sparsity.core.sparse_coordinator import SparseConfig
 
-    from hisparse_sglang.integration.sglang.validation import config_from_server_args
+    from hisparse_sglang.config import HiSparseConfig
 
-    config = config_from_server_args(server_args)
+    config = HiSparseConfig.from_json(compat.hisparse_config_json(server_args))
     return SparseConfig(
         top_k=config.top_k,
         device_buffer_size=config.device_buffer_size,
@@ -98,15 +102,13 @@ def _maybe_init_hisparse_coordinator(self) -> None:
         )
     index_topk = getattr(self.model_config.hf_text_config, "index_topk", None)
     config = config_from_server_args(self.server_args, model_index_topk=index_topk)
-    enable_dp_attention = bool(getattr(self.server_args, "enable_dp_attention", False))
-    group = self.attention_tp_group if enable_dp_attention else self.tp_group
     self.hisparse_coordinator = SGLangHiSparseCoordinator(
         config,
         self.req_to_token_pool,
         allocator,
         self.token_to_kv_pool,
         self.device,
-        tp_group=getattr(group, "cpu_group", None),
+        tp_group=compat.coordinator_cpu_group(self),
     )
 
 
@@ -124,11 +126,12 @@ def _check_decode_mem(original, self, selected_indices=None):
     allocator = self.token_to_kv_pool_allocator
     if allocator.rows.logical.free_rows < num_tokens:
         return False
-    return coordinator.can_decode([req.req_pool_idx for req in requests])
+    return coordinator.can_decode([compat.req_slot(req) for req in requests])
 
 
-def _release_kv_cache_before(req, tree_cache, is_insert=True):
-    """BEFORE release_kv_cache: every release of a request's KV also releases its HiSparse state."""
+def _release_kv_cache_before(req, tree_cache, *args, **kwargs):
+    """BEFORE release_kv_cache: every release of a request's KV also releases its HiSparse state.
+    (Its third argument is ``is_insert`` up to 0.5.21, the keyword ``checkpoint`` from 0.5.22.)"""
     coordinator = _current_coordinator(tree_cache)
     if coordinator is not None:
         coordinator.release_request(req)
@@ -139,8 +142,6 @@ def _abort_request_after(result, self, recv_req):
     coordinator = getattr(self, "hisparse_coordinator", None)
     if coordinator is None:
         return result
-    from hisparse_sglang.integration.sglang import compat
-
     for req in coordinator.staging_reqs():
         if not req.finished() and (recv_req.abort_all or req.rid.startswith(recv_req.rid)):
             req.to_finish = compat.abort_reason("Aborted by AbortReq.")
@@ -153,7 +154,7 @@ def _alloc_for_decode_prealloc_after(result, allocator, *, req, fill_len, uses_s
     coordinator = getattr(allocator, "coordinator_adapter", None)
     if coordinator is not None:
         # None (no logical rows left) is kept too, so that alloc_paged_token_slots names the cause.
-        coordinator.mem_pool_host.preallocated[int(req.req_pool_idx)] = result
+        coordinator.mem_pool_host.preallocated[compat.req_slot(req)] = result
     return result
 
 
@@ -176,8 +177,9 @@ def _load_kv_cache_after(result, self, req_to_token_pool, token_to_kv_pool_alloc
     return result
 
 
-def _report_decode_stats_after(result, self, can_run_cuda_graph=False, running_batch=None, num_correct_drafts=0):
-    """AFTER SchedulerMetricsReporter.report_decode_stats: the HiSparse log line and metrics."""
+def _report_decode_stats_after(result, self, *args, **kwargs):
+    """AFTER SchedulerMetricsReporter.report_decode_stats: the HiSparse log line and metrics. (Its
+    third parameter is ``num_correct_drafts`` up to 0.5.19, ``num_generated_tokens`` from 0.5.20.)"""
     coordinator = getattr(self.scheduler, "hisparse_coordinator", None)
     if coordinator is None or self.forward_ct_decode % self.decode_log_interval != 0:
         return result
@@ -206,14 +208,14 @@ def _get_worker_info_after(result, self):
     context_limit = self.model_config.context_len - 1
     device_tokens = self.model_runner.max_total_num_tokens
     mode = getattr(self.server_args, "disaggregation_mode", "null")
-    log = getattr(self.ps, "tp_rank", 0) == 0
+    log = compat.tp_rank() == 0
     note = None
     if mode == "decode":
         from sglang.srt.runtime_context import get_disagg
 
         reserved = get_disagg().num_reserved_decode_tokens
         capacity = limits.decode_request_capacity(coordinator, reserved)
-        pool_limit = capacity * self.model_runner.dcp_size - 1
+        pool_limit = capacity - 1  # no decode context parallelism with HiSparse (validation refuses it)
         max_req_len = min(context_limit, pool_limit)
         info[4], info[5] = max_req_len, max_req_len - margin
         allocator = coordinator.allocator
@@ -302,8 +304,6 @@ def _pop_transferred(original, self, rids_to_check=None):
     coordinator = _decode_coordinator(self.scheduler)
     if coordinator is None or not self.queue:
         return original(self, rids_to_check)
-    from hisparse_sglang.integration.sglang import compat
-
     candidates = [entry.req for entry in self.queue if rids_to_check is None or entry.req.rid in rids_to_check]
     admissible = _admissible_rids(coordinator, candidates, compat.req_kv_allocated_len, "transferred", "admission")
     return original(self, admissible)
@@ -432,7 +432,8 @@ HOOKS: tuple[HookSpec, ...] = (
         "sglang.srt.disaggregation.decode.DecodePreallocQueue.__init__", "AFTER",
         lambda: _decode_prealloc_queue_init_after,
         why="_check_if_req_exceed_kv_capacity rejects new and retracted requests longer than the device pool",
-        upstream="the capacity check using the logical pool under HiSparse (SGLang issue #30401)",
+        upstream="the capacity check using the logical pool under HiSparse (done in 0.5.18: max_token_pool_size)",
+        versions=">=0.5.17,<0.5.18",
     ),
     HookSpec(
         "sglang.srt.disaggregation.decode.DecodePreallocQueue.resume_retracted_reqs", "AROUND",
@@ -454,14 +455,34 @@ HOOKS: tuple[HookSpec, ...] = (
 )
 
 
-def register_all(scheduler_process: bool) -> list[str]:
-    """Register the hooks with SGLang's HookRegistry; returns the registered targets."""
+# On an SGLang outside the supported range only this guard is registered (main process).
+UNSUPPORTED_SGLANG_GUARD = HookSpec(
+    "sglang.srt.arg_groups.hisparse_hook.validate_hisparse", "REPLACE", lambda: _refuse_unsupported_sglang,
+    why="an SGLang outside the supported range must not run --enable-hisparse half-hooked",
+    upstream="plugins declaring the SGLang versions they support",
+    scheduler_only=False,
+    versions="",  # any release
+)
+
+
+def specs_for(role: str, sglang_version: str) -> list[HookSpec]:
+    """The hooks a process of ``role`` (``compat.process_role``) registers under ``sglang_version``."""
+    if role == "light":
+        return []
+    if not compat.is_supported(sglang_version):
+        return [UNSUPPORTED_SGLANG_GUARD] if role == "main" else []
+    return [
+        spec for spec in HOOKS if spec.applies_to(sglang_version) and (role == "scheduler" or not spec.scheduler_only)
+    ]
+
+
+def register_all(role: str, sglang_version: str) -> list[str]:
+    """Register the hooks of :func:`specs_for` with SGLang's HookRegistry; returns their targets."""
+    specs = specs_for(role, sglang_version)
+    if not specs:
+        return []
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    registered = []
-    for spec in HOOKS:
-        if spec.scheduler_only and not scheduler_process:
-            continue
+    for spec in specs:
         HookRegistry.register(spec.target, spec.factory(), getattr(HookType, spec.hook_type))
-        registered.append(spec.target)
-    return registered
+    return [spec.target for spec in specs]

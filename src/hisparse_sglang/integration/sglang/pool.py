@@ -15,13 +15,20 @@ import torch
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
 from hisparse_sglang.errors import UnsupportedSetupError
+from hisparse_sglang.integration.sglang import compat
 from hisparse_sglang.memory.allocator import KVAllocator
 
 __all__ = ["HiSparseDevicePool"]
 
 
 class HiSparseDevicePool(DSATokenToKVPool):
-    """Constructor arguments are those of SGLang 0.5.17's HiSparseDSATokenToKVPool."""
+    """Constructor arguments are those of SGLang's HiSparseDSATokenToKVPool.
+
+    ``dsa_pool_kwargs`` are the arguments later releases added and SGLang passes through to
+    DSATokenToKVPool unchanged: ``index_kpool``, ``index_kpool_compress``, ``tail_extra_slots``,
+    ``max_running_requests`` (0.5.20+), ``skip_topk_layers`` (never under HiSparse) and
+    ``dcp_replicated`` (0.5.22+, only with decode context parallelism, which validation refuses).
+    """
 
     def __init__(
         self,
@@ -38,6 +45,7 @@ class HiSparseDevicePool(DSATokenToKVPool):
         start_layer: Optional[int] = None,
         end_layer: Optional[int] = None,
         host_to_device_ratio: int = 2,
+        **dsa_pool_kwargs,
     ):
         super().__init__(
             size=size,
@@ -53,6 +61,7 @@ class HiSparseDevicePool(DSATokenToKVPool):
             start_layer=start_layer,
             end_layer=end_layer,
             index_buf_size=size * host_to_device_ratio,
+            **dsa_pool_kwargs,
         )
         self.host_to_device_ratio = host_to_device_ratio
         self.bytes_per_token = self.kv_cache_dim * self.store_dtype.itemsize
@@ -82,10 +91,10 @@ class HiSparseDevicePool(DSATokenToKVPool):
 
     # ---------------------------------------------------------------- KV access through the table
     def set_kv_buffer(self, layer, loc, cache_k, cache_v):
-        super().set_kv_buffer(layer, self._rows_of(loc), cache_k, cache_v)
+        super().set_kv_buffer(layer, self._rows_of(compat.write_locations(loc)), cache_k, cache_v)
 
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope):
-        super().set_mla_kv_buffer(layer, self._rows_of(loc), cache_k_nope, cache_k_rope)
+        super().set_mla_kv_buffer(layer, self._rows_of(compat.write_locations(loc)), cache_k_nope, cache_k_rope)
 
     def get_mla_kv_buffer(self, layer, loc, dst_dtype=None):
         return super().get_mla_kv_buffer(layer, self._rows_of(loc), dst_dtype)
@@ -125,7 +134,7 @@ class HiSparseDevicePool(DSATokenToKVPool):
                 )
             buffer[pages] = data.to(buffer.device, non_blocking=False)
 
-    def get_cpu_copy(self, indices, mamba_indices=None):
+    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
         """Guard: the KV of logical locations lives in the host pool, not at ``kv_buffer[indices]``;
         SGLang copies it through the allocator (``HiSparseTokenAllocator.get_cpu_copy``)."""
         raise UnsupportedSetupError(
@@ -133,5 +142,5 @@ class HiSparseDevicePool(DSATokenToKVPool):
             "HiSparse host pool. Call the token allocator's get_cpu_copy instead."
         )
 
-    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
         self.get_cpu_copy(indices)

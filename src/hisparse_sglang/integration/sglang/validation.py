@@ -1,6 +1,11 @@
 """Startup validation of a HiSparse server, in the main process before any model is loaded.
 
-Every rejected setup raises a typed error naming the offending value and the fix.
+Every rejected setup raises a typed error naming the offending value and the fix. Besides the setups
+HiSparse cannot run at all, it refuses what newer SGLang releases serve with their in-tree HiSparse
+but hisparse-sglang does not (docs/sglang-versions.md): speculative decoding (0.5.22+), DeepSeek-V4,
+MiniMax-M3 sparse attention (0.5.21+), DSA models with KDA linear-attention layers (GLM-5.3 /
+Glm5Next, 0.5.20+) or pooled indexer keys, the flashinfer_sparse_mla decode backend and the HiCache
+host-pool retraction backup (0.5.18+). Each message names the feature and the way out.
 """
 
 from __future__ import annotations
@@ -50,30 +55,36 @@ def _check_page_size(config_page_size: int, set_in_config: bool, server_page_siz
         )
 
 
-def validate_server_args(args, hf_config, kv_cache_dtype: str, is_dsa: bool, is_dsv4: bool) -> HiSparseConfig:
+_IN_TREE = (
+    "run without this plugin (pip uninstall hisparse-sglang, or SGLANG_PLUGINS set to the other plugins' names) "
+    "to use SGLang's in-tree HiSparse"
+)
+
+
+def validate_server_args(
+    args,
+    hf_config,
+    kv_cache_dtype: str,
+    dsa: bool,
+    dsv4: bool = False,
+    minimax_sparse: bool = False,
+    kda_hybrid: bool = False,
+    index_kpool: int = 1,
+) -> HiSparseConfig:
     """Check a HiSparse server's settings; returns the parsed config.
 
     Args:
         args: SGLang's ServerArgs (or its resolved view).
         hf_config: the model's Hugging Face config.
         kv_cache_dtype: the resolved KV cache dtype ("bfloat16", "fp8_e4m3", ...).
-        is_dsa, is_dsv4: SGLang's model classification.
+        dsa, dsv4, minimax_sparse, kda_hybrid, index_kpool: SGLang's model classification
+            (``compat.model_kind``).
 
     Raises:
         UnsupportedSetupError: the model, a flag or a backend cannot run HiSparse.
         HiSparseConfigError: --hisparse-config is invalid.
     """
-    architecture = ", ".join(getattr(hf_config, "architectures", None) or ["unknown"])
-    if is_dsv4:
-        raise UnsupportedSetupError(
-            f"hisparse-sglang supports DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5), not DeepSeek-V4 "
-            f"({architecture}); run without the plugin (SGLANG_PLUGINS set to the others) to use SGLang's in-tree HiSparse."
-        )
-    if not is_dsa:
-        raise UnsupportedSetupError(
-            f"--enable-hisparse needs a DeepSeek Sparse Attention model (DeepSeek-V3.2, GLM-5: an index_topk "
-            f"in its config); {architecture} is not one. Remove --enable-hisparse."
-        )
+    _check_model(hf_config, dsa, dsv4, minimax_sparse, kda_hybrid, index_kpool)
     if not getattr(args, "disable_radix_cache", False):
         raise UnsupportedSetupError("--enable-hisparse requires --disable-radix-cache; add it to the command line.")
     if getattr(args, "disaggregation_mode", "null") == "prefill":
@@ -81,10 +92,20 @@ def validate_server_args(args, hf_config, kv_cache_dtype: str, is_dsa: bool, is_
             "--enable-hisparse is a decode-instance feature: remove it from the prefill instance "
             "(--disaggregation-mode prefill); the prefill instance writes KV into the decode instance's host pool."
         )
-    if getattr(args, "speculative_algorithm", None):
+    speculative_algorithm = getattr(args, "speculative_algorithm", None)
+    if speculative_algorithm and str(speculative_algorithm).upper() != "NONE":
         raise UnsupportedSetupError(
-            f"HiSparse does not support speculative decoding (--speculative-algorithm "
-            f"{args.speculative_algorithm}); remove one of the two."
+            f"hisparse-sglang does not support speculative decoding (--speculative-algorithm {speculative_algorithm}): "
+            f"remove --speculative-algorithm, or {_IN_TREE} (speculative decoding with HiSparse from SGLang 0.5.22)."
+        )
+    if (getattr(args, "dcp_size", 1) or 1) > 1:
+        raise UnsupportedSetupError(
+            f"HiSparse does not support decode context parallelism (--dcp-size {args.dcp_size}); use --dcp-size 1."
+        )
+    if getattr(args, "disaggregation_decode_retraction_backup", None) == "host_pool":
+        raise UnsupportedSetupError(
+            "hisparse-sglang keeps a retracted PD request's KV in CPU tensors, not in a HiCache host pool: "
+            "use --disaggregation-decode-retraction-backup cpu_tensor (or leave it unset)."
         )
     if getattr(args, "pp_size", 1) > 1:
         raise UnsupportedSetupError(
@@ -104,6 +125,38 @@ def validate_server_args(args, hf_config, kv_cache_dtype: str, is_dsa: bool, is_
         backend = getattr(args, attribute, None)
         if backend is not None and backend not in allowed:
             raise UnsupportedSetupError(
-                f"HiSparse with a {dtype} KV cache needs {flag} {' or '.join(allowed)}, got {backend!r}."
+                f"hisparse-sglang with a {dtype} KV cache needs {flag} {' or '.join(allowed)}, got {backend!r}."
             )
     return config_from_server_args(args, model_index_topk=getattr(hf_config, "index_topk", None))
+
+
+def _check_model(hf_config, dsa: bool, dsv4: bool, minimax_sparse: bool, kda_hybrid: bool, index_kpool: int) -> None:
+    """The model must be a DeepSeek Sparse Attention model (SGLang's ``is_deepseek_dsa`` in the
+    installed release) with MLA on every layer and one indexer key per token."""
+    architecture = ", ".join(getattr(hf_config, "architectures", None) or ["unknown"])
+    if dsv4:
+        raise UnsupportedSetupError(
+            f"hisparse-sglang supports DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5), not DeepSeek-V4 "
+            f"({architecture}); {_IN_TREE}."
+        )
+    if minimax_sparse:
+        raise UnsupportedSetupError(
+            f"hisparse-sglang supports DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5), not MiniMax-M3 sparse "
+            f"attention ({architecture}); {_IN_TREE} (0.5.21+)."
+        )
+    if not dsa:
+        raise UnsupportedSetupError(
+            f"--enable-hisparse needs a DeepSeek Sparse Attention model (DeepSeek-V3.2, GLM-5: an index_topk "
+            f"in its config); {architecture} is not one. Remove --enable-hisparse."
+        )
+    if kda_hybrid:
+        raise UnsupportedSetupError(
+            f"{architecture} has KDA linear-attention layers beside its sparse-attention layers (GLM-5.3); "
+            f"hisparse-sglang serves models whose every layer is MLA with DeepSeek Sparse Attention. Remove "
+            f"--enable-hisparse, or {_IN_TREE}."
+        )
+    if index_kpool > 1:
+        raise UnsupportedSetupError(
+            f"{architecture} pools its indexer keys (index_kpool {index_kpool}); hisparse-sglang needs one indexer "
+            f"key per token (index_kpool 1). Remove --enable-hisparse, or {_IN_TREE}."
+        )

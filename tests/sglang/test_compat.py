@@ -1,0 +1,82 @@
+"""compat's accessors against the installed SGLang's own objects: request fields, KV write locations,
+the published --hisparse-config, and the coordinator calls newer releases make."""
+
+import array
+
+import pytest
+import torch
+
+from hisparse_sglang.errors import UnsupportedSetupError, UnsupportedSGLangError
+from hisparse_sglang.integration.sglang import compat
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture
+def published():
+    from sglang.srt import runtime_context
+
+    def publish(**values):
+        args = compat.unresolved_server_args(**values)
+        runtime_context.publish(args, role="scheduler")
+        return args
+
+    yield publish
+    runtime_context.reset_context()
+
+
+def test_installed_release_is_in_the_supported_range():
+    assert compat.is_supported(compat.sglang_version())
+    assert compat.is_supported("0.5.17") and compat.is_supported("0.5.23.post1")
+    assert not compat.is_supported("0.5.16") and not compat.is_supported("0.5.24rc1") and not compat.is_supported(None)
+    with pytest.raises(UnsupportedSGLangError, match=r"sglang 0\.6\.0 is installed.*pip install 'sglang>=0\.5\.17,<0\.5\.24'"):
+        compat.check_version("0.6.0")
+
+
+def test_request_slot_and_prefill_fields_of_sglang_requests():
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    pool = ReqToTokenPool(size=4, max_context_len=256, device="cpu", enable_memory_saver=False)
+    req = Req("r", "", array.array("i", range(100)), SamplingParams(max_new_tokens=8))
+    assert compat.req_slot_or_none(req) is None
+    with pytest.raises(ValueError, match="request r has no request-pool slot"):
+        compat.req_slot(req)
+    pool.alloc([req])
+    slot = compat.req_slot(req)
+    assert 0 <= slot < pool.req_to_token.shape[0] and pool.req_to_token[slot].shape == (256,)
+    compat.begin_prefill(req, 100)
+    assert compat.req_prefill_len(req) == 100
+    assert compat.req_kv_allocated_len(req) == 100 and compat.kv_committed_len(req) == 100
+    compat.set_extend_range(req, 64, 96)  # a later chunk
+    assert compat.req_prefill_len(req) == 96
+
+
+def test_write_locations_unwraps_sglang_write_targets():
+    locations = torch.arange(5)
+    assert compat.write_locations(locations) is locations
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    assert compat.write_locations(KVWriteLoc(loc=locations)) is locations
+
+
+def test_hisparse_config_is_read_where_the_release_keeps_it(published):
+    from hisparse_sglang.integration.sglang.hooks import _parse_hisparse_config
+
+    text = '{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 6}'
+    args = published(hisparse_config=text)
+    assert compat.hisparse_config_json(args) == text
+    assert compat.hisparse_config_json() == text  # parse_hisparse_config() without arguments (0.5.19+)
+    for config in (_parse_hisparse_config(args), _parse_hisparse_config()):
+        assert (config.top_k, config.device_buffer_size, config.host_to_device_ratio) == (2048, 4096, 6)
+
+
+def test_coordinator_answers_the_calls_of_newer_releases():
+    calls = compat.CoordinatorCalls()
+    assert calls.spec_swap.scratch_capacity == 0  # PD decode admission's per-request device rows (0.5.22+)
+    assert calls.allocate_spec_scratch([0, 1]) is None  # every prefill batch (0.5.22+)
+    with pytest.raises(UnsupportedSetupError, match="remove --speculative-algorithm"):
+        calls.prepare_spec_verify(batch=None)
+    with pytest.raises(UnsupportedSetupError, match="remove --speculative-algorithm"):
+        calls.commit_spec_accept_tokens(batch=None, accept_indices=None)
