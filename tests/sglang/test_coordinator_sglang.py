@@ -439,7 +439,7 @@ def test_a_second_release_of_the_same_locations_is_refused():
     stack.prefill(req, 300)
     stack.coordinator.collect_ready_reqs()
     stack.decode([req])
-    locs = stack.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv.kv_allocated_len].clone()
+    locs = stack.req_to_token_pool.req_to_token[compat.req_slot(req), : compat.req_kv_allocated_len(req)].clone()
     stack.coordinator.request_finished(req)
     stack.release(req)
     with pytest.raises(HiSparseMemoryError, match=r"host pool: double free of page \d+ \(it is not allocated\)"):
@@ -449,4 +449,4 @@ def test_a_second_release_of_the_same_locations_is_refused():
     stack.prefill(other, 300)
     stack.prefill(third, 300)
     rows = stack.req_to_token_pool.req_to_token
-    assert not set(rows[other.req_pool_idx, :300].tolist()) & set(rows[third.req_pool_idx, :300].tolist())
+    assert not set(rows[compat.req_slot(other), :300].tolist()) & set(rows[compat.req_slot(third), :300].tolist())
