@@ -28,6 +28,21 @@ LONG = 1500  # > DEVICE_TOKENS
 SHORTER = 400  # < DEVICE_TOKENS, > BUFFER_SIZE: admitted offloaded as well
 
 
+
+def rejection_message(scheduler, error: str | None) -> str | None:
+    """The abort message a client receives for a prompt SGLang's ``validate_input_length`` rejected:
+    the scheduler then queues the aborted request, and the plugin's hook on
+    ``Scheduler._add_request_to_queue`` appends why a KV pool sets the limit."""
+    if error is None:
+        return None
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    from hisparse_sglang.integration.sglang import hooks
+
+    rejected = types.SimpleNamespace(to_finish=FINISH_ABORT(error))
+    hooks._add_request_to_queue_before(scheduler, rejected)
+    return rejected.to_finish.message
+
 class Streamer:
     """SGLang's output streamer, as the PD queues use it: records what they stream out (aborts)."""
 
@@ -159,7 +174,9 @@ class DecodeQueues:
         )
         req.vocab_size = 32000  # the FAKE backend derives the handed-over first token from it (0.5.22+)
         Scheduler.init_req_max_new_tokens(self.scheduler, req)
-        req.validation_error = scheduler_module.validate_input_length(req, self.scheduler.max_req_input_len, False)
+        req.validation_error = rejection_message(
+            self.scheduler, scheduler_module.validate_input_length(req, self.scheduler.max_req_input_len, False)
+        )
         return req
 
     # -------------------------------------------------------------- process_decode_queue, step by step

@@ -406,7 +406,6 @@ class DecodeSide:
 
         from hisparse_sglang.config import HiSparseConfig
         from hisparse_sglang.integration.sglang.allocator import HiSparseTokenAllocator
-        from hisparse_sglang.integration.sglang.coordinator import SGLangHiSparseCoordinator
         from hisparse_sglang.integration.sglang.pool import HiSparseDevicePool
 
         self.config = HiSparseConfig(
@@ -424,9 +423,7 @@ class DecodeSide:
         self.req_to_token_pool = DecodeReqToTokenPool(
             size=8, max_context_len=4096, device="cpu", enable_memory_saver=False, pre_alloc_size=8
         )
-        self.coordinator = SGLangHiSparseCoordinator(
-            self.config, self.req_to_token_pool, self.allocator, self.pool, "cpu"
-        )
+        self.coordinator = self.pool.runtime.start(self.config, self.req_to_token_pool, "cpu")
         self.host = self.coordinator.host_pool
         self.tree_cache = ChunkCache(
             CacheInitParams(

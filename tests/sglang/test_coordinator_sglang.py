@@ -62,9 +62,8 @@ class Stack:
         self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(
             size=8, max_context_len=4096, device="cpu", enable_memory_saver=False
         )
-        self.coordinator = SGLangHiSparseCoordinator(
-            self.config, self.req_to_token_pool, self.allocator, self.pool, "cpu"
-        )
+        self.coordinator = self.pool.runtime.start(self.config, self.req_to_token_pool, "cpu")
+        assert isinstance(self.coordinator, SGLangHiSparseCoordinator)
         self.cache = compat.disabled_prefix_cache(self.req_to_token_pool, self.allocator, PAGE)
         self.layers = [types.SimpleNamespace(layer_id=i) for i in range(LAYERS)]
         self.lens: dict[str, int] = {}

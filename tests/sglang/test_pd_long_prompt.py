@@ -40,6 +40,7 @@ from pd_decode_harness import (
     SHORTER,
     DecodeQueues,
     init_single_rank_scheduler,
+    rejection_message,
 )
 from pd_peer import NO_LEAKS
 
@@ -222,13 +223,14 @@ def _colocated(server_args) -> dict:
         LOG.take("")
         info = TpModelWorker.get_worker_info(worker)
         req = Req("p", "", array("q", range(LONG)), SamplingParams(max_new_tokens=16))
+        scheduler = types.SimpleNamespace(hisparse_coordinator=decode.coordinator, max_req_input_len=info[5])
         report[name] = {
             "startup_log": LOG.take("HiSparse co-located"),
             "worker_info": [info[i] for i in (0, 4, 5)],
-            "error": scheduler_module.validate_input_length(req, info[5], False),
-            "short_error": scheduler_module.validate_input_length(
+            "error": rejection_message(scheduler, scheduler_module.validate_input_length(req, info[5], False)),
+            "short_error": rejection_message(scheduler, scheduler_module.validate_input_length(
                 Req("q", "", array("q", range(100)), SamplingParams(max_new_tokens=16)), info[5], False
-            ),
+            )),
         }
     return report
 

@@ -12,8 +12,8 @@ import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
 from hisparse_sglang.errors import UnsupportedSetupError
-from hisparse_sglang.memory.allocator import KVAllocator, _count_extend_pages
-from hisparse_sglang.memory.quarantine import RowQuarantine
+from hisparse_sglang.integration.sglang.runtime import runtime_of
+from hisparse_sglang.memory.allocator import _count_extend_pages
 
 __all__ = ["HiSparseTokenAllocator"]
 
@@ -31,6 +31,10 @@ class _Capacity:
 class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
     """Constructor arguments are those of SGLang's HiSparseTokenToKVPoolAllocator (the same in 0.5.17 - 0.5.23).
 
+    It forwards to the process's :class:`HiSparseRuntime`, which it receives with ``kvcache`` (the
+    pool SGLang built first created it): the runtime owns the rows, the quarantine and, once the model
+    runner started it, the coordinator that demotes requests when a prefill needs device pages.
+
     Args:
         size: device KV pool tokens (SGLang's max_total_num_tokens).
         kvcache: the HiSparseDevicePool.
@@ -39,21 +43,19 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
 
     def __init__(self, size, page_size, dtype, device, kvcache, need_sort, host_to_device_ratio=2):
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+        runtime = runtime_of(kvcache)
+        if runtime is None:
+            raise UnsupportedSetupError(
+                f"HiSparse's allocator needs hisparse-sglang's KV pool, but SGLang built {type(kvcache).__name__}; "
+                f"the hisparse-sglang hooks did not apply (see the HookRegistry log lines)."
+            )
+        self.runtime = runtime
         self.device_tokens = size
         self.host_to_device_ratio = host_to_device_ratio
-        self.rows = KVAllocator(
-            host_pages=self.host_pages_for(size, host_to_device_ratio, page_size),
-            device_pages=size // page_size + 1,
-            page_size=page_size,
-            device=device,
-            sort_frees=need_sort,
-        )
-        kvcache.attach(self.rows)
-        self.coordinator = None  # the core Coordinator, set once it exists (demotions on demand)
-        self.coordinator_adapter = None  # the SGLang-facing coordinator (hooks reach it through here)
-        # Host rows of PD requests whose transfer did not complete; the coordinator sets the
-        # grace period from the HiSparse config.
-        self.quarantine = RowQuarantine(0.0, page_size)
+        self.rows = runtime.create_rows(size, page_size, device, sort_frees=need_sort)
+        runtime.attach_allocator(self)
+        # SGLang's capacity: the logical space (its base class set the device pool's size).
+        self.size = self.rows.logical.capacity_rows
         self.logical_attn_allocator = _Capacity(self._logical_free_rows)
         self.hisparse_attn_allocator = _Capacity(self._device_rows_obtainable)
         self.compress_ratio = 1
@@ -62,25 +64,17 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
         self._held_frees: list[torch.Tensor] | None = None
 
     # ---------------------------------------------------------------- capacity
-    @staticmethod
-    def host_pages_for(device_tokens: int, host_to_device_ratio: int, page_size: int) -> int:
-        """Pages of the logical (= host) space for a device pool of ``device_tokens``, page 0 included."""
-        return device_tokens * host_to_device_ratio // page_size + 1
-
     @property
-    def size(self) -> int:
-        return self.rows.logical.capacity_rows
-
-    @size.setter
-    def size(self, value) -> None:  # BaseTokenToKVPoolAllocator.__init__ assigns it
-        pass
+    def quarantine(self):
+        return self.runtime.quarantine
 
     @property
     def size_full(self) -> int:
         return self.size
 
     def _device_rows_obtainable(self) -> int:
-        reclaimable = self.coordinator.reclaimable_pages() if self.coordinator is not None else 0
+        core = self.runtime.core
+        reclaimable = core.reclaimable_pages() if core is not None else 0
         return (self.rows.device_rows.free_pages + reclaimable) * self.page_size
 
     def available_size(self) -> int:
@@ -114,8 +108,9 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
         self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, num_new_pages=None
     ):
         _, _, _, device_pages = _count_extend_pages(prefix_lens_cpu, seq_lens_cpu, self.page_size)
-        if device_pages > self.rows.device_rows.free_pages and self.coordinator is not None:
-            self.coordinator.reclaim(device_pages)
+        core = self.runtime.core
+        if device_pages > self.rows.device_rows.free_pages and core is not None:
+            core.reclaim(device_pages)
         self._release_quarantine()
         return self.rows.alloc_extend(prefix_lens_cpu, seq_lens_cpu, last_loc)
 
@@ -185,12 +180,12 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
         self._kvcache.load_index_k(kv_cache_cpu["index_k"], indices)
 
     def _host_pool(self):
-        if self.coordinator_adapter is None:
+        if not self.runtime.started:
             raise UnsupportedSetupError(
                 "the HiSparse coordinator does not exist yet; retracted KV cannot be copied before the model "
                 "runner built it."
             )
-        return self.coordinator_adapter.host_pool
+        return self.runtime.coordinator.host_pool
 
     def clear(self):
         self.quarantine.clear()

@@ -21,6 +21,7 @@ from hisparse_sglang.coordinator import Coordinator
 from hisparse_sglang.errors import HiSparseMemoryError
 from hisparse_sglang.integration.sglang import compat, limits
 from hisparse_sglang.integration.sglang.mooncake import HostRegions
+from hisparse_sglang.integration.sglang.runtime import host_pages_for
 from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 from hisparse_sglang.memory.host_pool import HostKVPool
 from hisparse_sglang.streams import StreamSet
@@ -91,6 +92,7 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
     """HiSparse coordinator of one scheduler process (one TP rank).
 
     Args:
+        runtime: the process's HiSparseRuntime (which builds this object in ``start``).
         config: validated HiSparse settings.
         req_to_token_pool: SGLang's ReqToTokenPool.
         allocator: the HiSparseTokenAllocator SGLang built.
@@ -99,7 +101,8 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         tp_group: CPU process group whose ranks must take identical decisions (None: one rank).
     """
 
-    def __init__(self, config: HiSparseConfig, req_to_token_pool, allocator, pool, device, tp_group=None) -> None:
+    def __init__(self, runtime, config: HiSparseConfig, req_to_token_pool, allocator, pool, device, tp_group=None) -> None:
+        self.runtime = runtime
         self.config = config
         self.device = torch.device(device)
         self.start_layer = getattr(pool, "start_layer", 0) or 0
@@ -140,9 +143,6 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
             config, rows, self.buffers, self.host_pool, layers, req_to_token_pool.req_to_token,
             ops=ops, streams=self.streams, agree=self._agree,
         )
-        allocator.coordinator = self.core
-        allocator.coordinator_adapter = self
-        allocator.quarantine.seconds = config.pd_quarantine_s
         self.allocator = allocator
         self.num_real_reqs = self.core.num_real_reqs
         self.mem_pool_host = PDHostPool(self.host_pool, config.page_size)
@@ -253,7 +253,7 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
             return
         self._staging.pop(slot, None)
         untransferred = self.mem_pool_host.preallocated.pop(slot, None)
-        if untransferred is not None and untransferred.numel() and self.allocator.quarantine.seconds > 0:
+        if untransferred is not None and untransferred.numel() and self.runtime.quarantine.seconds > 0:
             # PD decode: the request ends before its KV transfer completed; writes of the prefill
             # instance may still land in these host rows.
             reason = getattr(getattr(req, "finished_reason", None), "message", None) or "no abort message"
@@ -261,9 +261,9 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
                 "HiSparse: PD request %s ended before its KV transfer completed (%s); its %d host rows (slot %d) "
                 "are held for %.0f s (pd_quarantine_s) so that a late write of the prefill instance cannot reach "
                 "another request.",
-                getattr(req, "rid", "?"), reason, untransferred.numel(), slot, self.allocator.quarantine.seconds,
+                getattr(req, "rid", "?"), reason, untransferred.numel(), slot, self.runtime.quarantine.seconds,
             )
-            self.allocator.quarantine.expect(slot, untransferred)
+            self.runtime.quarantine.expect(slot, untransferred)
         if retract:
             self.core.retract(slot)
         else:
@@ -311,7 +311,7 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
             "device_rows_total": pools.device_rows_total,
             "host_rows_used": pools.host_rows_used,
             "host_rows_total": pools.host_rows_total,
-            "host_rows_quarantined": self.allocator.quarantine.pages_held * self.config.page_size,
+            "host_rows_quarantined": self.runtime.quarantine.pages_held * self.config.page_size,
         }
 
     # ------------------------------------------------------------------ helpers
@@ -367,7 +367,7 @@ def _check_host_memory(
     def bytes_for_ratio(ratio: int) -> int:
         if allocator is None or row_bytes is None:
             return needed * ratio // config.host_to_device_ratio
-        pages = allocator.host_pages_for(allocator.device_tokens, ratio, allocator.page_size)
+        pages = host_pages_for(allocator.device_tokens, ratio, allocator.page_size)
         return pages * allocator.page_size * row_bytes
 
     limits.check_host_pool(

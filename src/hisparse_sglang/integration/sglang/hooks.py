@@ -85,30 +85,24 @@ def _allocator_class():
 
 
 def _maybe_init_hisparse_coordinator(self) -> None:
-    """REPLACE ModelRunner.maybe_init_hisparse_coordinator: build our coordinator."""
+    """REPLACE ModelRunner.maybe_init_hisparse_coordinator: start the process's HiSparse runtime."""
     if not self.enable_hisparse:
         return
     if getattr(self, "is_draft_worker", False):
         raise UnsupportedSetupError("HiSparse does not support speculative decoding (a draft worker was created).")
-    from hisparse_sglang.integration.sglang.allocator import HiSparseTokenAllocator
-    from hisparse_sglang.integration.sglang.coordinator import SGLangHiSparseCoordinator
+    from hisparse_sglang.integration.sglang.runtime import runtime_of
     from hisparse_sglang.integration.sglang.validation import config_from_server_args
 
-    allocator = self.token_to_kv_pool_allocator
-    if not isinstance(allocator, HiSparseTokenAllocator):
+    runtime = runtime_of(self.token_to_kv_pool_allocator)
+    if runtime is None:
         raise UnsupportedSetupError(
-            f"HiSparse expected its own KV allocator but SGLang built {type(allocator).__name__}; the "
-            f"hisparse-sglang hooks did not apply (see the HookRegistry log lines)."
+            f"HiSparse expected its own KV allocator but SGLang built {type(self.token_to_kv_pool_allocator).__name__}; "
+            f"the hisparse-sglang hooks did not apply (see the HookRegistry log lines)."
         )
     index_topk = getattr(self.model_config.hf_text_config, "index_topk", None)
     config = config_from_server_args(self.server_args, model_index_topk=index_topk)
-    self.hisparse_coordinator = SGLangHiSparseCoordinator(
-        config,
-        self.req_to_token_pool,
-        allocator,
-        self.token_to_kv_pool,
-        self.device,
-        tp_group=compat.coordinator_cpu_group(self),
+    self.hisparse_coordinator = runtime.start(
+        config, self.req_to_token_pool, self.device, tp_group=compat.coordinator_cpu_group(self)
     )
 
 
@@ -151,10 +145,12 @@ def _abort_request_after(result, self, recv_req):
 def _alloc_for_decode_prealloc_after(result, allocator, *, req, fill_len, uses_swa_tail, swa_tail_len):
     """AFTER alloc_for_decode_prealloc_hisparse: remember the logical locations (= host rows) the
     prefill instance must write, before SGLang asks the host pool for them."""
-    coordinator = getattr(allocator, "coordinator_adapter", None)
-    if coordinator is not None:
+    from hisparse_sglang.integration.sglang.runtime import runtime_of
+
+    runtime = runtime_of(allocator)
+    if runtime is not None and runtime.started:
         # None (no logical rows left) is kept too, so that alloc_paged_token_slots names the cause.
-        coordinator.mem_pool_host.preallocated[compat.req_slot(req)] = result
+        runtime.remember_preallocated(compat.req_slot(req), result)
     return result
 
 
@@ -171,9 +167,11 @@ def _batch_register_after(result, self, ptrs, lengths):
 def _load_kv_cache_after(result, self, req_to_token_pool, token_to_kv_pool_allocator):
     """AFTER Req.load_kv_cache: a retracted PD-decode request resumed with its KV back in the host
     pool is admitted like a transferred one (SGLang 0.5.17 puts it in the waiting queue directly)."""
-    coordinator = getattr(token_to_kv_pool_allocator, "coordinator_adapter", None)
-    if coordinator is not None:
-        coordinator.admit_request_direct(self)
+    from hisparse_sglang.integration.sglang.runtime import runtime_of
+
+    runtime = runtime_of(token_to_kv_pool_allocator)
+    if runtime is not None and runtime.started:
+        runtime.coordinator.admit_request_direct(self)
     return result
 
 
@@ -246,7 +244,9 @@ def _get_worker_info_after(result, self):
                 "HiSparse co-located: prompts shorter than %d tokens are admitted, set by the context length (%d).",
                 max_req_input_len, context_limit + 1,
             )
-    limits.record_limit(limits.RequestLengthLimit(info[5], note) if note else None)
+    from hisparse_sglang.integration.sglang.runtime import RequestLengthLimit
+
+    coordinator.runtime.request_limit = RequestLengthLimit(info[5], note) if note else None
     return tuple(info)
 
 
@@ -264,12 +264,17 @@ def _init_req_max_new_tokens(original, self, req):
         self.max_total_num_tokens = device_tokens
 
 
-def _validate_input_length_after(result, req, max_req_input_len, allow_auto_truncate=False):
-    """AFTER validate_input_length (as the scheduler calls it): a rejection set by a KV pool says
-    which pool and how to admit longer prompts."""
-    from hisparse_sglang.integration.sglang import limits
+def _add_request_to_queue_before(self, req, *args, **kwargs):
+    """BEFORE Scheduler._add_request_to_queue: a prompt SGLang rejected for a limit a KV pool sets
+    (``validate_input_length``) gets the runtime's note on which pool and how to admit it appended
+    to its abort message, which the client receives."""
+    from hisparse_sglang.integration.sglang.runtime import runtime_of
 
-    return limits.explain_rejection(result, max_req_input_len)
+    runtime = runtime_of(getattr(self, "hisparse_coordinator", None))
+    abort = getattr(req, "to_finish", None)
+    message = getattr(abort, "message", None)
+    if runtime is not None and isinstance(message, str):
+        abort.message = runtime.explain_rejection(message, self.max_req_input_len)
 
 
 def _decode_prealloc_queue_init_after(result, self, *args, **kwargs):
@@ -344,8 +349,10 @@ def _decode_capacity(scheduler) -> int | None:
 
 def _current_coordinator(tree_cache):
     """The coordinator of this scheduler process, found through the allocator the tree cache uses."""
-    allocator = getattr(tree_cache, "token_to_kv_pool_allocator", None)
-    return getattr(allocator, "coordinator_adapter", None)
+    from hisparse_sglang.integration.sglang.runtime import runtime_of
+
+    runtime = runtime_of(getattr(tree_cache, "token_to_kv_pool_allocator", None))
+    return runtime.coordinator if runtime is not None else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -424,7 +431,7 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream="the clamp using the decode instance's logical capacity (SGLang issue #30401)",
     ),
     HookSpec(
-        "sglang.srt.managers.scheduler.validate_input_length", "AFTER", lambda: _validate_input_length_after,
+        "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", "BEFORE", lambda: _add_request_to_queue_before,
         why="the rejection of a prompt longer than a KV pool does not say which pool or how to admit it",
         upstream="a rejection message naming the limiting pool",
     ),

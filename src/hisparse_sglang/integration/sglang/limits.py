@@ -19,9 +19,6 @@ from hisparse_sglang.errors import HiSparseMemoryError, UnsupportedSetupError
 __all__ = [
     "our_coordinator",
     "decode_request_capacity",
-    "RequestLengthLimit",
-    "record_limit",
-    "explain_rejection",
     "colocated_note",
     "decode_note",
     "HostMemory",
@@ -70,39 +67,6 @@ def decode_request_capacity(coordinator, num_reserved_decode_tokens: int) -> int
             f"host_to_device_ratio in --hisparse-config or lower --num-reserved-decode-tokens."
         )
     return capacity
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestLengthLimit:
-    """The prompt limit of this scheduler process when a KV pool (not the context length) sets it.
-
-    Attributes:
-        max_req_input_len: prompts of this many tokens or more are rejected (SGLang's value).
-        note: what sets the limit and how to raise it, appended to SGLang's rejection message.
-    """
-
-    max_req_input_len: int
-    note: str
-
-
-# Set once per scheduler process, by the get_worker_info hook at startup (SGLang computes its
-# limits there); read when SGLang's validate_input_length rejects a prompt.
-_pool_limit: RequestLengthLimit | None = None
-
-
-def record_limit(limit: RequestLengthLimit | None) -> None:
-    """Remember this process's pool-set prompt limit (None: the context length sets it)."""
-    global _pool_limit
-    _pool_limit = limit
-
-
-def explain_rejection(error_msg: str | None, max_req_input_len: int) -> str | None:
-    """SGLang's rejection message with this process's note appended, when the limit it names is
-    the one a KV pool sets (another limit, or no rejection, is returned unchanged)."""
-    limit = _pool_limit
-    if not error_msg or limit is None or limit.max_req_input_len != max_req_input_len:
-        return error_msg
-    return f"{error_msg} {limit.note}"
 
 
 def colocated_note(max_req_input_len: int, device_tokens: int) -> str:

@@ -31,7 +31,6 @@ _COUNTERS = (
     ("misses", "Top-k tokens copied host -> device"),
     ("bytes_moved", "Bytes copied host -> device by the swap-in"),
 )
-_metrics: dict | None = None
 
 
 def report(coordinator, log: bool, prometheus_labels: dict | None) -> dict:
@@ -49,25 +48,30 @@ def report(coordinator, log: bool, prometheus_labels: dict | None) -> dict:
             values["switch_ms_max"], values["step_host_ms"], values["step_host_ms_max"],
         )
     if prometheus_labels is not None:
-        _export(values, prometheus_labels)
+        runtime = coordinator.runtime
+        if runtime.metrics is None:
+            runtime.metrics = _create(sorted(prometheus_labels))
+        _export(runtime.metrics, values, prometheus_labels)
     return values
 
 
-def _export(values: dict, labels: dict) -> None:
-    global _metrics
-    if _metrics is None:
-        # Imported here, in the scheduler process, after SGLang set PROMETHEUS_MULTIPROC_DIR.
-        from prometheus_client import Counter, Gauge
+def _create(label_names: list[str]) -> dict:
+    """This process's hisparse:* metrics (imported here, in the scheduler process, after SGLang set
+    PROMETHEUS_MULTIPROC_DIR)."""
+    from prometheus_client import Counter, Gauge
 
-        names = sorted(labels)
-        _metrics = {
-            name: Gauge(f"hisparse:{name}", doc, labelnames=names, multiprocess_mode="mostrecent")
-            for name, doc in _GAUGES
-        }
-        _metrics.update({name: Counter(f"hisparse:{name}", doc, labelnames=names) for name, doc in _COUNTERS})
+    metrics = {
+        name: Gauge(f"hisparse:{name}", doc, labelnames=label_names, multiprocess_mode="mostrecent")
+        for name, doc in _GAUGES
+    }
+    metrics.update({name: Counter(f"hisparse:{name}", doc, labelnames=label_names) for name, doc in _COUNTERS})
+    return metrics
+
+
+def _export(metrics: dict, values: dict, labels: dict) -> None:
     for name, _ in _GAUGES:
         if values.get(name) is not None:
-            _metrics[name].labels(**labels).set(values[name])
+            metrics[name].labels(**labels).set(values[name])
     for name, _ in _COUNTERS:
         if values[name]:
-            _metrics[name].labels(**labels).inc(values[name])
+            metrics[name].labels(**labels).inc(values[name])

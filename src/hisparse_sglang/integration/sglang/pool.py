@@ -16,7 +16,7 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
 from hisparse_sglang.errors import UnsupportedSetupError
 from hisparse_sglang.integration.sglang import compat
-from hisparse_sglang.memory.allocator import KVAllocator
+from hisparse_sglang.integration.sglang.runtime import HiSparseRuntime
 
 __all__ = ["HiSparseDevicePool"]
 
@@ -65,11 +65,10 @@ class HiSparseDevicePool(DSATokenToKVPool):
         )
         self.host_to_device_ratio = host_to_device_ratio
         self.bytes_per_token = self.kv_cache_dim * self.store_dtype.itemsize
-        self._device_row_of_loc: torch.Tensor | None = None
-
-    def attach(self, rows: KVAllocator) -> None:
-        """Use the allocator's location -> device-row table for every KV access."""
-        self._device_row_of_loc = rows.device_row_of_loc
+        # The process's HiSparse state starts here: SGLang builds this pool first and hands it to
+        # the allocator (as kvcache) and to the model runner.
+        self.runtime = HiSparseRuntime(host_to_device_ratio)
+        self.runtime.attach_pool(self)
 
     def kv_rows(self) -> list[torch.Tensor]:
         """Per-layer views of the KV buffers as byte rows: uint8 ``[rows, bytes_per_token]``."""
@@ -78,7 +77,7 @@ class HiSparseDevicePool(DSATokenToKVPool):
     # ---------------------------------------------------------------- translation (SGLang's names)
     def translate_loc_to_hisparse_device(self, loc: torch.Tensor) -> torch.Tensor:
         """Device rows of logical locations, same shape; -1 stays -1 (extend page tables)."""
-        return self._device_row_of_loc[loc.to(torch.int64)]
+        return self.runtime.device_row_of_loc[loc.to(torch.int64)]
 
     _translate_loc_to_hisparse_device = translate_loc_to_hisparse_device
     translate_loc_from_full_to_hisparse_device = translate_loc_to_hisparse_device
@@ -87,7 +86,7 @@ class HiSparseDevicePool(DSATokenToKVPool):
         return loc
 
     def _rows_of(self, loc: torch.Tensor) -> torch.Tensor:
-        return self._device_row_of_loc[loc.to(torch.int64)].to(torch.int64)
+        return self.runtime.device_row_of_loc[loc.to(torch.int64)].to(torch.int64)
 
     # ---------------------------------------------------------------- KV access through the table
     def set_kv_buffer(self, layer, loc, cache_k, cache_v):

@@ -1,0 +1,143 @@
+"""HiSparseRuntime: everything hisparse-sglang holds in one SGLang scheduler process (one TP rank).
+
+SGLang builds the pieces in its own order, through the classes and hooks this package installs:
+
+1. the KV pool (:class:`HiSparseDevicePool`, in place of SGLang's HiSparse pool): it creates the
+   runtime, which owns the location -> device-row table the pool translates through;
+2. the token allocator (:class:`HiSparseTokenAllocator`): SGLang passes it the pool as ``kvcache``,
+   so it receives the same runtime at construction;
+3. the coordinator, in the model runner (the ``maybe_init_hisparse_coordinator`` hook):
+   :meth:`HiSparseRuntime.start` builds the host pool, the device buffers and the framework-free
+   coordinator, and returns the object SGLang keeps as ``hisparse_coordinator``.
+
+The SGLang-facing classes only forward to the runtime; nothing reaches into another adapter or sets
+attributes on it, and no state lives at module level. Hooks find the runtime through the SGLang
+object they receive (a scheduler's ``hisparse_coordinator``, an allocator, a tree cache's allocator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from hisparse_sglang.config import HiSparseConfig
+from hisparse_sglang.memory.allocator import KVAllocator
+from hisparse_sglang.memory.quarantine import RowQuarantine
+
+__all__ = ["HiSparseRuntime", "RequestLengthLimit", "runtime_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLengthLimit:
+    """The prompt limit of this scheduler process when a KV pool (not the context length) sets it.
+
+    Attributes:
+        max_req_input_len: prompts of this many tokens or more are rejected (SGLang's value).
+        note: what sets the limit and how to raise it, appended to SGLang's rejection message.
+    """
+
+    max_req_input_len: int
+    note: str
+
+
+class HiSparseRuntime:
+    """The state of hisparse-sglang in one scheduler process.
+
+    Args:
+        host_to_device_ratio: logical (and host) tokens per device token (SGLang passes it to the pool).
+
+    Attributes:
+        rows: logical (= host) and device rows (``KVAllocator``), created with the allocator.
+        quarantine: host rows of PD requests whose transfer did not complete, held back before reuse.
+        config: the validated ``--hisparse-config`` (once started).
+        coordinator: the SGLang-facing coordinator (``hisparse_coordinator``; once started).
+        request_limit: the pool-set prompt limit of this process, if a pool sets it (recorded when
+            SGLang computes its limits), for the rejection message.
+        metrics: this process's Prometheus metrics, created on the first export.
+    """
+
+    def __init__(self, host_to_device_ratio: int) -> None:
+        self.host_to_device_ratio = host_to_device_ratio
+        self.rows: KVAllocator | None = None
+        self.quarantine: RowQuarantine | None = None
+        self.config: HiSparseConfig | None = None
+        self.coordinator = None
+        self.request_limit: RequestLengthLimit | None = None
+        self.metrics = None
+        self._pool = None
+        self._allocator = None
+
+    # ---------------------------------------------------------------- construction, in SGLang's order
+    def attach_pool(self, pool) -> None:
+        self._pool = pool
+
+    def create_rows(self, device_tokens: int, page_size: int, device, sort_frees: bool) -> KVAllocator:
+        """The logical and device rows of this process (called once, by the allocator SGLang builds)."""
+        self.rows = KVAllocator(
+            host_pages=host_pages_for(device_tokens, self.host_to_device_ratio, page_size),
+            device_pages=device_tokens // page_size + 1,
+            page_size=page_size,
+            device=device,
+            sort_frees=sort_frees,
+        )
+        self.quarantine = RowQuarantine(0.0, page_size)
+        return self.rows
+
+    def attach_allocator(self, allocator) -> None:
+        self._allocator = allocator
+
+    def start(self, config: HiSparseConfig, req_to_token_pool, device, tp_group=None):
+        """Build the host pool, the device buffers and the coordinator; returns the SGLang-facing
+        coordinator (what SGLang keeps as ``model_runner.hisparse_coordinator``)."""
+        from hisparse_sglang.integration.sglang.coordinator import SGLangHiSparseCoordinator
+
+        self.config = config
+        self.quarantine.seconds = config.pd_quarantine_s
+        self.coordinator = SGLangHiSparseCoordinator(
+            self, config, req_to_token_pool, self._allocator, self._pool, device, tp_group=tp_group
+        )
+        return self.coordinator
+
+    # ---------------------------------------------------------------- what the adapters ask
+    @property
+    def started(self) -> bool:
+        return self.coordinator is not None
+
+    @property
+    def core(self):
+        """The framework-free coordinator, or None before :meth:`start`."""
+        return self.coordinator.core if self.coordinator is not None else None
+
+    @property
+    def device_row_of_loc(self) -> torch.Tensor:
+        return self.rows.device_row_of_loc
+
+    def remember_preallocated(self, slot: int, locations) -> None:
+        """PD decode: the logical locations SGLang preallocated for a request (the host rows the
+        prefill instance writes); None when the logical pool had no room."""
+        self.coordinator.mem_pool_host.preallocated[slot] = locations
+
+    def explain_rejection(self, message: str | None, max_req_input_len: int) -> str | None:
+        """SGLang's rejection of a prompt longer than ``max_req_input_len`` (``validate_input_length``'s
+        message) with this process's note appended, when that limit is the one a KV pool sets; any
+        other message is returned unchanged."""
+        limit = self.request_limit
+        if (
+            not message or limit is None or limit.max_req_input_len != max_req_input_len
+            or f"the maximum allowed length ({max_req_input_len} tokens)" not in message or limit.note in message
+        ):
+            return message
+        return f"{message} {limit.note}"
+
+
+def host_pages_for(device_tokens: int, host_to_device_ratio: int, page_size: int) -> int:
+    """Pages of the logical (= host) space for a device pool of ``device_tokens``, page 0 included."""
+    return device_tokens * host_to_device_ratio // page_size + 1
+
+
+def runtime_of(component) -> HiSparseRuntime | None:
+    """The runtime behind an SGLang object this package built (its pool, allocator or coordinator);
+    None for SGLang's own (the in-tree HiSparse's, or None)."""
+    runtime = getattr(component, "runtime", None)
+    return runtime if isinstance(runtime, HiSparseRuntime) else None
