@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine run for the kernels: GPU tests, compute-sanitizer, benchmark. Logs go to $OUT.
-#   carry: .whl (apache-tvm-ffi cp312 wheel), .baseline (SGLang's kernel, see benchmarks/baseline)
-#   BENCH_ARGS: extra arguments for bench_swap_in.py (default: the full table)
+#   carry: .whl (apache-tvm-ffi cp312 wheel), .baseline (SGLang's kernel: bench_swap_in.py build-baseline)
+#   BENCH_ARGS: a table or sweep invocation of bench_swap_in.py (default: table, the full table),
+#     e.g. "sweep --batch 32 64 128 --miss 0 5" or "table --define NAME=1 --tag _variant"
 set -uo pipefail
 OUT=${OUT:-/tmp/hisparse_out}
 mkdir -p "$OUT"
@@ -16,4 +17,5 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     echo "compute-sanitizer $tool exit $?: $(tail -2 "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
   done
 fi
-timeout "${BENCH_TIMEOUT:-400}" python3 benchmarks/bench_swap_in.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^row "
+timeout "${BENCH_TIMEOUT:-400}" python3 benchmarks/bench_swap_in.py ${BENCH_ARGS:-table} --out "$OUT" 2>&1 \
+  | tee "$OUT/bench.log" | grep -v "^row "

@@ -6,6 +6,11 @@ target architecture, the package version and the tvm-ffi version. It is built in
 directory and renamed into place atomically while holding a file lock, so concurrent processes
 (one SGLang scheduler per GPU) build it once.
 
+Variants: ``load_module(defines=("NAME=VALUE", ...))`` builds the same sources with extra ``-D``
+macros (e.g. ``HISPARSE_TRACE``, the phase timeline of ``csrc/swap_in.cuh``) into a cache entry of
+their own; the ops use it only where a caller passes that module (``ops.swap_in.swap_in(...,
+module=...)``), never in place of the default build.
+
 Environment:
     HISPARSE_CACHE_DIR: cache location.
     HISPARSE_CUDA_ARCH: target such as ``9.0a`` or ``8.0`` (default: the current GPU; ``a`` suffix
@@ -21,6 +26,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import tempfile
@@ -29,7 +35,7 @@ import time
 from hisparse_sglang import __version__
 from hisparse_sglang.errors import KernelBuildError
 
-__all__ = ["load_module", "cache_dir", "source_dir", "source_files", "cuda_arch"]
+__all__ = ["load_module", "check_defines", "cache_dir", "source_dir", "source_files", "cuda_arch"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +50,9 @@ _NVCC_FLAGS = (
     "--expt-relaxed-constexpr",
     "-lineinfo",
 )
+# A macro name as C spells them, upper case as the sources' own (HISPARSE_TRACE), with an optional
+# value of plain characters: nvcc gets it as one argument, so nothing here needs quoting.
+_DEFINE = re.compile(r"[A-Z_][A-Z0-9_]*(=[A-Za-z0-9_.+-]*)?")
 
 
 def source_dir() -> pathlib.Path:
@@ -126,13 +135,54 @@ def _build_key(sources: pathlib.Path, arch: str, flags: list[str], tvm_version: 
     return digest.hexdigest()[:20]
 
 
+def check_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
+    """``defines`` as a tuple of ``NAME`` or ``NAME=VALUE`` macros (without ``-D``), in order.
+
+    Raises:
+        TypeError: ``defines`` is a single string or not a sequence of strings.
+        ValueError: an entry is not ``NAME`` or ``NAME=VALUE`` (name ``[A-Z_][A-Z0-9_]*``, value of
+            letters, digits and ``_.+-``).
+    """
+    if isinstance(defines, (str, bytes)):
+        raise TypeError(f"defines must be a sequence of macros, got the string {defines!r}; pass ({defines!r},)")
+    checked = tuple(defines)
+    for define in checked:
+        if not isinstance(define, str):
+            raise TypeError(f"defines must hold strings, got {define!r} ({type(define).__name__})")
+        if not _DEFINE.fullmatch(define):
+            hint = f"; drop the -D: {define[2:]!r}" if define.startswith("-D") else ""
+            raise ValueError(
+                f"compile define {define!r} is not NAME or NAME=VALUE (NAME like HISPARSE_TRACE: upper-case letters, "
+                f"digits and _; VALUE: letters, digits and _.+-){hint}"
+            )
+    return checked
+
+
 @functools.cache
-def load_module():
-    """Build (once per cache key) and load the kernel library; returns the tvm-ffi module."""
+def load_module(defines: tuple[str, ...] = ()):
+    """Build (once per cache key) and load the kernel library; returns the tvm-ffi module.
+
+    ``defines``: a tuple (the call is cached: a list is refused as unhashable) of extra ``-D``
+    macros, ``NAME`` or ``NAME=VALUE`` without the ``-D`` (see :func:`check_defines`), for variant
+    builds such as ``("HISPARSE_TRACE",)``. They are part of the compiler flags and so of the cache
+    key: each set of defines is a separate cache entry and a separate module; the default ``()`` is
+    the build every op uses unless given another module. A variant module is used only where it is
+    passed (``ops.swap_in.swap_in(..., module=...)``).
+
+    Raises:
+        TypeError, ValueError: ``defines`` is malformed (:func:`check_defines`), before any build.
+        KernelBuildError: no CUDA sources, toolkit, target or tvm-ffi, or nvcc failed.
+    """
+    return _load_variant(check_defines(defines))
+
+
+@functools.cache
+def _load_variant(defines: tuple[str, ...]):
+    """One module per checked define set (``load_module()`` and ``load_module(())`` share it)."""
     sources = source_dir()
     arch = cuda_arch()
     includes, library, tvm_version = _tvm_ffi_paths()
-    flags = [*_NVCC_FLAGS, *_gencode(arch)]
+    flags = _flags(arch, defines)
     key = _build_key(sources, arch, flags, tvm_version)
     target_dir = cache_dir() / f"hisparse_kernels_{key}"
     target = target_dir / "hisparse_kernels.so"
@@ -141,6 +191,12 @@ def load_module():
     import tvm_ffi
 
     return tvm_ffi.load_module(str(target))
+
+
+def _flags(arch: str, defines: tuple[str, ...]) -> list[str]:
+    """nvcc's flags: the fixed ones, the defines, the target (without defines, the flags of every
+    earlier release, so the default build keeps its cache key)."""
+    return [*_NVCC_FLAGS, *(f"-D{define}" for define in defines), *_gencode(arch)]
 
 
 def _build(sources: pathlib.Path, target: pathlib.Path, flags: list[str], includes: list[str], library: pathlib.Path) -> None:

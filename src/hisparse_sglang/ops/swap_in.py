@@ -2,6 +2,10 @@
 
 The kernels are compiled on first use (``ops.jit``). Everything here runs on torch's current
 CUDA stream and is CUDA-graph capturable once :func:`reserve` has sized the workspace.
+
+``module`` (``swap_in``, ``copy_rows``, ``choose_splits``, ``resident_ctas``): the kernel library to
+launch, default ``jit.load_module()``; benchmarks pass a variant build,
+``jit.load_module(defines=(...))``, to time or trace it without changing what anyone else runs.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ class _Workspace:
 
 _workspaces: dict[torch.device, _Workspace] = {}
 _layer_pointers: dict[tuple[int, ...], torch.Tensor] = {}
-_occupancy: dict[tuple[int, int, int, int], int] = {}
+_occupancy: dict[tuple, int] = {}  # (threads, top_k, buffer_size, device index, module or None)
 _launch_plans: dict[tuple[int, int, int, int], torch.Tensor] = {}
 _multiprocessors: dict[int, int] = {}
 _empty_counters: dict[torch.device, torch.Tensor] = {}
@@ -113,30 +117,34 @@ def launch_plan(
     return plan
 
 
-def resident_ctas(top_k: int, buffer_size: int, threads: int, device: torch.device) -> int:
-    """How many swap-in CTAs of this shape the GPU runs at once (multiprocessors x occupancy)."""
+def resident_ctas(top_k: int, buffer_size: int, threads: int, device: torch.device, *, module=None) -> int:
+    """How many swap-in CTAs of this shape the GPU runs at once (multiprocessors x occupancy) in
+    ``module``'s kernel (default ``load_module()``; a variant build may use other resources)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (threads, top_k, buffer_size, index)
+    key = (threads, top_k, buffer_size, index, module)
     if key not in _occupancy:
         plan = launch_plan(top_k, buffer_size, threads, torch.device("cuda", index))
-        _occupancy[key] = int(load_module().swap_in_occupancy(threads, plan))
+        kernels = load_module() if module is None else module
+        _occupancy[key] = int(kernels.swap_in_occupancy(threads, plan))
         _multiprocessors[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return max(1, _multiprocessors[index] * _occupancy[key])
 
 
-def choose_splits(batch: int, top_k: int, buffer_size: int, threads: int, device: torch.device) -> int:
+def choose_splits(
+    batch: int, top_k: int, buffer_size: int, threads: int, device: torch.device, *, module=None
+) -> int:
     """CTAs per request: a planner, plus copier CTAs while the batch is small and they fit.
 
     Copiers start reading a request's missed host rows at once, while its planner still chooses
     the slots; without them the planner copies after planning. About 64 copiers in all: bs 1 -> 65
-    CTAs, 8 -> 9, 32 -> 3, 64 -> 2, 128 -> 1 on an H100. Measured there with --sweep
+    CTAs, 8 -> 9, 32 -> 3, 64 -> 2, 128 -> 1 on an H100. Measured there with `bench_swap_in.py sweep`
     (benchmarks/results/swap_in_sweep_H100_2026-11-23.md): at bs 8, 9 CTAs per request against 3
     took 28.1 against 30.6 us at 5 % misses, 85.3 against 86.8 at 20 % and 379.4 against 382.2 at
     100 %; at bs 1, 65 against 17 took 55.9 against 58.0 us at 100 %; with no miss every split was
     within 0.2 us. Every CTA of the grid must be co-resident (copiers wait for their planner, the
     planner for its copiers), which caps the split at large batches.
     """
-    resident = resident_ctas(top_k, buffer_size, threads, device)
+    resident = resident_ctas(top_k, buffer_size, threads, device, module=module)
     batch = max(batch, 1)
     splits = min(MAX_SPLITS, 1 + -(-TARGET_COPIERS // batch))
     while splits > 1 and batch * splits > resident:
@@ -156,13 +164,14 @@ def swap_in(
     splits: int | None = None,
     threads: int | None = None,
     late_copiers_ns: int = 0,
+    module=None,
 ) -> torch.Tensor:
     """CUDA twin of :func:`hisparse_sglang.ops.reference.swap_in` (see there for shapes and rules).
 
     ``tables.host_kv`` must be pinned host memory; every other tensor lives on the GPU. ``splits`` is
     the number of CTAs per request (default :func:`choose_splits`). ``late_copiers_ns`` is a
     test hook: copier CTAs sleep this long before their lookups, so the planner must wait for them;
-    results must not change.
+    results must not change. ``module``: the kernel library to launch (default ``load_module()``).
     """
     batch, k = top_k.shape
     device = top_k.device
@@ -172,9 +181,9 @@ def swap_in(
     buffer_size = tables.slot_tokens.shape[1]
     plan = launch_plan(k, buffer_size, threads, device)
     if splits is None:
-        splits = choose_splits(batch, k, buffer_size, threads, device)
+        splits = choose_splits(batch, k, buffer_size, threads, device, module=module)
     elif splits > 1:
-        resident = resident_ctas(k, buffer_size, threads, device)
+        resident = resident_ctas(k, buffer_size, threads, device, module=module)
         if batch * splits > resident:
             raise HiSparseError(
                 f"swap_in with splits={splits} needs {batch * splits} co-resident CTAs for batch {batch}, but this "
@@ -184,7 +193,7 @@ def swap_in(
     if counters is None:
         counters = _empty_counters.setdefault(device, torch.empty(0, dtype=torch.int64, device=device))
     sync = _workspace_for(device).get(device, batch)
-    load_module().swap_in(
+    (load_module() if module is None else module).swap_in(
         top_k,
         seq_lens,
         req_pool_indices,
@@ -223,11 +232,13 @@ def copy_rows(
     dst_rows: torch.Tensor,
     *,
     max_blocks: int = 0,
+    module=None,
 ) -> None:
     """CUDA twin of :func:`hisparse_sglang.ops.reference.copy_rows` (one launch for every layer).
 
     Host tensors must be pinned; ``src_rows`` and ``dst_rows`` must be on the GPU. ``max_blocks``
-    caps the grid (0: four blocks per multiprocessor).
+    caps the grid (0: four blocks per multiprocessor). ``module``: the kernel library to launch
+    (default ``load_module()``).
     """
     if src_rows.numel() == 0:
         return
@@ -235,7 +246,7 @@ def copy_rows(
     device = next((t.device for t in (src_rows, dst_rows) if t.is_cuda), None) or _normalized("cuda")
     first = src_layers[0]
     row_bytes = first.numel() // first.shape[0] * first.element_size()
-    load_module().copy_rows(
+    (load_module() if module is None else module).copy_rows(
         _pointers(src_layers, device),
         _pointers(dst_layers, device),
         src_rows,

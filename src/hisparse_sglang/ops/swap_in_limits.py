@@ -37,7 +37,7 @@ __all__ = [
 # Thread counts the kernel is instantiated for (csrc/swap_in_binding.cu's switch).
 SWAP_IN_BLOCK_SIZES = (256, 512, 1024)
 # The op's block size when swap_in_block_size is null: the fastest with misses in
-# benchmarks/bench_swap_in.py --sweep at every batch size on an H100 (docs/kernels.md).
+# benchmarks/bench_swap_in.py sweep at every batch size on an H100 (docs/kernels.md).
 DEFAULT_THREADS = 1024
 # Slot ids are int16 in the token -> slot map, the victim list and the slot ages.
 MAX_DEVICE_BUFFER_SIZE = 32767

@@ -1,13 +1,14 @@
 """Load the prebuilt SGLang HiSparse swap-in kernel (no ``sglang`` import).
 
-The shared libraries are produced by ``build_sglang_kernel.py`` (on a machine
-with sglang installed) into ``<repo>/.baseline/``; this module needs only
+The shared libraries are produced by ``bench_swap_in.py build-baseline`` (``build_baseline.py``,
+on a machine with sglang installed) into ``<repo>/.baseline/``; this module needs only
 ``torch`` and ``tvm_ffi`` (apache-tvm-ffi, same version as the build: 0.1.11).
+``bench_swap_in.py check-baseline [--smoke]`` loads every library of the manifest (and runs the
+GPU smoke test).
 
-    import sys; sys.path.insert(0, "benchmarks/baseline")
-    import sglang_kernel
-    swap_in = sglang_kernel.load(item_bytes=1152, top_k=2048, hot_buffer_size=4096,
-                                 block_size=960)
+    from swap_in import baseline   # the package beside benchmarks/bench_swap_in.py
+    swap_in = baseline.load(item_bytes=1152, top_k=2048, hot_buffer_size=4096,
+                            block_size=960)
     empty = torch.empty(0)
     swap_in(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs,
             host_cache, empty, device_buffer, empty, top_k_device_locs,
@@ -69,9 +70,9 @@ from typing import Any
 
 import torch  # imported first: it loads libcudart.so.13 that the .so NEEDs
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-DEFAULT_LIB_DIR = pathlib.Path(os.environ.get("HISPARSE_BASELINE_DIR", REPO_ROOT / ".baseline"))
-EXPORT_NAME = "load_cache_to_device_buffer"
+from swap_in.build_baseline import DEFAULT_OUT, EXPORT_NAME, lib_filename
+
+DEFAULT_LIB_DIR = pathlib.Path(os.environ.get("HISPARSE_BASELINE_DIR", DEFAULT_OUT))
 DEFAULT_ARCH_TAG = "90a"
 ARG_NAMES = (
     "top_k_tokens", "device_buffer_tokens", "host_cache_locs", "device_buffer_locs",
@@ -79,10 +80,6 @@ ARG_NAMES = (
     "top_k_device_locs", "req_pool_indices", "seq_lens", "lru_slots",
     "num_real_reqs", "page_size", "item_size_bytes",
 )
-
-
-def lib_filename(item: int, top_k: int, hot: int, block: int, arch_tag: str = DEFAULT_ARCH_TAG) -> str:
-    return f"sglang_hisparse_swapin_i{item}_k{top_k}_h{hot}_b{block}_mla_sm{arch_tag}.so"
 
 
 def _ensure_cudart() -> None:
@@ -116,10 +113,10 @@ def library_path(item_bytes: int, top_k: int, hot_buffer_size: int, block_size: 
     entry = manifest(lib_dir).get("entries", {}).get(
         f"{item_bytes},{top_k},{hot_buffer_size},{block_size}")
     path = lib_dir / (entry["file"] if entry else
-                      lib_filename(item_bytes, top_k, hot_buffer_size, block_size))
+                      lib_filename(item_bytes, top_k, hot_buffer_size, block_size, DEFAULT_ARCH_TAG))
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path} missing: run benchmarks/baseline/build_sglang_kernel.py "
+            f"{path} missing: run python benchmarks/bench_swap_in.py build-baseline "
             f"--config {item_bytes},{top_k},{hot_buffer_size},{block_size} "
             "with sglang installed, then carry .baseline/ here")
     return path
@@ -243,13 +240,8 @@ def smoke_test(item_bytes: int = 1152, top_k: int = 2048, hot_buffer_size: int =
     print(f"smoke ok: {swap_in.path.name} host_register={host_register}")
 
 
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--lib-dir", default=None)
-    ap.add_argument("--smoke", action="store_true", help="run the GPU smoke test")
-    ns = ap.parse_args()
+def run(ns) -> int:
+    """``check-baseline``: load every library of the manifest (``--smoke``: and run it on the GPU)."""
     m = manifest(ns.lib_dir)
     print(f"sglang {m.get('sglang_version')} tvm-ffi {m.get('apache_tvm_ffi_version')}")
     for key, e in sorted(m.get("entries", {}).items()):
@@ -259,3 +251,4 @@ if __name__ == "__main__":
         if ns.smoke:
             smoke_test(item, k, hot, blk, ns.lib_dir, host_register=False)
             smoke_test(item, k, hot, blk, ns.lib_dir, host_register=True)
+    return 0

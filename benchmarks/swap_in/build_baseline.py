@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Build SGLang's own HiSparse swap-in kernel as a prebuilt tvm-ffi module.
 
 Run this on a machine that has ``sglang`` (0.5.17) and ``apache-tvm-ffi``
@@ -15,10 +14,11 @@ Output (default ``<repo>/.baseline/``)::
     sglang_hisparse_swapin_i{ITEM}_k{TOPK}_h{HOT}_b{BLOCK}_mla_sm{ARCH}.so
     manifest.json   # config -> file, versions, flags, source hashes
 
-Usage::
+Usage (``bench_swap_in.py build-baseline``; only this module and the command line are imported, so
+the environment needs sglang and apache-tvm-ffi, not hisparse-sglang)::
 
-    /work/sgl-venv/bin/python benchmarks/baseline/build_sglang_kernel.py
-    /work/sgl-venv/bin/python benchmarks/baseline/build_sglang_kernel.py \
+    /work/sgl-venv/bin/python benchmarks/bench_swap_in.py build-baseline
+    /work/sgl-venv/bin/python benchmarks/bench_swap_in.py build-baseline \
         --config 1152,2048,4096,960 --config 656,2048,4096,960
 
 ``--config`` is ``ITEM_BYTES,TOP_K,HOT_BUFFER,BLOCK_SIZE``; BLOCK_SIZE may be
@@ -52,7 +52,7 @@ DEFAULT_HOT = 4096
 
 
 def lib_filename(item: int, top_k: int, hot: int, block: int, arch_tag: str) -> str:
-    """Shared-library name for one config (kept in sync with sglang_kernel.py)."""
+    """Shared-library name for one config (what ``baseline.load`` looks for without a manifest)."""
     return f"sglang_hisparse_swapin_i{item}_k{top_k}_h{hot}_b{block}_mla_sm{arch_tag}.so"
 
 
@@ -176,17 +176,8 @@ def _needed(so: pathlib.Path) -> list[str]:
     return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", res.stdout)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", action="append", default=[],
-                    help="ITEM_BYTES,TOP_K,HOT_BUFFER[,BLOCK_SIZE] (repeatable)")
-    ap.add_argument("--out-dir", default=str(DEFAULT_OUT))
-    ap.add_argument("--cache-dir", default=str(DEFAULT_CACHE),
-                    help="TVM_FFI_CACHE_DIR used for the JIT build tree (outside the repo)")
-    ap.add_argument("--arch", default="9.0",
-                    help="compute capability to build for, MAJOR.MINOR (SGLang adds the suffix)")
-    ap.add_argument("--clean", action="store_true", help="drop the JIT build cache first")
-    args = ap.parse_args(argv)
+def run(args) -> int:
+    """``build-baseline``: ``args`` from ``cli`` (config, out_dir, cache_dir, arch, clean)."""
 
     # Both SGLang's nvcc probe and tvm-ffi's CUDA-home probe resolve nvcc's
     # grandparent; a wrapper at /usr/local/bin/nvcc would give /usr/local and
@@ -224,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configs = [_parse_config(c, default_block) for c in args.config]
     except (argparse.ArgumentTypeError, ValueError) as exc:
-        ap.error(str(exc))
+        raise SystemExit(f"build-baseline: {exc}") from exc
     configs = configs or [
         (item, DEFAULT_TOP_K, DEFAULT_HOT, default_block) for item in DEFAULT_ITEM_BYTES
     ]
@@ -317,7 +308,3 @@ def main(argv: list[str] | None = None) -> int:
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     print(f"[manifest] {manifest_path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The benchmark's cells: one (batch, miss rate, row size) swap-in case on the GPU, in our tables and
+in SGLang's, with the calls that run, reset and check both kernels on it.
+
+The shape is the one every swap-in benchmark uses (top_k 2048, device buffer 4096, seq_len 8192,
+page 64); the inputs come from ``hisparse_sglang.testing.cases.make_case``, so a cell holds exactly
+what the GPU tests check bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse_sglang.ops import swap_in as ours
+from hisparse_sglang.testing.cases import make_case
+from swap_in import baseline
+
+__all__ = [
+    "TOP_K", "BUFFER", "PAGE", "SEQ_LEN", "SGLANG_BLOCK_SIZE", "Cell", "cell_seed", "load_sglang", "unique_first",
+]
+
+TOP_K = 2048
+BUFFER = 4096
+PAGE = 64
+SEQ_LEN = 8192
+SGLANG_BLOCK_SIZE = 960  # the in-tree default swap_in_block_size of SGLang 0.5.17 (build_baseline reads it)
+
+
+def cell_seed(batch: int, miss_percent: float) -> int:
+    """The seed of the cell (batch, miss %) in the table, the trace and the profile: the same inputs in each."""
+    return batch * 1000 + int(miss_percent)
+
+
+def load_sglang(row_bytes: int) -> baseline.SGLangSwapIn:
+    """SGLang's kernel for this row size at the benchmark's shape (prebuilt by ``build-baseline``)."""
+    return baseline.load(row_bytes, TOP_K, BUFFER, SGLANG_BLOCK_SIZE)
+
+
+def unique_first(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct values and the index of each one's first occurrence."""
+    distinct, inverse = torch.unique(values, return_inverse=True)
+    order = torch.arange(values.numel(), device=values.device)
+    first = torch.full((distinct.numel(),), values.numel(), dtype=torch.int64, device=values.device)
+    first.scatter_reduce_(0, inverse, order, reduce="amin")
+    return distinct, first
+
+
+class Cell:
+    """One (batch, miss rate, row size) case on the GPU, in both layouts.
+
+    ``module``: the kernel library our calls launch (``hisparse_sglang.ops.jit.load_module(defines)``
+    for a variant build); None runs the production build exactly as the coordinator calls it.
+    """
+
+    def __init__(self, batch: int, miss_rate: float, row_bytes: int, seed: int, host_cache: dict, module=None):
+        key = (batch, row_bytes)
+        case = make_case(
+            batch, TOP_K, BUFFER, row_bytes, page_size=PAGE, miss_rate=miss_rate, seq_len=SEQ_LEN,
+            newest_fraction=0.0, newest_count=1, seed=seed, extra_slots=0, host_kv=host_cache.get(key),
+        )
+        if key not in host_cache:
+            host_cache[key] = case.host_kv
+        self.module = module
+        self.misses = case.expected_misses
+        self.bytes = self.misses * row_bytes
+        self.gpu = case.clone(device="cuda")
+        pinned = host_cache.get(("pinned", batch, row_bytes))
+        if pinned is None:
+            pinned = case.host_kv.pin_memory()
+            host_cache[("pinned", batch, row_bytes)] = pinned
+        self.gpu.host_kv = pinned
+        self.saved = [t.clone() for t in (self.gpu.slot_tokens, self.gpu.slot_stamps, self.gpu.token_slot)]
+        self.out = torch.empty((batch, TOP_K), dtype=torch.int32, device="cuda")
+        self.counters = torch.zeros(2, dtype=torch.int64, device="cuda")
+        self._sglang_layout(case)
+
+    def _sglang_layout(self, case) -> None:
+        """The same state in SGLang's in-tree tables (indexed by request slot)."""
+        slots = case.buffer_of_req.numel()
+        padded = BUFFER + PAGE
+        tokens = torch.full((slots, padded), -1, dtype=torch.int32)
+        locs = torch.zeros((slots, padded), dtype=torch.int32)
+        lru = torch.zeros((slots, BUFFER), dtype=torch.int16)
+        for slot in range(slots):
+            buffer = int(case.buffer_of_req[slot])
+            if buffer >= 0:
+                tokens[slot, :BUFFER] = case.slot_tokens[buffer]
+                locs[slot] = case.slot_rows[buffer]
+                # SGLang keeps an explicit order, least recently used first: ours by (stamp, slot).
+                key = case.slot_stamps[buffer].to(torch.int64) * BUFFER + torch.arange(BUFFER)
+                lru[slot] = torch.argsort(key).to(torch.int16)
+        self.sg_tokens0, self.sg_lru0 = tokens.cuda(), lru.cuda()
+        self.sg_tokens, self.sg_lru = tokens.cuda(), lru.cuda()
+        self.sg_locs = locs.cuda()
+        self.sg_host_locs = case.req_to_token.to(torch.int64).cuda()
+        self.sg_out = torch.empty((case.top_k.shape[0], TOP_K), dtype=torch.int32, device="cuda")
+
+    def default_splits(self, threads: int = ours.DEFAULT_THREADS) -> int:
+        """The CTAs per request ``swap_in`` picks for this cell when given none."""
+        batch = self.gpu.top_k.shape[0]
+        return ours.choose_splits(batch, TOP_K, BUFFER, threads, torch.device("cuda"), module=self.module)
+
+    def resident_ctas(self, threads: int) -> int:
+        """How many CTAs of our kernel at this shape and ``threads`` the GPU holds at once."""
+        return ours.resident_ctas(TOP_K, BUFFER, threads, torch.device("cuda"), module=self.module)
+
+    def reset_ours(self) -> None:
+        for table, saved in zip((self.gpu.slot_tokens, self.gpu.slot_stamps, self.gpu.token_slot), self.saved):
+            table.copy_(saved)
+
+    def run_ours(self, splits=None, threads=None) -> None:
+        # With the hit/miss counters, as the coordinator calls it in production.
+        ours.swap_in(*self.gpu.args(), out=self.out, counters=self.counters, splits=splits, threads=threads,
+                     module=self.module)
+
+    def copy_only(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host and device rows of this cell's misses, from a call's outputs (run after one call).
+
+        Copying exactly these rows with ``copy_rows`` (rows known in advance, one launch) is what
+        the swap-in's data movement alone costs at this size: no lookups, no planning.
+        """
+        top_k = self.gpu.top_k.to(torch.int64)
+        seq = self.gpu.seq_lens.reshape(-1, 1).to(torch.int64)
+        slots = self.gpu.req_pool_indices.to(torch.int64)
+        buffers = self.gpu.buffer_of_req[slots].to(torch.int64)
+        token_slot0 = self.saved[2]
+        src, dst = [], []
+        for b in range(top_k.shape[0]):
+            if int(buffers[b]) < 0:
+                continue
+            entries = top_k[b]
+            valid = (entries >= 0) & (entries < seq[b] - 1)
+            positions = entries.clamp(min=0)
+            missed = valid & (token_slot0[buffers[b], positions] < 0)
+            index = torch.nonzero(missed).flatten()
+            tokens, first = unique_first(entries[index])
+            src.append(self.gpu.req_to_token[slots[b], tokens])
+            dst.append(self.out[b, index[first]])
+        src = torch.cat(src).to(torch.int64) if src else torch.empty(0, dtype=torch.int64, device=top_k.device)
+        dst = torch.cat(dst).to(torch.int64) if dst else torch.empty(0, dtype=torch.int64, device=top_k.device)
+        if src.numel() != self.misses:
+            raise AssertionError(f"copy-only rows {src.numel()} != the cell's misses {self.misses}")
+        return src, dst
+
+    def run_copy_only(self, src: torch.Tensor, dst: torch.Tensor, max_blocks: int) -> None:
+        """``copy_rows`` of the rows ``copy_only`` listed, in one launch of at most ``max_blocks`` blocks."""
+        ours.copy_rows([self.gpu.host_kv], [self.gpu.device_kv], src, dst, max_blocks=max_blocks, module=self.module)
+
+    def reset_sglang(self) -> None:
+        self.sg_tokens.copy_(self.sg_tokens0)
+        self.sg_lru.copy_(self.sg_lru0)
+
+    def run_sglang(self, kernel) -> None:
+        empty = torch.empty(0)
+        kernel(
+            self.gpu.top_k, self.sg_tokens, self.sg_host_locs, self.sg_locs, self.gpu.host_kv, empty,
+            self.gpu.device_kv, empty, self.sg_out, self.gpu.req_pool_indices, self.gpu.seq_lens, self.sg_lru,
+            self.gpu.num_real_reqs, 1, self.gpu.host_kv.shape[1],
+        )
+
+    def verify(self, out: torch.Tensor) -> None:
+        """Every valid entry's row must hold its token's host bytes."""
+        top_k = self.gpu.top_k
+        valid = (top_k >= 0) & (top_k < self.gpu.seq_lens.reshape(-1, 1))
+        rows = out[valid].to(torch.int64)
+        slots = self.gpu.req_pool_indices.reshape(-1, 1).expand_as(top_k)[valid]
+        host_rows = self.gpu.req_to_token[slots, top_k[valid].to(torch.int64)].to(torch.int64)
+        newest = (top_k == self.gpu.seq_lens.reshape(-1, 1) - 1)[valid]
+        got = self.gpu.device_kv[rows[~newest]].cpu()
+        want = self.gpu.host_kv[host_rows[~newest].cpu()]
+        if not torch.equal(got, want):
+            raise AssertionError("a swap-in returned a row with the wrong KV")
