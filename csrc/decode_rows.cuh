@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "swap_in.cuh"  // load_index
+#include "swap_in.cuh"  // load_index, swap_in_config.h
 
 namespace hisparse {
 
@@ -66,8 +66,8 @@ __global__ void bind_rows_kernel(const BindRowsParams p) {
 }
 
 __global__ void backup_newest_kernel(const BackupNewestParams p) {
-  const int64_t warps_per_block = blockDim.x / 32;
-  const int64_t b = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32;
+  const int64_t warps_per_block = blockDim.x / kWarpSize;
+  const int64_t b = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / kWarpSize;
   if (b >= p.batch || b >= int64_t(*p.num_real_reqs)) return;
   const int64_t position = load_index(p.seq_lens, p.seq_lens_is_64, b) - 1;
   if (position < 0) return;
@@ -77,7 +77,7 @@ __global__ void backup_newest_kernel(const BackupNewestParams p) {
   if (device_row <= 0) return;  // not on the GPU: nothing new to back up
   const uint4* src = p.device_kv + device_row * p.row_words;
   uint4* dst = p.host_kv + host_row * p.row_words;
-  for (int64_t w = threadIdx.x % 32; w < p.row_words; w += 32) dst[w] = src[w];
+  for (int64_t w = threadIdx.x % kWarpSize; w < p.row_words; w += kWarpSize) dst[w] = src[w];
 }
 
 }  // namespace hisparse

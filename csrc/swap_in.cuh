@@ -25,22 +25,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-namespace hisparse {
+#include "swap_in_config.h"
 
-constexpr int kWarpSize = 32;
-constexpr int kBatch = 4;  // independent global loads a thread issues before it needs the first
-constexpr int32_t kEmptyKey = -1;
-constexpr int32_t kNoFirst = 0x7fffffff;
-constexpr int kAgeCap = 32767;     // reference.AGE_CAP
-constexpr int kCoarseBuckets = 256;  // age >> 7
-constexpr int kFineBuckets = 128;    // age & 127
-// entry_state of an entry: >= 0 the slot it hit; kDone: padding; kNewest: the newest token;
-// <= kMissBase: a miss, kMissBase - state is its token.
-constexpr int32_t kDone = -1;
-constexpr int32_t kNewest = -2;
-constexpr int32_t kMissBase = -3;
-// flags[b]: 0 before the plan, kPlanReady when the missed entries' outputs are published.
-constexpr int32_t kPlanReady = 1;
+namespace hisparse {
 
 // Byte offsets of the regions of a swap_in CTA's dynamic shared memory, and its size. The host
 // computes them (hisparse_sglang/ops/swap_in_limits.py::swap_in_plan, the one owner of the layout
@@ -68,8 +55,6 @@ struct SwapInSmemPlan {
   int64_t entry_hash;       // int16 [K]: hash index of a missed entry
 };
 constexpr int kPlanFields = sizeof(SwapInSmemPlan) / sizeof(int64_t);
-constexpr int kMaxHashBits = 15;       // hash indices are int16
-constexpr int kMaxBufferSize = 32767;  // slot ids are int16
 
 template <typename T>
 __device__ __forceinline__ T* smem_region(uint8_t* smem, int64_t offset) {
@@ -184,8 +169,6 @@ __device__ __forceinline__ void warp_find_from_top(const int32_t* hist, int buck
   }
 }
 
-constexpr int kCopyUnroll = 4;
-
 // Copies `count` rows of `vectors_per_row` 16-byte pieces: piece v of row m goes from load(m, v)
 // to store(m, v, value). Consecutive threads take consecutive pieces; each thread has kCopyUnroll
 // independent loads in flight. Serves every row copy of swap_in (host, shared memory, device).
@@ -280,7 +263,7 @@ __device__ __forceinline__ void arrive_done(const SwapInParams& p, int b) {
 // Spins (thread 0) until *counter reaches `value` (acquire), then the block goes on together.
 __device__ __forceinline__ void wait_until_at_least(const int32_t* counter, int value) {
   if (threadIdx.x == 0) {
-    while (load_acquire(counter) < value) __nanosleep(32);
+    while (load_acquire(counter) < value) __nanosleep(kSpinSleepNs);
   }
   __syncthreads();
 }
@@ -310,21 +293,22 @@ __device__ __forceinline__ void copier(const SwapInParams& p, int b, int begin, 
     return;
   }
   const int span = end - begin;
-  const int vectors_per_row = static_cast<int>(p.row_bytes / 16);
+  const int vectors_per_row = static_cast<int>(p.row_bytes / kPieceBytes);
   int32_t* out = p.out + int64_t(b) * p.out_stride;
 
   // The role's area: the miss list (entry, host row, device row), then as many staged rows as fit.
   int32_t* list_entry = smem_region<int32_t>(smem, p.plan.role);
   int32_t* list_host = list_entry + chunk;
   int32_t* list_device = list_host + chunk;  // before the compaction: host row of a missed entry, else -1
-  const int64_t staged_offset = p.plan.role + (3 * chunk * 4 + 15) / 16 * 16;
+  const int list_bytes = 3 * chunk * static_cast<int>(sizeof(int32_t));  // swap_in_limits.swap_in_plan: copier_list
+  const int64_t staged_offset = p.plan.role + (list_bytes + kPieceBytes - 1) / kPieceBytes * kPieceBytes;
   int4* staged = smem_region<int4>(smem, staged_offset);
   const int capacity = max(0, static_cast<int>((p.plan.total_bytes - staged_offset) / p.row_bytes));
 
   if (p.late_copiers_ns > 0) {
     if (tid == 0) {
       const uint64_t until = global_time_ns() + static_cast<uint64_t>(p.late_copiers_ns);
-      while (global_time_ns() < until) __nanosleep(256);
+      while (global_time_ns() < until) __nanosleep(kLateCopierSleepNs);
     }
     __syncthreads();
   }
@@ -486,7 +470,7 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   const int32_t* slot_rows = p.slot_rows + int64_t(buffer) * p.slot_rows_stride;
   const int hash_bits = static_cast<int>(p.plan.hash_bits);
   const int H = 1 << hash_bits;
-  const int bitmap_words = (D + 31) / 32;
+  const int bitmap_words = (D + kBitmapWordBits - 1) / kBitmapWordBits;
   int32_t* keys = smem_region<int32_t>(smem, p.plan.keys);
   int32_t* first = smem_region<int32_t>(smem, p.plan.first);
   int32_t* hash_host_row = smem_region<int32_t>(smem, p.plan.hash_host_row);
@@ -613,7 +597,7 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       if (state[u] >= 0) {
-        atomicOr(slot_hit + (state[u] >> 5), 1u << (state[u] & 31));
+        atomicOr(slot_hit + (state[u] >> kBitmapWordShift), 1u << (state[u] & (kBitmapWordBits - 1)));
       } else if (state[u] <= kMissBase) {
         const int32_t token = kMissBase - state[u];
         uint32_t h = hash_of(token, hash_bits);
@@ -660,10 +644,10 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
     if (entry_state[i] <= kMissBase && first[entry_hash[i]] == i) ++local;
   }
   for (int j = slot_begin; j < slot_end; ++j) {
-    if (slot_hit[j >> 5] & (1u << (j & 31))) {
+    if (slot_hit[j >> kBitmapWordShift] & (1u << (j & (kBitmapWordBits - 1)))) {
       slot_age[j] = -1;
     } else {
-      atomicAdd(coarse + (slot_age[j] >> 7), 1);
+      atomicAdd(coarse + (slot_age[j] >> kFineBits), 1);
     }
   }
   uint64_t total;
@@ -684,12 +668,12 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   const int high = coarse_bucket;
   for (int j = slot_begin; j < slot_end; ++j) {
     const int age = slot_age[j];
-    if (age >= 0 && (age >> 7) == high) atomicAdd(fine + (age & (kFineBuckets - 1)), 1);
+    if (age >= 0 && (age >> kFineBits) == high) atomicAdd(fine + (age & (kFineBuckets - 1)), 1);
   }
   __syncthreads();
   if (tid < kWarpSize) warp_find_from_top(fine, kFineBuckets, num_miss - coarse_above, &fine_bucket, &fine_above);
   __syncthreads();
-  const int youngest = (high << 7) | fine_bucket;  // age of the youngest victim
+  const int youngest = (high << kFineBits) | fine_bucket;  // age of the youngest victim
   const int older_total = coarse_above + fine_above;  // victims older than it
   const int equal_needed = num_miss - older_total;
 
@@ -753,7 +737,7 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
 
   // M7: the planner copies the missed rows itself.
   copy_rows_by<THREADS>(
-      num_miss, static_cast<int>(p.row_bytes / 16),
+      num_miss, static_cast<int>(p.row_bytes / kPieceBytes),
       [&](int k, int v) { return load_piece(p.host_kv, hash_host_row[miss_hash[k]], p.row_bytes, v); },
       [&](int k, int v, int4 value) { store_piece(p.device_kv, hash_device_row[miss_hash[k]], p.row_bytes, v, value); });
   HISPARSE_MARK(7);
@@ -774,22 +758,21 @@ struct CopyRowsParams {
 
 // Copies `count` rows of every layer. Each block copies one contiguous chunk of the flattened
 // (layer, row, 16-byte piece) space; consecutive threads copy consecutive pieces and each thread
-// has kUnroll loads in flight. Index is uint32_t when the space fits (cheaper division).
+// has kCopyUnroll loads in flight. Index is uint32_t when the space fits (cheaper division).
 template <int THREADS, typename Index>
 __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const CopyRowsParams p) {
-  constexpr int kUnroll = 4;
-  const Index vectors_per_row = static_cast<Index>(p.row_bytes / 16);
+  const Index vectors_per_row = static_cast<Index>(p.row_bytes / kPieceBytes);
   const Index per_layer = static_cast<Index>(p.count) * vectors_per_row;
   const Index total = per_layer * static_cast<Index>(p.layers);
-  const Index step = static_cast<Index>(THREADS) * kUnroll;
+  const Index step = static_cast<Index>(THREADS) * kCopyUnroll;
   const Index chunk = (total + gridDim.x * step - 1) / (gridDim.x * step) * step;
   const Index chunk_begin = static_cast<Index>(blockIdx.x) * chunk;
   const Index chunk_end = chunk_begin + chunk < total ? chunk_begin + chunk : total;
   for (Index base = chunk_begin + threadIdx.x; base < chunk_end; base += step) {
-    int4 value[kUnroll];
-    int4* dst[kUnroll];
+    int4 value[kCopyUnroll];
+    int4* dst[kCopyUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kCopyUnroll; ++u) {
       const Index g = base + static_cast<Index>(u) * THREADS;
       dst[u] = nullptr;
       if (g < chunk_end) {
@@ -807,7 +790,7 @@ __global__ void __launch_bounds__(THREADS) copy_rows_kernel(const CopyRowsParams
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kCopyUnroll; ++u) {
       if (dst[u] != nullptr) __stcg(dst[u], value[u]);
     }
   }

@@ -342,17 +342,20 @@ void hisparse_copy_rows(
   p.count = count;
   p.layers = static_cast<int>(src_layers.numel());
   p.row_bytes = row_bytes;
-  constexpr int kThreads = 512;
-  const int64_t total = count * (row_bytes / 16) * p.layers;
+  constexpr int kThreads = hisparse::kCopyRowsThreads;
+  constexpr int kStep = kThreads * hisparse::kCopyUnroll;  // pieces a block copies per round
+  const int64_t total = count * (row_bytes / hisparse::kPieceBytes) * p.layers;
   int multiprocessors = 0;
   check_cuda(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, src_layers.device().device_id),
              op, "cudaDeviceGetAttribute(MultiProcessorCount)");
-  int64_t blocks = (total + kThreads * 4 - 1) / (kThreads * 4);
-  const int64_t block_limit = max_blocks > 0 ? max_blocks : 4 * int64_t(multiprocessors);
+  int64_t blocks = (total + kStep - 1) / kStep;
+  const int64_t block_limit = max_blocks > 0 ? max_blocks : hisparse::kCopyRowsBlocksPerSM * int64_t(multiprocessors);
   if (blocks > block_limit) blocks = block_limit;
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   clear_stale_error();
-  if (total + int64_t(blocks) * kThreads * 8 < (int64_t(1) << 32)) {
+  // 32-bit indices when no index can reach 2^32: a block's chunk is rounded up to whole rounds and
+  // its last round reads one round past it (two rounds per block of slack).
+  if (total + int64_t(blocks) * 2 * kStep < (int64_t(1) << 32)) {
     hisparse::copy_rows_kernel<kThreads, uint32_t><<<int(blocks), kThreads, 0, cuda_stream>>>(p);
   } else {
     hisparse::copy_rows_kernel<kThreads, uint64_t><<<int(blocks), kThreads, 0, cuda_stream>>>(p);
@@ -372,8 +375,8 @@ void require_plan(const TensorView& plan, const char* op) {
 
 bool is_index(const TensorView& t) { return is_int(t, 32) || is_int(t, 64); }
 
-constexpr int kDecodeRowThreads = 128;
-constexpr int kBackupNewestRowsPerBlock = kDecodeRowThreads / 32;  // one warp per batch row
+using hisparse::kBackupNewestRowsPerBlock;
+using hisparse::kDecodeRowThreads;
 
 // Launches a decode-row kernel over `blocks` blocks and checks the launch.
 template <typename Params>

@@ -106,3 +106,31 @@ def test_a_top_k_the_kernel_cannot_run_blames_top_k_and_its_origin():
     assert message.startswith("top_k 8192"), message  # not "device_buffer_size (...)", which nobody set
     with pytest.raises(HiSparseConfigError, match=r"top_k \(20000\) must be <= 8192"):
         HiSparseConfig.from_json('{"top_k": 20000}')
+
+
+def kernel_constants() -> dict[str, int]:
+    """The ``constexpr`` integers of csrc/swap_in_config.h, evaluated in order."""
+    import re
+    from pathlib import Path
+
+    header = Path(__file__).resolve().parents[1] / "csrc" / "swap_in_config.h"
+    values: dict[str, int] = {}
+    for name, expression in re.findall(r"constexpr\s+[\w ]+?\s+(k\w+)\s*=\s*([^;]+);", header.read_text()):
+        values[name] = eval(expression, {}, dict(values))  # integer literals, names above, + - * / << >>
+    return values
+
+
+def test_the_kernel_header_and_python_agree_on_shared_constants():
+    """A limit or table size stated on both sides of the binding is the same number on both."""
+    from hisparse_sglang.ops import reference, swap_in_limits
+
+    k = kernel_constants()
+    assert k["kAgeCap"] == reference.AGE_CAP
+    assert k["kMaxBufferSize"] == swap_in_limits.MAX_DEVICE_BUFFER_SIZE
+    assert (k["kCoarseBuckets"], k["kFineBuckets"]) == (swap_in_limits.COARSE_BUCKETS, swap_in_limits.FINE_BUCKETS)
+    assert k["kCoarseBuckets"] * k["kFineBuckets"] == k["kAgeCap"] + 1  # every capped age has one bucket pair
+    # the hash set of the misses (2 x top_k, a power of two) is indexed by int16
+    assert 2 * swap_in_limits.MAX_TOP_K <= 1 << k["kMaxHashBits"] and k["kMaxHashBits"] <= 15
+    assert k["kBitmapWordBits"] == 32 and k["kWarpSize"] == 32
+    plan = swap_in_plan(2048, 4096)
+    assert plan.offsets["fine"] - plan.offsets["coarse"] == 4 * k["kCoarseBuckets"]

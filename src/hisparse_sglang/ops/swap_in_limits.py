@@ -41,7 +41,7 @@ SWAP_IN_BLOCK_SIZES = (256, 512, 1024)
 DEFAULT_THREADS = 1024
 # Slot ids are int16 in the token -> slot map, the victim list and the slot ages.
 MAX_DEVICE_BUFFER_SIZE = 32767
-# The largest top_k the binding accepts (csrc/swap_in.cuh kMaxHashBits: the hash table of the
+# The largest top_k the binding accepts (csrc/swap_in_config.h kMaxHashBits: the hash table of the
 # misses, 2 x top_k entries rounded up to a power of two, is indexed by int16); on sm_90 the
 # shared-memory plan caps top_k lower (4096, see largest_top_k).
 MAX_TOP_K = 8192
@@ -50,7 +50,9 @@ MAX_TOP_K = 8192
 # SGLang's main process, which must not initialise CUDA (the schedulers it starts would inherit it).
 SM90_SHARED_MEMORY_PER_BLOCK = 232448
 
-_AGE_BUCKETS = 256 + 128  # coarse (age >> 7) and fine (age & 127) histograms of the slot ages
+# The two histograms of the slot ages (csrc/swap_in_config.h): coarse by age >> 7, fine by age & 127.
+COARSE_BUCKETS = 256
+FINE_BUCKETS = 128
 _ROLE_ALIGN = 128  # the role's area starts on a 128-byte line (same bank mapping as at offset 0)
 
 # Order of the plan as it travels to the binding (an int64 tensor): csrc/swap_in.cuh SwapInSmemPlan.
@@ -115,8 +117,8 @@ def swap_in_plan(top_k: int, buffer_size: int, threads: int | None = None) -> Sw
     region("token_of_slot", buffer_size, 4)
     region("entry_state", top_k, 4)
     region("slot_hit", -(-buffer_size // 32), 4)
-    region("coarse", 256, 4)
-    region("fine", _AGE_BUCKETS - 256, 4)
+    region("coarse", COARSE_BUCKETS, 4)
+    region("fine", FINE_BUCKETS, 4)
     region("miss_hash", top_k, 2)
     region("victim_slot", top_k, 2)
     region("slot_age", buffer_size, 2)
