@@ -7,6 +7,7 @@ __all__ = [
     "HiSparseConfigError",
     "HiSparseMemoryError",
     "PoolExhaustedError",
+    "SharedHostPoolError",
     "KernelBuildError",
     "UnsupportedSetupError",
     "MooncakeRegistrationError",
@@ -28,6 +29,10 @@ class HiSparseMemoryError(HiSparseError, RuntimeError):
 
 class PoolExhaustedError(HiSparseMemoryError):
     """A pool has fewer free rows than an operation needs; callers check capacity first."""
+
+
+class SharedHostPoolError(HiSparseMemoryError):
+    """The TP ranks of a node could not share one host pool (memory/shared_host_pool.py)."""
 
 
 class KernelBuildError(HiSparseError, RuntimeError):

@@ -25,6 +25,7 @@ import mmap
 import os
 import threading
 import time
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -34,6 +35,8 @@ from hisparse_sglang.errors import HiSparseMemoryError
 __all__ = [
     "HostRegion",
     "CudaRegistrar",
+    "anonymous_mapping",
+    "request_huge_pages",
     "plan_chunks",
     "Progress",
     "default_threads",
@@ -139,6 +142,29 @@ class CudaRegistrar:
         self._runtime.cudaHostUnregister(address)
 
 
+def anonymous_mapping(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping of ``nbytes`` with transparent huge pages requested."""
+    try:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, OverflowError, ValueError) as exc:
+        raise HiSparseMemoryError(
+            f"could not map {nbytes / 2**30:.2f} GiB of host memory for the HiSparse host pool: {exc}. Lower "
+            f"host_to_device_ratio in --hisparse-config or --mem-fraction-static."
+        ) from exc
+    request_huge_pages(mapping)
+    return mapping
+
+
+def request_huge_pages(mapping: mmap.mmap) -> None:
+    """Ask for 2 MiB pages (512x fewer faults, pins and page-table entries); where transparent huge
+    pages are off for this kind of memory, 4 KiB pages work, only slower."""
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+
+
 @dataclasses.dataclass
 class _Timing:
     touch_s: float = 0.0
@@ -157,6 +183,10 @@ class HostRegion:
         threads: worker threads (default :func:`default_threads`).
         log_every_s: seconds between progress lines while the work runs.
         clock: monotonic time source (tests pass a fake one).
+        mapping: an existing mapping of at least ``nbytes`` to use instead of a new anonymous one
+            (a segment shared between processes, memory/shared_host_pool.py); it may be read-only.
+        touch: touch every page first (default). A process that attaches to a segment another
+            process has touched already skips it (a read-only mapping cannot be touched).
 
     Attributes:
         tensor: uint8 ``[nbytes]`` CPU tensor over the region (views of it stay valid while this
@@ -173,6 +203,8 @@ class HostRegion:
         threads: int | None = None,
         log_every_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        mapping: mmap.mmap | None = None,
+        touch: bool = True,
     ) -> None:
         if nbytes < 1:
             raise HiSparseMemoryError(f"a host region needs a positive size, got {nbytes} bytes.")
@@ -181,19 +213,16 @@ class HostRegion:
         self.threads = threads or default_threads()
         self.timing = _Timing()
         self._registered: list[int] = []
-        try:
-            self._mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        except (OSError, OverflowError, ValueError) as exc:
-            raise HiSparseMemoryError(
-                f"could not map {nbytes / 2**30:.2f} GiB of host memory for the HiSparse host pool: {exc}. Lower "
-                f"host_to_device_ratio in --hisparse-config or --mem-fraction-static."
-            ) from exc
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self._mapping.madvise(mmap.MADV_HUGEPAGE)  # 2 MiB pages: 512x fewer faults and pins
-            except OSError:
-                pass  # transparent huge pages disabled: 4 KiB pages work, only slower
-        self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        if mapping is None:
+            mapping = anonymous_mapping(nbytes)
+        elif len(mapping) < nbytes:
+            raise HiSparseMemoryError(f"a host region of {nbytes} bytes cannot use a mapping of {len(mapping)} bytes.")
+        self._mapping = mapping
+        with warnings.catch_warnings():
+            # A read-only mapping (a reader of a shared segment) gives a tensor that must never be
+            # written; torch warns that it cannot enforce that.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes)
         self.address = self.tensor.data_ptr()
         units = register_units if register_units is not None else [(0, nbytes)]
         if registrar is not None and any(offset % REGISTER_ALIGN or offset + length > nbytes for offset, length in units):
@@ -201,10 +230,14 @@ class HostRegion:
                 f"host region of {nbytes} bytes: registration units must start at multiples of {REGISTER_ALIGN} "
                 f"and end inside the region, got {list(units)[:4]}."
             )
-        self._prepare(units, log_every_s, clock)
+        self._prepare(units, log_every_s, clock, touch)
 
-    def _prepare(self, units: Sequence[tuple[int, int]], log_every_s: float, clock: Callable[[], float]) -> None:
+    def _prepare(
+        self, units: Sequence[tuple[int, int]], log_every_s: float, clock: Callable[[], float], touch: bool
+    ) -> None:
         registrar = self.registrar
+        if registrar is None and not touch:
+            return
         if registrar is None and self.nbytes <= TOUCH_CHUNK_BYTES:  # small and pageable: no threads needed
             started = clock()
             self._touch((0, self.nbytes), Progress("touched", self.nbytes, clock))
@@ -213,11 +246,12 @@ class HostRegion:
         initializer = registrar.enter_thread if registrar is not None else None
         with concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="hisparse-pin",
                                                    initializer=initializer) as pool:
-            touched = Progress("touched", self.nbytes, clock)
-            started = clock()
-            self._run(pool, [(self._touch, piece, touched) for piece in plan_chunks([(0, self.nbytes)], TOUCH_CHUNK_BYTES)],
-                      touched, log_every_s)
-            self.timing.touch_s = clock() - started
+            if touch:
+                touched = Progress("touched", self.nbytes, clock)
+                started = clock()
+                pieces = plan_chunks([(0, self.nbytes)], TOUCH_CHUNK_BYTES)
+                self._run(pool, [(self._touch, piece, touched) for piece in pieces], touched, log_every_s)
+                self.timing.touch_s = clock() - started
             if registrar is None:
                 return
             pinned = Progress("pinned", self.nbytes, clock)
