@@ -45,6 +45,7 @@ struct BackupNewestParams {
   uint4* host_kv;  // the same layer's pinned host rows
   int64_t batch;
   int64_t row_words;
+  int fence_system;  // other processes read host_kv: make the stores visible system-wide before exiting
 };
 
 // New locations are distinct and a fresh page's locations belong to its request alone, so the
@@ -78,6 +79,12 @@ __global__ void backup_newest_kernel(const BackupNewestParams p) {
   const uint4* src = p.device_kv + device_row * p.row_words;
   uint4* dst = p.host_kv + host_row * p.row_words;
   for (int64_t w = threadIdx.x % kWarpSize; w < p.row_words; w += kWarpSize) dst[w] = src[w];
+  // A host pool shared by the TP ranks of a node: the other ranks read these rows in a later step,
+  // after the collectives that follow this kernel on this rank's stream. The fence makes this
+  // thread's stores to host memory visible to every device and the host before any later store of
+  // this thread, hence before the kernel completes and the collective starts
+  // (docs/shared-host-pool.md, "Ordering").
+  if (p.fence_system) __threadfence_system();
 }
 
 }  // namespace hisparse

@@ -390,10 +390,11 @@ void launch_decode_rows(void (*kernel)(Params), const Params& params, int64_t bl
 }  // namespace
 
 // Copies each real batch row's newest token (position seq_lens[b] - 1 of request slot
-// req_pool_indices[b]) of one layer from its device row to its host row (its logical location).
+// req_pool_indices[b]) of one layer from its device row to its host row (its logical location);
+// fence_system != 0 fences the stores system-wide (a host pool other processes read).
 void hisparse_backup_newest(
     TensorView req_pool_indices, TensorView seq_lens, TensorView num_real_reqs, TensorView req_to_token,
-    TensorView device_row_of_loc, TensorView device_kv, TensorView host_kv, int64_t stream) {
+    TensorView device_row_of_loc, TensorView device_kv, TensorView host_kv, int64_t fence_system, int64_t stream) {
   constexpr const char* op = "backup_newest";
   require_tensor(on_cuda(req_pool_indices) && req_pool_indices.ndim() == 1 && is_index(req_pool_indices) &&
                      (req_pool_indices.size(0) == 0 || req_pool_indices.stride(0) == 1),
@@ -437,6 +438,7 @@ void hisparse_backup_newest(
   p.host_kv = data_of<uint4>(host_kv);
   p.batch = batch;
   p.row_words = row_bytes / 16;
+  p.fence_system = fence_system != 0;
   const int64_t blocks = (batch + kBackupNewestRowsPerBlock - 1) / kBackupNewestRowsPerBlock;
   launch_decode_rows(hisparse::backup_newest_kernel, p, blocks, stream, op, std::to_string(batch) + " batch rows");
 }

@@ -52,7 +52,9 @@ def newest_case(batch: int, seed: int, row_bytes: int, index_dtype: torch.dtype)
 @pytest.mark.parametrize("batch", [1, 5, 64, 300])
 @pytest.mark.parametrize("row_bytes", [1152, 656])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
-def test_backup_newest_matches_reference(batch, row_bytes, index_dtype):
+@pytest.mark.parametrize("fence_system", [False, True], ids=["private", "shared-writer"])
+def test_backup_newest_matches_reference(batch, row_bytes, index_dtype, fence_system):
+    """fence_system (the writer of a shared host pool) adds a fence, never a different row."""
     from hisparse_sglang.ops import swap_in as ops
 
     req_pool_indices, seq_lens, req_to_token, device_row_of_loc, device_kv, num_locs = newest_case(
@@ -63,7 +65,8 @@ def test_backup_newest_matches_reference(batch, row_bytes, index_dtype):
     expected = torch.full((num_locs, row_bytes), POISON, dtype=torch.uint8)
     reference.backup_newest(req_pool_indices, seq_lens, num_real, req_to_token, device_row_of_loc, device_kv, expected)
     actual = torch.full((num_locs, row_bytes), POISON, dtype=torch.uint8).pin_memory()
-    ops.backup_newest(*to_cuda(req_pool_indices, seq_lens, num_real, req_to_token, device_row_of_loc, device_kv), actual)
+    ops.backup_newest(*to_cuda(req_pool_indices, seq_lens, num_real, req_to_token, device_row_of_loc, device_kv), actual,
+                      fence_system=fence_system)
     torch.cuda.synchronize()
     differ = (actual != expected).any(dim=1).nonzero().flatten()
     assert differ.numel() == 0, f"host rows differ from the reference, first at row {differ[:1].tolist()}"

@@ -195,6 +195,8 @@ def backup_newest(
     device_row_of_loc: torch.Tensor,
     device_kv: torch.Tensor,
     host_kv: torch.Tensor,
+    *,
+    fence_system: bool = False,
 ) -> None:
     """Back up one layer's newest token of every request: ``host_kv[loc] = device_kv[row]``.
 
@@ -211,6 +213,9 @@ def backup_newest(
         req_to_token, device_row_of_loc: as in :class:`SwapInTables`.
         device_kv: ``[rows, ...]`` one layer's device rows.
         host_kv: ``[N, ...]`` the same layer's host rows, same row layout (written).
+        fence_system: the CUDA twin makes its stores visible system-wide before the kernel ends
+            (the writer of a host pool other processes read, memory/shared_host_pool.py); the
+            stores here are the host's own, so there is nothing to do.
     """
     real = min(int(num_real_reqs.reshape(-1)[0]), req_pool_indices.numel())
     if real <= 0:

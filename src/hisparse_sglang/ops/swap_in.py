@@ -265,12 +265,17 @@ def backup_newest(
     device_row_of_loc: torch.Tensor,
     device_kv: torch.Tensor,
     host_kv: torch.Tensor,
+    *,
+    fence_system: bool = False,
 ) -> None:
     """CUDA twin of :func:`hisparse_sglang.ops.reference.backup_newest` (one launch, no host
-    work beyond it: CUDA-graph capturable). ``host_kv`` must be pinned."""
+    work beyond it: CUDA-graph capturable). ``host_kv`` must be pinned. ``fence_system``: every
+    thread ends with ``__threadfence_system()``, for the writer of a host pool that other processes
+    read (docs/shared-host-pool.md, "Ordering"); False (every private pool) launches the kernel as
+    before."""
     load_module().backup_newest(
         req_pool_indices, seq_lens, num_real_reqs, req_to_token, device_row_of_loc, device_kv, host_kv,
-        torch.cuda.current_stream(req_pool_indices.device).cuda_stream,
+        1 if fence_system else 0, torch.cuda.current_stream(req_pool_indices.device).cuda_stream,
     )
 
 
