@@ -8,6 +8,7 @@ __all__ = [
     "HiSparseMemoryError",
     "PoolExhaustedError",
     "SharedHostPoolError",
+    "RankDivergenceError",
     "KernelBuildError",
     "UnsupportedSetupError",
     "MooncakeRegistrationError",
@@ -33,6 +34,11 @@ class PoolExhaustedError(HiSparseMemoryError):
 
 class SharedHostPoolError(HiSparseMemoryError):
     """The TP ranks of a node could not share one host pool (memory/shared_host_pool.py)."""
+
+
+class RankDivergenceError(HiSparseMemoryError):
+    """TP ranks that share a host pool disagree on their allocation state: they would write and read
+    different requests' KV in the same rows (memory/consistency.py)."""
 
 
 class KernelBuildError(HiSparseError, RuntimeError):

@@ -3,6 +3,13 @@
 Admission (after prefill, or PD transfer), the decode step's bindings, each layer's swap-in,
 demotion, promotion, cancel and release. Whom to switch is decided by :class:`ModePolicy`
 (``policy.py``); what is counted and logged lives in :class:`Telemetry` (``telemetry.py``).
+
+Host pool shared by the TP ranks of a node (``ranks_share_host_pool``, memory/shared_host_pool.py):
+only its writer (``host_pool.writable``) backs up new tokens and stages prefills; the readers skip
+both and read what it wrote. Where the writer's stores and a reader's loads are not ordered by the
+collectives inside every layer's forward (docs/shared-host-pool.md, "Ordering"), the ranks wait for
+each other on the host: before demoting a request whose prefill may still be staging.
+``rank_check`` compares the ranks' allocation state every few hundred decode steps.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from hisparse_sglang.coordinator.state import OFFLOADED, RESIDENT, Promotion, Re
 from hisparse_sglang.coordinator.telemetry import CoordinatorStats, SwapCounters, Telemetry
 from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
 from hisparse_sglang.memory.allocator import KVAllocator
+from hisparse_sglang.memory.consistency import RankStateCheck, allocator_fingerprint
 from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 from hisparse_sglang.memory.host_pool import HostKVPool
 from hisparse_sglang.memory.paged import upload_ints
@@ -46,6 +54,12 @@ class Coordinator:
         streams: side streams and events (CPU stand-in by default).
         agree: makes event-dependent decisions identical across TP ranks (all-reduce MIN of a
             list of booleans); identity on one rank.
+        rank_check: compares the allocation state of the TP ranks that share ``host_pool``
+            (:class:`~hisparse_sglang.memory.consistency.RankStateCheck`) every few hundred decode
+            steps; None: no check.
+        ranks_share_host_pool: the ranks of ``agree`` share their nodes' host pools
+            (``memory.shared_host_pool.open_host_pool`` with their group): a wait for another rank's
+            host writes becomes a collective. The same on every rank, also on one alone on its node.
     """
 
     def __init__(
@@ -59,6 +73,8 @@ class Coordinator:
         ops=reference,
         streams: StreamSet | None = None,
         agree: Callable[[list[bool]], list[bool]] | None = None,
+        rank_check: RankStateCheck | None = None,
+        ranks_share_host_pool: bool = False,
     ) -> None:
         if allocator.page_size != config.page_size or buffers.page_size != config.page_size:
             raise HiSparseMemoryError(
@@ -81,6 +97,12 @@ class Coordinator:
         self.device = allocator.device
         self.streams = streams or StreamSet(self.device)
         self.agree = agree or (lambda flags: flags)
+        self.rank_check = rank_check
+        self.ranks_share_host_pool = ranks_share_host_pool
+        # Only the writer of a shared pool (and every private pool) writes host rows; its backups
+        # are fenced system-wide when other processes read them (ops: backup_newest).
+        self._writes_host = host_pool.writable
+        self._fence_backups = host_pool.writable and host_pool.shared
         self.page_size = config.page_size
         self.buffer_size = config.device_buffer_size
         self.policy = ModePolicy(config)
@@ -119,7 +141,8 @@ class Coordinator:
         locs = self.req_to_token[slot, :prefill_len].to(torch.int64)
         rows = self.allocator.translate(locs)
         with self.streams.on(self.streams.staging):
-            self.ops.copy_rows(self.device_layers, self.host_layers, rows, locs)
+            if self._writes_host:  # a reader's staging event completes at once; see _order_after_staging
+                self.ops.copy_rows(self.device_layers, self.host_layers, rows, locs)
             staging = self.streams.record(self.streams.staging)
             self.streams.keep_alive(locs, self.streams.staging)
             self.streams.keep_alive(rows, self.streams.staging)
@@ -213,6 +236,8 @@ class Coordinator:
                 bound = [row for row, (slot, length) in enumerate(zip(slots, seq_lens)) if length >= bind_at[slot]]
         self._assign_new_rows(slots, bound, new_locs)
         self.slots.advance(slots, seq_lens, bound)
+        if self.rank_check is not None and self.rank_check.due(self.streams.step):
+            self.rank_check.check(self.streams.step, self.rank_state())
         if switched:
             # Rows freed this step may still be read by copies in flight: order everything later
             # (every forward waits for the schedule stream) after them.
@@ -261,11 +286,19 @@ class Coordinator:
         """Device rows of one layer's top-k tokens (int32 ``[B, K]``, -1 for padding)."""
         batch = top_k.shape[0]
         tables = self.layer_tables[layer_id]
-        # The layer's new KV is written: back it up before this layer's swap-in reuses any row.
-        self.ops.backup_newest(
-            req_pool_indices, seq_lens, self.num_real_reqs, tables.req_to_token, tables.device_row_of_loc,
-            tables.device_kv, tables.host_kv,
-        )
+        # The layer's new KV is written: back it up before this layer's swap-in reuses any row (a
+        # reader of a shared pool does not: its writer backs the same token up, fenced).
+        if self._writes_host:
+            if self._fence_backups:
+                self.ops.backup_newest(
+                    req_pool_indices, seq_lens, self.num_real_reqs, tables.req_to_token, tables.device_row_of_loc,
+                    tables.device_kv, tables.host_kv, fence_system=True,
+                )
+            else:
+                self.ops.backup_newest(
+                    req_pool_indices, seq_lens, self.num_real_reqs, tables.req_to_token, tables.device_row_of_loc,
+                    tables.device_kv, tables.host_kv,
+                )
         return self.ops.swap_in(
             top_k,
             seq_lens,
@@ -379,6 +412,14 @@ class Coordinator:
             self._demote(record, record.seq_len)
         return self.allocator.device_rows.free_pages >= pages_needed
 
+    def rank_state(self) -> dict[str, int]:
+        """What TP ranks sharing a host pool must agree on: their allocations and their requests."""
+        state = allocator_fingerprint(self.allocator)
+        state["requests"] = len(self.requests)
+        state["offloaded requests"] = self.slots.num_offloaded
+        state["tokens"] = sum(self.slots.seq_len[slot] for slot in self.requests)
+        return state
+
     def stats(self, exact: bool = True) -> CoordinatorStats:
         counters = self.swap_counter_values(exact)
         modes = [record.mode for record in self.requests.values()]
@@ -416,6 +457,7 @@ class Coordinator:
                     if not switching:
                         self.streams.wait_for_producer()
                         switching = True
+                    self._order_after_staging(record)
                     self._demote(record, record.seq_len)
 
         needed = self._relieve_pressure(records)
@@ -503,8 +545,20 @@ class Coordinator:
         """Before demoting a request whose prefill KV may still be streaming to the host: order
         later work of the current stream (every forward that could reuse the freed pages or read
         the host rows) after that copy. A GPU-side wait: a storm of demotions of fresh prefills
-        must not block the scheduler on their copies."""
-        if record.staging is not None and not record.staging.query():
+        must not block the scheduler on their copies.
+
+        With a shared host pool the copy runs in the writer's process, where no event of a reader
+        can see it: the ranks agree whether it is done and, if not, the writer waits for it on the
+        host while the readers wait in a second all-reduce. Every rank calls this for the same
+        requests (identical decisions), and each request's copy is agreed once."""
+        if record.staging is None:
+            return
+        if self.ranks_share_host_pool:
+            if not self.agree([record.staging.query()])[0]:
+                record.staging.synchronize()
+                self.agree([True])
+            record.staging = None
+        elif not record.staging.query():
             record.staging.wait_on_current_stream()
 
     def _demote(self, record: RequestRecord, num_tokens: int) -> None:

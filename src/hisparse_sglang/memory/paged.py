@@ -199,6 +199,10 @@ class PagedAllocator:
         if self.sort_frees:
             self._free[: self._num_free] = torch.sort(self._free[: self._num_free], descending=True).values
 
+    def free_list(self) -> torch.Tensor:
+        """The free page ids in stack order, the next one handed out last (a view; do not modify)."""
+        return self._free[: self._num_free]
+
     def page_rows(self, pages: torch.Tensor) -> torch.Tensor:
         """Rows of the given pages, page after page (int64)."""
         offsets = torch.arange(self.page_size, dtype=torch.int64, device=pages.device)

@@ -92,6 +92,11 @@ class SimulatedServer:
         ops: the op module (reference by default).
         device: where the device pools and tables live.
         checked: verify every free against an ownership table (a host sync per call on a GPU).
+        host_pool: the host pool (default: a private one); a shared one makes this server one TP
+            rank of several (testing/tp_ranks.py), which then also pass:
+        agree, rank_check: as :class:`Coordinator`.
+        collective: called where a TP model's forward has a collective: after each layer's swap-in
+            and at the end of a prefill (the ranks' forwards advance in lockstep through them).
     """
 
     def __init__(
@@ -109,6 +114,10 @@ class SimulatedServer:
         ops=reference,
         device: str = "cpu",
         checked: bool = True,
+        host_pool: HostKVPool | None = None,
+        agree=None,
+        rank_check=None,
+        collective=None,
     ) -> None:
         self.config = config
         self.layer_num = layer_num
@@ -128,7 +137,10 @@ class SimulatedServer:
             layer_num, max_reqs, max(num_buffers, 1), config.device_buffer_size, config.page_size, max_context, device
         )
         self.device = torch.device(device)
-        self.host_pool = HostKVPool(layer_num, host_pages * config.page_size, item_bytes, pin=self.device.type == "cuda")
+        if host_pool is None:
+            host_pool = HostKVPool(layer_num, host_pages * config.page_size, item_bytes, pin=self.device.type == "cuda")
+        self.host_pool = host_pool
+        self.collective = collective or (lambda: None)
         self.device_layers = [
             torch.zeros((device_pages * config.page_size, item_bytes), dtype=torch.uint8, device=device)
             for _ in range(layer_num)
@@ -144,6 +156,9 @@ class SimulatedServer:
             self.req_to_token,
             ops=ops,
             streams=self.streams,
+            agree=agree,
+            rank_check=rank_check,
+            ranks_share_host_pool=host_pool.shared,  # the simulated ranks run on one node
         )
         self.max_reqs = max_reqs
         self.free_slots = list(range(max_reqs - 1, -1, -1))
@@ -222,6 +237,7 @@ class SimulatedServer:
             self.req_to_token[slot, start:end] = locs.to(torch.int32)
             self._write_kv(uid, slot, torch.arange(start, end))
             start = end
+        self.collective()  # the prefill forward's last collective: every rank has written its KV
         self.coordinator.admit_prefilled(slot, prompt_len)
         self.requests[uid] = _SimRequest(
             uid, slot, prompt_len, prompt_len + output_len, "staging", [self._initial_selection(prompt_len) for _ in range(self.layer_num)]
@@ -271,6 +287,7 @@ class SimulatedServer:
         for layer_id in range(self.layer_num):
             top_k = torch.stack([self._select(r, layer_id) for r in batch]).to(torch.int32)
             rows = self.coordinator.swap_in(slots, seq_lens.to(self.device), top_k.to(self.device), layer_id)
+            self.collective()  # the layer's all-reduce, after its attention
             self.last_rows.append(rows.cpu().clone())
             if self.verify:
                 self._verify_rows(batch, top_k, rows.cpu(), layer_id)
