@@ -18,6 +18,7 @@ def test_defaults_without_text():
     assert config.host_to_device_ratio == 2
     assert config.page_size == 64
     assert config.resident_first is True
+    assert config.share_host_pool_across_tp is False, "experimental: opt-in"
     assert config.padded_buffer_size == 4096 + 64
     assert HiSparseConfig.from_json("  ") == config
 
@@ -42,11 +43,12 @@ def test_all_knobs_round_trip():
     text = (
         '{"top_k": 1024, "device_buffer_size": 6144, "host_to_device_ratio": 4, "page_size": 64,'
         ' "swap_in_block_size": 512, "resident_first": false, "promote_free_fraction": 0.5,'
-        ' "switch_cooldown_steps": 3, "max_switches_per_step": 2}'
+        ' "switch_cooldown_steps": 3, "max_switches_per_step": 2, "share_host_pool_across_tp": true}'
     )
     config = HiSparseConfig.from_json(text)
     assert HiSparseConfig.from_json(config.to_json()) == config
     assert config.resident_first is False and config.swap_in_block_size == 512
+    assert config.share_host_pool_across_tp is True
 
 
 def test_config_is_frozen():
@@ -85,6 +87,11 @@ MALFORMED = [
     ('{"swap_in_block_size": 128}', None, ["swap_in_block_size (128) must be one of", "(256, 512, 1024)"]),
     ('{"resident_first": "yes"}', None, ["resident_first must be true or false"]),
     ('{"resident_first": 1}', None, ["resident_first must be true or false"]),
+    ('{"share_host_pool_across_tp": "no"}', None,
+     ["share_host_pool_across_tp must be true or false", "'no'", "write false (the default", "experimental"]),
+    ('{"share_host_pool_across_tp": 0}', None, ["share_host_pool_across_tp must be true or false, got 0", "true"]),
+    ('{"share_host_pool_across_tp": null}', None, ["share_host_pool_across_tp must be true or false", "write false"]),
+    ('{"share_host_pool_accross_tp": true}', None, ["Did you mean 'share_host_pool_across_tp'?"]),
     ('{"promote_free_fraction": 1.5}', None, ["promote_free_fraction (1.5) must be in [0, 1)"]),
     ('{"promote_free_fraction": -0.1}', None, ["promote_free_fraction (-0.1) must be in [0, 1)"]),
     ('{"promote_free_fraction": NaN}', None, ["NaN", "finite number"]),
@@ -119,6 +126,8 @@ def test_non_string_input_is_rejected():
 def test_direct_construction_validates_too():
     with pytest.raises(HiSparseConfigError, match="device_buffer_size"):
         HiSparseConfig(top_k=4096, device_buffer_size=2048)
+    with pytest.raises(HiSparseConfigError, match="share_host_pool_across_tp must be true or false, got 1; write"):
+        HiSparseConfig(share_host_pool_across_tp=1)  # type: ignore[arg-type]
 
 
 # Hostile inputs: (json text, the key the message must name, a fragment of its fix).
@@ -150,6 +159,7 @@ HOSTILE = [
     ('{"top_k": 1e300}', "top_k", "[1, 8192]"),
     ('{"top_k": "2048"}', "top_k", "without quotes"),
     ('{"resident_first": 0}', "resident_first", "true or false"),
+    ('{"share_host_pool_across_tp": "%s"}' % ("\u00e9" * 300_000), "share_host_pool_across_tp", "write false"),
     ('{"promote_free_fraction": true}', "promote_free_fraction", "[0, 1)"),
     ('{"swap_in_block_size": false}', "swap_in_block_size", "256"),
     ('{"max_switches_per_step": null}', "max_switches_per_step", "remove max_switches_per_step"),

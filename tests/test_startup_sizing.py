@@ -12,6 +12,7 @@ from hisparse_sglang.integration.sglang.limits import (
     check_device_pool,
     check_host_pool,
     host_memory_available,
+    host_pools_on_host,
 )
 
 GiB = 2**30
@@ -86,6 +87,18 @@ def test_host_pool_that_fits_passes_and_one_that_does_not_names_sizes_and_the_la
                      "MemAvailable", f"host_to_device_ratio <= {largest}", "(now 10)"):
         assert fragment in message, message
     check_host_pool(per_ratio(largest), 8, per_ratio, largest, HostMemory(300 * GiB, "MemAvailable"))
+
+
+def test_a_host_pool_shared_by_the_tp_ranks_of_a_host_counts_once():
+    hosts = ["a", "a", "a", "a", "b", "b", "b", "b"]  # TP 8 over two hosts
+    assert host_pools_on_host(hosts, "a", shared=False) == 4 and host_pools_on_host(hosts, "a", shared=True) == 1
+    assert host_pools_on_host(["a"], "a", shared=True) == 1
+    # 8 private pools do not fit 300 GiB; the one they share does
+    with pytest.raises(HiSparseMemoryError):
+        check_host_pool(per_ratio(10), host_pools_on_host(["a"] * 8, "a", False), per_ratio, 10,
+                        HostMemory(300 * GiB, "MemAvailable"))
+    check_host_pool(per_ratio(10), host_pools_on_host(["a"] * 8, "a", True), per_ratio, 10,
+                    HostMemory(300 * GiB, "MemAvailable"))
 
 
 def test_host_pool_that_no_ratio_fits_says_what_else_to_do(caplog):

@@ -67,6 +67,10 @@ class HiSparseConfig:
         max_switches_per_step: most promotions the coordinator starts in one scheduler step
             (bounds the copies added to any step; demotions copy nothing and happen only as
             far as memory pressure requires).
+        share_host_pool_across_tp: experimental, off by default. With TP > 1 and DP attention
+            off, the TP ranks of a node map one host pool (written by one of them) instead of one
+            identical pool each; no effect with DP attention or one rank per node. Proven on the
+            CPU only (docs/shared-host-pool.md).
     """
 
     top_k: int = DEFAULT_TOP_K
@@ -79,6 +83,7 @@ class HiSparseConfig:
     switch_cooldown_steps: int = 32
     max_switches_per_step: int = 8
     pd_quarantine_s: float = 60.0
+    share_host_pool_across_tp: bool = False
 
     def __post_init__(self) -> None:
         _validate(dataclasses.asdict(self), origins={})
@@ -156,6 +161,7 @@ _KINDS = {
     "switch_cooldown_steps": "int",
     "max_switches_per_step": "int",
     "pd_quarantine_s": "float",
+    "share_host_pool_across_tp": "bool",
 }
 # Integer keys: (minimum, maximum, what to do), the one statement of each range.
 _INT_RANGES = {
@@ -166,6 +172,13 @@ _INT_RANGES = {
     "swap_in_block_size": (min(SWAP_IN_BLOCK_SIZES), max(SWAP_IN_BLOCK_SIZES), "use 256, 512, 1024 or null"),
     "switch_cooldown_steps": (0, 1_000_000, "32 is the default"),
     "max_switches_per_step": (1, 65536, "8 is the default"),
+}
+# Boolean keys whose fix says more than "write true or false".
+_BOOL_FIXES = {
+    "share_host_pool_across_tp": (
+        "write false (the default: one host pool per TP rank) or true (experimental: one per node, "
+        "docs/shared-host-pool.md)"
+    ),
 }
 # Float keys: the range in words (the bounds themselves are checked in _validate).
 _FLOAT_RANGES = {
@@ -386,6 +399,10 @@ def _unknown_key_message(key: Any, known: tuple[str, ...]) -> str:
     return f"unknown key {_quoted(key)} in --hisparse-config.{hint} Known keys: {', '.join(known)}."
 
 
+def _not_a_bool(name: str, value: Any) -> str:
+    return f"{name} must be true or false, got {_shown(value)}; {_BOOL_FIXES.get(name, 'write true or false')}."
+
+
 def _coerce(name: str, value: Any) -> Any:
     """Type-check one raw JSON value; range checks happen in _validate."""
     kind = _KINDS[name]
@@ -394,7 +411,7 @@ def _coerce(name: str, value: Any) -> Any:
         raise HiSparseConfigError(f"{name} is {_shown(value)}; use {expected}.")
     if kind == "bool":
         if not isinstance(value, bool):
-            raise HiSparseConfigError(f"{name} must be true or false, got {_shown(value)}; write true or false.")
+            raise HiSparseConfigError(_not_a_bool(name, value))
         return value
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -492,10 +509,9 @@ def _validate(values: dict[str, Any], origins: dict[str, str]) -> None:
         )
     check_swap_in_fits(top_k, buffer, page_size, threads, top_k_origin=top_k_origin)
     check("host_to_device_ratio")
-    if not isinstance(values["resident_first"], bool):
-        raise HiSparseConfigError(
-            f"resident_first must be true or false, got {_shown(values['resident_first'])}; write true or false."
-        )
+    for name in ("resident_first", "share_host_pool_across_tp"):
+        if not isinstance(values[name], bool):
+            raise HiSparseConfigError(_not_a_bool(name, values[name]))
     _check_number(
         "promote_free_fraction", values["promote_free_fraction"], 0.0, 1.0, True,
         ": it is the share of the device pool that must stay free after a promotion (0.25 is the default).",

@@ -35,8 +35,12 @@ def token_values(uid: int, positions: torch.Tensor, layer: int):
 
 
 class Stack:
+    """SGLang's pools and our adapter on CPU tensors. ``tp_group``/``dp_attention``/``share_host_pool`` make it
+    one TP rank (tests/sglang/tp_share_peer.py); ``collective`` runs where a TP forward has its all-reduces."""
+
     def __init__(
-        self, resident_first=True, device_tokens=PAGE * 40, ratio=4, buffer_size=256, top_k=128, req_to_token_pool=None
+        self, resident_first=True, device_tokens=PAGE * 40, ratio=4, buffer_size=256, top_k=128, req_to_token_pool=None,
+        tp_group=None, dp_attention=False, share_host_pool=False, collective=None,
     ):
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -48,6 +52,7 @@ class Stack:
         self.config = HiSparseConfig(
             top_k=top_k, device_buffer_size=buffer_size, host_to_device_ratio=ratio,
             resident_first=resident_first, switch_cooldown_steps=2, promote_free_fraction=0.0,
+            share_host_pool_across_tp=share_host_pool,
         )
         self.pool = HiSparseDevicePool(
             size=device_tokens, page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16, qk_rope_head_dim=64,
@@ -62,8 +67,11 @@ class Stack:
         self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(
             size=8, max_context_len=4096, device="cpu", enable_memory_saver=False
         )
-        self.coordinator = self.pool.runtime.start(self.config, self.req_to_token_pool, "cpu")
+        self.coordinator = self.pool.runtime.start(
+            self.config, self.req_to_token_pool, "cpu", tp_group=tp_group, dp_attention=dp_attention
+        )
         assert isinstance(self.coordinator, SGLangHiSparseCoordinator)
+        self.collective = collective or (lambda: None)
         self.cache = compat.disabled_prefix_cache(self.req_to_token_pool, self.allocator, PAGE)
         self.layers = [types.SimpleNamespace(layer_id=i) for i in range(LAYERS)]
         self.lens: dict[str, int] = {}
@@ -99,6 +107,7 @@ class Stack:
         compat.begin_prefill(req, prompt_len)
         self.write_kv(req, torch.arange(prompt_len))
         self.lens[req.rid] = prompt_len
+        self.collective()  # the prefill forward's last all-reduce
         self.coordinator.admit_request_into_staging(req)
         assert req.hisparse_staging
 
@@ -124,6 +133,7 @@ class Stack:
                 top_k[b, : chosen.numel()] = chosen.to(torch.int32)
                 top_k[b, -1] = self.lens[r.rid] - 1
             rows = self.coordinator.swap_in_selected_pages(slots, lens, top_k, layer.layer_id)
+            self.collective()  # the layer's all-reduce, after its attention
             for b, r in enumerate(reqs):
                 valid = top_k[b] >= 0
                 positions = top_k[b][valid].to(torch.int64)

@@ -166,7 +166,8 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
 
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
         """Restore :meth:`get_cpu_copy`'s copy at the resumed request's new locations; SGLang then
-        admits the request like a PD transfer (``admit_request_direct``, hooked on load_kv_cache)."""
+        admits the request like a PD transfer (``admit_request_direct``, hooked on load_kv_cache).
+        With a host pool shared by the TP ranks only its writer writes, and the others wait for it."""
         host_pool = self._host_pool()
         locs = indices.to(device="cpu", dtype=torch.int64)
         kv = kv_cache_cpu["kv"]
@@ -175,8 +176,10 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
                 f"retracted KV copy has {len(kv)} layers of {[part.shape[0] for part in kv][:1]} rows; the "
                 f"resumed request has {host_pool.layer_num} layers and {locs.numel()} locations."
             )
-        for layer, part in zip(host_pool.layers, kv):
-            layer[locs] = part
+        if host_pool.writable:
+            for layer, part in zip(host_pool.layers, kv):
+                layer[locs] = part
+        self.runtime.coordinator.publish_host_writes()
         self._kvcache.load_index_k(kv_cache_cpu["index_k"], indices)
 
     def _host_pool(self):

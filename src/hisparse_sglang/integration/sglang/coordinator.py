@@ -22,8 +22,10 @@ from hisparse_sglang.errors import HiSparseMemoryError
 from hisparse_sglang.integration.sglang import compat, limits
 from hisparse_sglang.integration.sglang.mooncake import HostRegions
 from hisparse_sglang.integration.sglang.runtime import host_pages_for
+from hisparse_sglang.memory.consistency import RankStateCheck, gather_ints
 from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 from hisparse_sglang.memory.host_pool import HostKVPool
+from hisparse_sglang.memory.shared_host_pool import open_host_pool
 from hisparse_sglang.streams import StreamSet
 
 __all__ = ["SGLangHiSparseCoordinator", "HiSparseTokenStats"]
@@ -99,9 +101,17 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         pool: the HiSparseDevicePool SGLang built.
         device: the model runner's device.
         tp_group: CPU process group whose ranks must take identical decisions (None: one rank).
+        dp_attention: SGLang runs DP attention (its ranks hold other requests: no shared host pool).
+
+    Attributes:
+        shares_host_pool: the TP ranks of each node map one host pool (``share_host_pool_across_tp``
+            on, more than one rank in ``tp_group``, DP attention off); the same on every rank.
     """
 
-    def __init__(self, runtime, config: HiSparseConfig, req_to_token_pool, allocator, pool, device, tp_group=None) -> None:
+    def __init__(
+        self, runtime, config: HiSparseConfig, req_to_token_pool, allocator, pool, device, tp_group=None,
+        dp_attention: bool = False,
+    ) -> None:
         self.runtime = runtime
         self.config = config
         self.device = torch.device(device)
@@ -113,11 +123,15 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         rows = allocator.rows
         layers = pool.kv_rows()
         item_bytes = layers[0].shape[1]
+        self.shares_host_pool = _shares_host_pool(config, tp_group, dp_attention)
         _check_host_memory(
             len(layers) * rows.num_locs * item_bytes, config, allocator=allocator, row_bytes=len(layers) * item_bytes,
-            tp_group=tp_group, device_pool_pages=rows.device_rows.capacity_pages,
+            tp_group=tp_group, device_pool_pages=rows.device_rows.capacity_pages, shared=self.shares_host_pool,
         )
-        self.host_pool = HostKVPool(len(layers), rows.num_locs, item_bytes, pin=self.device.type == "cuda")
+        self.host_pool = open_host_pool(
+            len(layers), rows.num_locs, item_bytes, pin=self.device.type == "cuda",
+            group=tp_group if self.shares_host_pool else None,
+        )
         num_req_slots, context_len = req_to_token_pool.req_to_token.shape
         # No more requests can be offloaded at once than there are request slots; a pool smaller
         # than one buffer was refused by _check_host_memory.
@@ -142,6 +156,8 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         self.core = Coordinator(
             config, rows, self.buffers, self.host_pool, layers, req_to_token_pool.req_to_token,
             ops=ops, streams=self.streams, agree=self._agree,
+            rank_check=RankStateCheck(gather_ints(tp_group)) if self.shares_host_pool else None,
+            ranks_share_host_pool=self.shares_host_pool,
         )
         self.allocator = allocator
         self.num_real_reqs = self.core.num_real_reqs
@@ -314,6 +330,13 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
             "host_rows_quarantined": self.runtime.quarantine.pages_held * self.config.page_size,
         }
 
+    def publish_host_writes(self) -> None:
+        """After host rows were written on the scheduler's thread (PD retract-resume, ``load_cpu_copy``),
+        before any rank reads them: with a shared pool only its writer wrote, and the readers wait here
+        for it (an all-reduce every rank makes at the same call)."""
+        if self.shares_host_pool:
+            self._agree([True])
+
     # ------------------------------------------------------------------ helpers
     def _agree(self, flags: list[bool]) -> list[bool]:
         """All-reduce MIN over the TP group so every rank takes the same decisions."""
@@ -343,14 +366,38 @@ def _check_device_memory(needed: int, device: torch.device, shape: tuple) -> Non
         )
 
 
+def _group_size(group) -> int:
+    return 1 if group is None else torch.distributed.get_world_size(group=group)
+
+
+def _shares_host_pool(config: HiSparseConfig, tp_group, dp_attention: bool) -> bool:
+    """Whether the TP ranks of each node map one host pool: the switch is on, the group has more than
+    one rank, and DP attention is off (with it the ranks hold different requests). Every rank of the
+    group decides alike (the same server arguments)."""
+    if not config.share_host_pool_across_tp:
+        return False
+    if dp_attention or _group_size(tp_group) == 1:
+        logger.info(
+            "HiSparse: share_host_pool_across_tp has no effect here (%s): every rank keeps its own host pool.",
+            "DP attention gives the ranks different requests" if dp_attention else "one TP rank",
+        )
+        return False
+    logger.warning(
+        "HiSparse: share_host_pool_across_tp is on: the TP ranks of each node share one host pool. This is "
+        "experimental and has run on the CPU only (docs/shared-host-pool.md); set it to false to give every rank "
+        "its own pool."
+    )
+    return True
+
+
 def _check_host_memory(
     needed: int, config: HiSparseConfig, allocator=None, row_bytes: int | None = None, tp_group=None,
-    device_pool_pages: int | None = None,
+    device_pool_pages: int | None = None, shared: bool = False,
 ) -> None:
     """What must hold before the host pool is pinned (minutes on a large host): the GPU KV pool
     (``device_pool_pages``, sized by SGLang) holds one offloaded request's buffer, and the host pools
-    of every rank of ``tp_group`` on this host (``needed`` bytes each) fit the memory the host, or
-    its cgroup, has available.
+    of every rank of ``tp_group`` on this host (``needed`` bytes each; one in all when ``shared``) fit
+    the memory the host, or its cgroup, has available.
 
     With ``allocator`` (device pool size, page size) and ``row_bytes`` (one token of every layer) the
     message gives the largest host_to_device_ratio that fits. ``tp_group`` is the CPU group the
@@ -359,10 +406,10 @@ def _check_host_memory(
     if device_pool_pages is not None:
         limits.check_device_pool(device_pool_pages, config)
     pools_on_host = 1
-    if tp_group is not None and torch.distributed.get_world_size(group=tp_group) > 1:
-        hosts: list = [None] * torch.distributed.get_world_size(group=tp_group)
+    if _group_size(tp_group) > 1:
+        hosts: list = [None] * _group_size(tp_group)
         torch.distributed.all_gather_object(hosts, socket.gethostname(), group=tp_group)
-        pools_on_host = hosts.count(socket.gethostname())
+        pools_on_host = limits.host_pools_on_host(hosts, socket.gethostname(), shared)
 
     def bytes_for_ratio(ratio: int) -> int:
         if allocator is None or row_bytes is None:

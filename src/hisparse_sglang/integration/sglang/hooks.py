@@ -102,7 +102,8 @@ def _maybe_init_hisparse_coordinator(self) -> None:
     index_topk = getattr(self.model_config.hf_text_config, "index_topk", None)
     config = config_from_server_args(self.server_args, model_index_topk=index_topk)
     self.hisparse_coordinator = runtime.start(
-        config, self.req_to_token_pool, self.device, tp_group=compat.coordinator_cpu_group(self)
+        config, self.req_to_token_pool, self.device, tp_group=compat.coordinator_cpu_group(self),
+        dp_attention=bool(getattr(self.server_args, "enable_dp_attention", False)),
     )
 
 

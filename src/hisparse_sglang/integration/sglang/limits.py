@@ -24,6 +24,7 @@ __all__ = [
     "HostMemory",
     "host_memory_available",
     "check_host_pool",
+    "host_pools_on_host",
     "check_device_pool",
     "HOST_MEMORY_USABLE_FRACTION",
 ]
@@ -179,6 +180,13 @@ def _cgroup_headroom(root: pathlib.Path) -> int | None:
     return min(headrooms) if headrooms else None
 
 
+def host_pools_on_host(hostnames: list[str], hostname: str, shared: bool) -> int:
+    """Host pools the ranks of a TP group (``hostnames``, one per rank) start on ``hostname``: one per
+    rank there, or one for all of them when they share it (docs/shared-host-pool.md)."""
+    ranks_here = hostnames.count(hostname)
+    return min(ranks_here, 1) if shared else ranks_here
+
+
 def check_host_pool(
     pool_bytes: int,
     pools_on_host: int,
@@ -190,7 +198,7 @@ def check_host_pool(
 
     Args:
         pool_bytes: this scheduler process's host pool.
-        pools_on_host: host pools of this size that start on this host (one per TP rank on it).
+        pools_on_host: host pools of this size that start on this host (:func:`host_pools_on_host`).
         bytes_for_ratio: host pool bytes of one process for a given host_to_device_ratio.
         host_to_device_ratio: the configured ratio.
         memory: what the host has available (:func:`host_memory_available`); None skips the check.
