@@ -44,6 +44,8 @@ from pd_peer import (
     run_peer,
 )
 
+from hisparse_sglang.integration.sglang import compat
+
 
 class _Decode:
     def __init__(self, conn, side: DecodeSide) -> None:
@@ -53,6 +55,7 @@ class _Decode:
         self.granted: dict[str, torch.Tensor] = {}
         self.slots: dict[str, int] = {}
         self.transferred: dict = {}  # KV arrived, not admitted yet
+        self.failing: dict[str, str] = {}  # rid -> abort message: aborted, their KV not released yet
         self.admitted: dict = {}
         self.watch: dict[str, int] = {}  # rid -> pages of its first chunk not seen landed yet
         self.held_pages: set[int] = set()
@@ -77,11 +80,10 @@ class _Decode:
 
     def abort(self, command) -> None:
         from sglang.srt.managers.io_struct import AbortReq
-        from sglang.srt.managers.scheduler import Scheduler
 
         rid = command["rid"]
         waiting = self.reqs[rid] in self.side.waiting_queue
-        Scheduler.abort_request(self.side.view, AbortReq(rid=rid))
+        self.side.view.abort_request(AbortReq(rid=rid))
         if waiting:
             self.admitted.pop(rid)
         self.conn.send(
@@ -117,7 +119,7 @@ class _Decode:
             req = self.admitted[rid] = self.transferred.pop(rid)
             side.coordinator.admit_request_direct(req)
             side.waiting_queue.append(req)
-            record = side.coordinator.core.requests[req.req_pool_idx]
+            record = side.coordinator.core.requests[compat.req_slot(req)]
             modes[rid] = record.mode
             rows = side.pool.translate_loc_to_hisparse_device(self.granted[rid]).to(torch.int64)
             spec = self.specs[rid]
@@ -149,13 +151,11 @@ class _Decode:
         )
 
     def release(self, command) -> None:
-        from sglang.srt.mem_cache.common import release_kv_cache
-
         for rid in command["rids"]:
             req = self.admitted.pop(rid)
             self.side.waiting_queue.remove(req)
             self.side.coordinator.request_finished(req)
-            release_kv_cache(req, self.side.tree_cache, is_insert=False)
+            compat.release_kv_cache(req, self.side.tree_cache)
 
     def register_again(self, command) -> None:
         from hisparse_sglang.errors import MooncakeRegistrationError
@@ -183,7 +183,7 @@ class _Decode:
         preallocated, _ = side.prealloc_queue.pop_preallocated()
         for decode_req in preallocated:
             req = decode_req.req
-            slot = self.slots[req.rid] = req.req_pool_idx
+            slot = self.slots[req.rid] = compat.req_slot(req)
             locations = side.req_to_token_pool.req_to_token[slot, : self.specs[req.rid].tokens].to(torch.int64)
             self.granted[req.rid] = locations
             pages = locations[::PAGE] // PAGE
@@ -202,8 +202,15 @@ class _Decode:
             self.transferred[req.rid] = req
             self.conn.send({"event": "transferred", "rid": req.rid, "output_ids": list(req.output_ids)})
         for rid, message in side.streamer.aborted[aborted_before:]:
-            # SGLang's failure path ran request_finished and release_kv_cache for this request
             self.watch.pop(rid, None)
+            self.failing[rid] = message
+            self.conn.send({"event": "aborted", "rid": rid, "reason": message})  # the transfer failed
+        # SGLang's failure path runs request_finished and release_kv_cache for these requests (from
+        # 0.5.21 once the prefill acknowledged that its writes drained, or 30 s later if it cannot:
+        # a dead prefill); "failed" reports the release
+        compat.resolve_deferred_releases(side.transfer_queue)
+        for rid in [rid for rid in self.failing if compat.req_slot_or_none(self.reqs[rid]) is None]:
+            message = self.failing.pop(rid)
             self.conn.send(
                 {"event": "failed", "rid": rid, "reason": message, "time": time.monotonic(), **self._release_report(rid)}
             )
@@ -217,7 +224,7 @@ class _Decode:
         pages = (self.granted[rid][::PAGE] // PAGE).tolist() if rid in self.granted else []
         held = set(self.side.allocator.quarantine.held_pages().tolist())
         return {
-            "slot_released": self.reqs[rid].req_pool_idx is None,
+            "slot_released": compat.req_slot_or_none(self.reqs[rid]) is None,
             "coordinator_forgot": slot is None
             or (slot not in coordinator.core.requests and slot not in coordinator.mem_pool_host.preallocated),
             "pages": pages,

@@ -35,6 +35,8 @@ from array import array
 
 import torch
 
+from hisparse_sglang.integration.sglang import compat
+
 PAGE = 64
 LAYERS = 3
 POISON = 0xA5
@@ -172,12 +174,14 @@ def start_process(mode: str, bootstrap_port: int, layout: Layout, env: dict[str,
         disaggregation_mode=mode,
         disaggregation_transfer_backend="mooncake_tcp",
         disaggregation_bootstrap_port=bootstrap_port,
+        # resolved at launch from the KV pool from 0.5.18: CPU tensors for a DSA pool
+        **(dict(disaggregation_decode_retraction_backup="cpu_tensor") if compat.retraction_backup_is_configurable() else {}),
     )
     # The dummy model skips __post_init__'s handlers; this one turns mooncake_tcp into mooncake +
     # MC_FORCE_TCP=1 (Mooncake's TCP transport, no RDMA device needed).
     handle_pd_disaggregation(server_args)
     init_single_rank_scheduler(server_args)
-    maybe_init_shared_mooncake_transfer_engine(server_args=server_args, gpu_id=0)
+    compat.call(maybe_init_shared_mooncake_transfer_engine, gpu_id=0, optional=dict(server_args=server_args))
     return server_args
 
 
@@ -255,7 +259,7 @@ class _Prefill:
         self.conn, self.bootstrap_port = conn, bootstrap_port
         server_args = start_process("prefill", bootstrap_port, layout, env)
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer
-        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, SchedulerDisaggregationPrefillMixin
         from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
         from sglang.srt.distributed import parallel_state
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
@@ -275,32 +279,49 @@ class _Prefill:
         self.req_to_token_pool = ReqToTokenPool(
             size=REQUEST_SLOTS, max_context_len=4096, device="cpu", enable_memory_saver=False
         )
-        metadata_buffers = MetadataBuffers(METADATA_SLOTS, hidden_size=16, hidden_states_dtype=torch.bfloat16)
+        metadata_buffers = MetadataBuffers(
+            METADATA_SLOTS, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
+        )
         self.metadata_allocator = ReqToMetadataIdxAllocator(METADATA_SLOTS)
-        self.view = SchedulerView(
+
+        class PrefillSchedulerView(SchedulerDisaggregationPrefillMixin, SchedulerView):
+            """The view with SGLang's prefill-scheduler methods (send_kv_chunk calls its helpers on self)."""
+
+        self.view = PrefillSchedulerView(
             server_args=server_args,
             ps=types.SimpleNamespace(tp_rank=0, dp_rank=0, gpu_id=0),
             tp_worker=types.SimpleNamespace(
                 model_runner=types.SimpleNamespace(
-                    kv_cache_dtype_str=layout.kv_cache_dtype, effective_max_total_num_tokens=PREFILL_TOKENS
+                    kv_cache_dtype_str=layout.kv_cache_dtype, effective_max_total_num_tokens=PREFILL_TOKENS,
+                    effective_logical_max_total_num_tokens=PREFILL_TOKENS,
                 )
             ),
-            model_config=types.SimpleNamespace(num_hidden_layers=LAYERS),
+            model_config=types.SimpleNamespace(num_hidden_layers=LAYERS, hf_text_config=types.SimpleNamespace()),
             req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool_allocator=types.SimpleNamespace(page_size=PAGE),
+            # a plain paged allocator of the DSA pool: transfer ids are its locations
+            token_to_kv_pool_allocator=types.SimpleNamespace(
+                page_size=PAGE, get_kvcache=lambda: pool, translate_kv_indices_for_transfer=lambda indices: indices
+            ),
             attn_tp_cpu_group=parallel_state.get_attn_tp_group().cpu_group,
             attn_cp_cpu_group=parallel_state.get_attn_cp_group().cpu_group,
             disagg_metadata_buffers=metadata_buffers,
             sliding_window_size=None,
             output_streamer=OutputStreamer(),
             handle_bootstrap_failure=lambda req: self._concluded(req, "Failed"),
+            # read by later releases' prefill queue (0.5.2x): no KV checksums, no KV-cache sharding, no
+            # Rust HTTP server, no prefix cache, chunks sent at once (no staging)
+            kv_checksum_computer=None, kv_shard_widening=1, rust_server=None, tree_cache=None,
+            processed_tokens_counter=0, disagg_prefill_pending_chunk_rids=set(), enable_staging=False,
         )
-        self.queue = PrefillBootstrapQueue(
-            token_to_kv_pool=pool, draft_token_to_kv_pool=None,
+        self.queue = compat.call(
+            PrefillBootstrapQueue, token_to_kv_pool=pool, draft_token_to_kv_pool=None,
             req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
-            metadata_buffers=metadata_buffers, tp_rank=0, tp_size=1, gpu_id=0, bootstrap_port=bootstrap_port,
-            gloo_group=parallel_state.get_tp_group().cpu_group, max_total_num_tokens=PREFILL_TOKENS,
-            scheduler=self.view, pp_rank=0, pp_size=1, transfer_backend=TransferBackend.MOONCAKE,
+            metadata_buffers=metadata_buffers, gpu_id=0, bootstrap_port=bootstrap_port,
+            max_total_num_tokens=PREFILL_TOKENS, scheduler=self.view, transfer_backend=TransferBackend.MOONCAKE,
+            optional=dict(
+                tp_rank=0, tp_size=1, gloo_group=parallel_state.get_tp_group().cpu_group, pp_rank=0, pp_size=1,
+                scheduler_stage_metrics=compat.disabled_stage_metrics(),
+            ),
         )
         self.view.disagg_prefill_bootstrap_queue = self.queue
         self.specs: dict[str, RequestSpec] = {}
@@ -314,7 +335,7 @@ class _Prefill:
             req = new_req(spec, self.bootstrap_port, spec.sender_room)
             self.req_to_token_pool.alloc([req])
             rows = spec.prefill_rows()[: spec.tokens]
-            self.req_to_token_pool.req_to_token[req.req_pool_idx, : spec.tokens] = rows.to(torch.int32)
+            self.req_to_token_pool.req_to_token[compat.req_slot(req), : spec.tokens] = rows.to(torch.int32)
             self.queue.add(req, num_kv_heads=1)
             self.specs[spec.rid], self.reqs[spec.rid] = spec, req
 
@@ -324,14 +345,17 @@ class _Prefill:
     # -------------------------------------------------------------- the scheduler's loop
     def step(self) -> None:
         from sglang.srt.disaggregation.base.conn import KVPoll
-        from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
 
         for req in self.queue.pop_bootstrapped():
             spec = self.specs[req.rid]
+            # SGLang 0.5.2x hands the page indices to its transfer worker through pinned memory and
+            # a CUDA event when the sender supports it; this machine has no GPU: its other
+            # (synchronous) path, as before 0.5.2x.
+            req.disagg_kv_sender.supports_host_tensor_indices = False
             # the "forward": chunked prefill sends finished pages first, then the rest
             if spec.chunk_end is not None:
-                req.set_extend_range(0, spec.chunk_end)
-                SchedulerDisaggregationPrefillMixin.send_kv_chunk(self.view, req, last_chunk=False)
+                compat.set_extend_range(req, 0, spec.chunk_end)
+                self.view.send_kv_chunk(req, last_chunk=False)
             self.unsent_last_chunk.add(req.rid)
             if not spec.stall:
                 self._send_last_chunk(req.rid)
@@ -346,13 +370,11 @@ class _Prefill:
                     self._send_last_chunk(rid)  # the stalled forward ends after the failure
 
     def _send_last_chunk(self, rid: str) -> None:
-        from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
-
         req, spec = self.reqs[rid], self.specs[rid]
         self.unsent_last_chunk.discard(rid)
         req.output_ids.append(spec.first_token)
-        req.set_extend_range(spec.chunk_end or 0, spec.tokens)
-        SchedulerDisaggregationPrefillMixin.send_kv_chunk(self.view, req, last_chunk=True)
+        compat.set_extend_range(req, spec.chunk_end or 0, spec.tokens)
+        self.view.send_kv_chunk(req, last_chunk=True)
 
     def _concluded(self, req, status: str) -> None:
         from sglang.srt.disaggregation.prefill import maybe_release_metadata_buffer
@@ -400,8 +422,7 @@ class DecodeSide:
             TransferBackend,
         )
         from sglang.srt.distributed import parallel_state
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.chunk_cache import ChunkCache
+        from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         from hisparse_sglang.config import HiSparseConfig
@@ -425,22 +446,28 @@ class DecodeSide:
         )
         self.coordinator = self.pool.runtime.start(self.config, self.req_to_token_pool, "cpu")
         self.host = self.coordinator.host_pool
-        self.tree_cache = ChunkCache(
-            CacheInitParams(
-                disable=True, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-                page_size=PAGE,
-            )
+        self.tree_cache = compat.disabled_prefix_cache(self.req_to_token_pool, self.allocator, PAGE)
+        self.metadata_buffers = MetadataBuffers(
+            METADATA_SLOTS, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
         )
-        self.metadata_buffers = MetadataBuffers(METADATA_SLOTS, hidden_size=16, hidden_states_dtype=torch.bfloat16)
         self.metadata_allocator = ReqToMetadataIdxAllocator(METADATA_SLOTS)
         self.streamer = OutputStreamer()
         self.tokenizer_aborts: list[str] = []
         self.waiting_queue: list = []
-        self.view = SchedulerView(
+
+        class DecodeSchedulerView(SchedulerView, Scheduler):
+            """The view with SGLang's Scheduler methods (abort_request calls its helpers on self:
+            collect_inflight_reqs from 0.5.19, _release_aborted_request from 0.5.20, send_abort_output
+            from 0.5.23). Scheduler.__init__ never runs: the view holds the attributes."""
+
+        self.view = DecodeSchedulerView(
             server_args=self.server_args,
             ps=types.SimpleNamespace(tp_rank=0, dp_rank=0, gpu_id=0, pp_size=1),
             tp_worker=types.SimpleNamespace(
-                model_runner=types.SimpleNamespace(kv_cache_dtype_str=layout.kv_cache_dtype), is_hybrid_swa=False
+                model_runner=types.SimpleNamespace(
+                    kv_cache_dtype_str=layout.kv_cache_dtype, max_token_pool_size=self.allocator.size_full
+                ),
+                is_hybrid_swa=False,
             ),
             model_config=types.SimpleNamespace(num_hidden_layers=LAYERS),
             enable_hisparse=True,
@@ -452,11 +479,22 @@ class DecodeSide:
             enable_decode_hicache=False,
             spec_algorithm=SpeculativeAlgorithm.NONE,
             sliding_window_size=None,
-            metrics_reporter=types.SimpleNamespace(enable_metrics=False),
+            metrics_reporter=types.SimpleNamespace(enable_metrics=False, current_scheduler_metrics_enabled=False),
             output_streamer=self.streamer,
+            # read by later releases' decode queues: KV checksums, LoRA budget, overlap streams (0.5.2x)
+            random_seed=0, kv_checksum_computer=None, enable_lora=False, enable_overlap=False,
+            # the reasoning-token count of the handed-over first token (0.5.2x): not counted here
+            batch_result_processor=types.SimpleNamespace(_maybe_update_reasoning_tokens=lambda req, token: None),
             # what Scheduler.abort_request reads besides the above
             chunked_req=None,
             enable_hicache_storage=False,
+            # ... and in later releases: no encoder, no beam-search groups (0.5.19+), no continuous
+            # input polling (0.5.22+), no Rust HTTP server (0.5.23)
+            mm_receiver=None,
+            beam_coordinator=types.SimpleNamespace(retire_group=lambda req: None),
+            rust_server=None,
+            enable_continuous_input_polling=False,
+            result_queue=[],
             ipc_channels=types.SimpleNamespace(
                 send_to_tokenizer=types.SimpleNamespace(
                     send_output=lambda output, req=None: self.tokenizer_aborts.append(output.rid)
@@ -468,19 +506,20 @@ class DecodeSide:
             grammar_manager=types.SimpleNamespace(abort_requests=lambda recv_req: None),
         )
         gloo_group = parallel_state.get_attn_tp_group().cpu_group
-        self.transfer_queue = DecodeTransferQueue(
-            gloo_group=gloo_group, req_to_metadata_buffer_idx_allocator=self.metadata_allocator, tp_rank=0,
+        self.transfer_queue = compat.call(
+            DecodeTransferQueue, req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=self.metadata_buffers, scheduler=self.view, tree_cache=self.tree_cache,
+            optional=dict(gloo_group=gloo_group, tp_rank=0),
         )
-        self.prealloc_queue = DecodePreallocQueue(
-            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+        self.prealloc_queue = compat.call(
+            DecodePreallocQueue, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
             draft_token_to_kv_pool=None, req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=self.metadata_buffers, scheduler=self.view, transfer_queue=self.transfer_queue,
-            tree_cache=self.tree_cache, gloo_group=gloo_group, tp_rank=0, tp_size=1, dp_size=1, gpu_id=0,
-            bootstrap_port=0, max_total_num_tokens=DEVICE_TOKENS, pp_rank=0,
+            tree_cache=self.tree_cache, gpu_id=0, bootstrap_port=0, max_total_num_tokens=DEVICE_TOKENS,
             num_reserved_decode_tokens=RESERVED_DECODE_TOKENS, transfer_backend=TransferBackend.MOONCAKE,
+            optional=dict(gloo_group=gloo_group, tp_rank=0, tp_size=1, dp_size=1, pp_rank=0),
         )
-        self.view.disagg_decode_prealloc_queue = self.prealloc_queue
+        self.view.disagg_decode_prealloc_queue = self.prealloc_queue  # the transfer queue asks (0.5.22+)
         self.view.disagg_decode_transfer_queue = self.transfer_queue
         self.kv_manager = self.prealloc_queue.kv_manager
         for layer in range(LAYERS):

@@ -87,7 +87,10 @@ class PeerSession:
                     return self.inbox[peer].pop(index)
             remaining = deadline - time.monotonic()
             if remaining <= 0 or peer not in self.open:
-                pending = {name: [(m["event"], m.get("rid")) for m in box] for name, box in self.inbox.items()}
+                pending = {
+                    name: [{key: value for key, value in m.items() if key not in ("pages", "traceback")} for m in box]
+                    for name, box in self.inbox.items()
+                }
                 pytest.fail(f"no '{event}' {rid or ''} from {peer} in time; unread events: {pending}")
             self._receive(remaining)
 

@@ -2,6 +2,7 @@
 the published --hisparse-config, and the coordinator calls newer releases make."""
 
 import array
+import types
 
 import pytest
 import torch
@@ -80,3 +81,27 @@ def test_coordinator_answers_the_calls_of_newer_releases():
         calls.prepare_spec_verify(batch=None)
     with pytest.raises(UnsupportedSetupError, match="remove --speculative-algorithm"):
         calls.commit_spec_accept_tokens(batch=None, accept_indices=None)
+
+
+def test_host_pool_regions_are_found_in_what_the_release_registers_with_mooncake():
+    """SGLang's own register_buffer_to_engine (its KV manager without the engine): 0.5.17 registers our
+    list in a call of its own, 0.5.18+ one list of every region; compat finds ours in either."""
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    from hisparse_sglang.integration.sglang.mooncake import HostRegions
+
+    calls = []
+    manager = object.__new__(MooncakeKVManager)  # its constructor starts the engine and threads
+    manager.engine = types.SimpleNamespace(batch_register=lambda pointers, lengths: calls.append((pointers, lengths)) or 0)
+    manager.kv_args = KVArgs()
+    host = HostRegions([1 << 40, 2 << 40, 3 << 40])
+    manager.kv_args.kv_data_ptrs, manager.kv_args.kv_data_lens = host, [1 << 30] * 3
+    manager.kv_args.aux_data_ptrs, manager.kv_args.aux_data_lens = [7 << 40, 8 << 40], [4096, 8192]
+    manager.kv_args.state_data_ptrs, manager.kv_args.state_data_lens = [[9 << 40]], [[1 << 20]]
+    manager.register_buffer_to_engine()
+    registered = {(int(pointer), int(length)) for pointers, lengths in calls for pointer, length in zip(pointers, lengths)}
+    assert registered == {(1 << 40, 1 << 30), (2 << 40, 1 << 30), (3 << 40, 1 << 30), (7 << 40, 4096),
+                          (8 << 40, 8192), (9 << 40, 1 << 20)}
+    found = [compat.host_pool_regions(pointers, lengths) for pointers, lengths in calls]
+    assert [regions for regions in found if regions[0]] == [(list(host), [1 << 30] * 3)]

@@ -136,6 +136,12 @@ def test_a_failed_mooncake_registration_of_the_host_pool_raises_a_typed_error():
     # registered: the code passes through; other regions (SGLang's own buffers) are not ours to judge
     assert _batch_register_after(0, None, regions, lengths) == 0
     assert _batch_register_after(-7, None, [1 << 40], [4096]) == -7
+    # from 0.5.18 one call registers SGLang's aux and state buffers too, in a list it builds anew from
+    # (address, length) pairs: the message counts our regions only
+    sglang_pairs = [*zip(regions, lengths), (5 << 40, 1 << 20)]
+    with pytest.raises(MooncakeRegistrationError, match=r"\(2 regions, 6\.00 GiB .*return code -7 \(ERR_ADDRESS_OVERLAPPED"):
+        _batch_register_after(-7, None, *map(list, zip(*sglang_pairs)))
+    assert _batch_register_after(0, None, *map(list, zip(*sglang_pairs))) == 0
 
 
 def test_a_light_process_registers_nothing_and_imports_no_model_code():

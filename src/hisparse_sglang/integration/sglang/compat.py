@@ -427,6 +427,22 @@ def resolve_deferred_releases(transfer_queue) -> None:
         resolve()
 
 
+def host_pool_regions(pointers, lengths) -> tuple[list[int], list[int]]:
+    """The addresses and lengths of hisparse-sglang's host-pool regions among those of one
+    ``MooncakeTransferEngine.batch_register`` call (none: the call registers SGLang's buffers only).
+
+    0.5.17's ``MooncakeKVManager.register_buffer_to_engine`` registers the KV regions in a call of
+    their own, with the list our host pool handed over; from 0.5.18 one call registers the KV, aux
+    and state regions, in a list SGLang builds anew (``_registerable_regions``, duplicates removed).
+    In both, ours are the addresses of type ``mooncake.HostRegionAddress``.
+    """
+    from hisparse_sglang.integration.sglang.mooncake import HostRegionAddress
+
+    ours = [(int(pointer), int(length)) for pointer, length in zip(pointers, lengths)
+            if isinstance(pointer, HostRegionAddress)]
+    return [pointer for pointer, _ in ours], [length for _, length in ours]
+
+
 def write_locations(loc_info):
     """The logical locations a KV write targets: SGLang may pass a ``KVWriteLoc`` (locations with
     their SWA / full views) instead of the location tensor; its in-tree HiSparse pool unwraps it

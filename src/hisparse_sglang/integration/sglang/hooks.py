@@ -156,12 +156,13 @@ def _alloc_for_decode_prealloc_after(result, allocator, *, req, fill_len, uses_s
 
 
 def _batch_register_after(result, self, ptrs, lengths):
-    """AFTER MooncakeTransferEngine.batch_register: a failed registration of our host pool stops the
-    decode instance with a typed error (SGLang 0.5.17 ignores the code); other regions pass."""
+    """AFTER MooncakeTransferEngine.batch_register: a failed registration of a batch holding our host
+    pool stops the decode instance with a typed error (SGLang ignores the code); other batches pass."""
     from hisparse_sglang.integration.sglang import mooncake
 
-    if isinstance(ptrs, mooncake.HostRegions):
-        mooncake.check_host_pool_registration(result, ptrs, lengths)
+    host_pointers, host_lengths = compat.host_pool_regions(ptrs, lengths)
+    if host_pointers:
+        mooncake.check_host_pool_registration(result, host_pointers, host_lengths)
     return result
 
 

@@ -2,11 +2,12 @@
 
 On a PD decode instance SGLang's ``MooncakeKVManager`` registers the regions that
 ``coordinator.mem_pool_host.get_contiguous_buf_infos()`` hands it (our pinned host pool, one region
-per layer) with its Mooncake engine. SGLang 0.5.17 drops the engine's return code (it logs a failure
-at debug level only), so a pool Mooncake could not register (a memlock limit, an RDMA device that
-cannot map that much memory) let the decode start and fail every transfer later with "Failed to get
-kvcache from prefill instance, it might be dead". Here a failed registration of our regions stops the
-decode instance at startup with :class:`~hisparse_sglang.errors.MooncakeRegistrationError`.
+per layer) with its Mooncake engine. SGLang drops the engine's return code (it logs a failure at
+debug level only; every release from 0.5.17 to 0.5.23), so a pool Mooncake could not register (a
+memlock limit, an RDMA device that cannot map that much memory) let the decode start and fail every
+transfer later with "Failed to get kvcache from prefill instance, it might be dead". Here a failed
+registration of our regions stops the decode instance at startup with
+:class:`~hisparse_sglang.errors.MooncakeRegistrationError`.
 
 This is the only module that reads Mooncake's integer codes; nothing else in the package needs them
 (transfer failures reach us as SGLang's abort messages).
@@ -18,7 +19,7 @@ import logging
 
 from hisparse_sglang.errors import MooncakeRegistrationError
 
-__all__ = ["HostRegions", "check_host_pool_registration"]
+__all__ = ["HostRegionAddress", "HostRegions", "check_host_pool_registration"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +33,18 @@ _REGISTRATION_ERRORS = {
 }
 
 
-class HostRegions(list):
-    """Base addresses of the host pool's per-layer regions, as handed to SGLang's KV manager.
+class HostRegionAddress(int):
+    """The base address of one region of the host pool. The type marks it: SGLang may register our
+    addresses in a list of its own, beside its other buffers (``compat.host_pool_regions``), and the
+    registration hook picks ours out by their type."""
 
-    The type marks them: the registration hook checks the return code of exactly these regions.
-    """
+
+class HostRegions(list):
+    """Base addresses of the host pool's per-layer regions (each a :class:`HostRegionAddress`), as
+    handed to SGLang's KV manager."""
+
+    def __init__(self, addresses=()) -> None:
+        super().__init__(HostRegionAddress(address) for address in addresses)
 
 
 def check_host_pool_registration(code: int, pointers: list[int], lengths: list[int]) -> None:
