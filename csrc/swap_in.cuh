@@ -385,88 +385,21 @@ __device__ __forceinline__ void copier(const SwapInParams& p, int b, int begin, 
   HISPARSE_DUMP("copy");
 }
 
+// The planner CTA (part 0) of an offloaded request; see the file comment. Looks every entry up,
+// and if any missed: ranks the misses, selects the least recently used slots not hit, updates the
+// tables, writes the missed entries' outputs and (without copiers) copies their rows.
 template <int THREADS>
-__global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) {
-  static_assert(THREADS % kWarpSize == 0 && THREADS <= 1024, "block size");
-  // Every byte of shared memory is in the host's plan (none is declared statically here).
-  extern __shared__ __align__(16) uint8_t smem[];
-  uint64_t* warp_sums = smem_region<uint64_t>(smem, p.plan.warp_sums);
+__device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int D, int32_t* out, const int32_t* top_k,
+                                        const int32_t (&first_batch)[kBatch], const int32_t* positions_to_loc,
+                                        int32_t buffer, int32_t now, int32_t newest, int16_t* token_slot,
+                                        uint8_t* smem, uint64_t* warp_sums, int32_t* selection) {
+  const int tid = threadIdx.x;
   // Victim selection: the coarse bucket of the youngest victim and the victims above it, the same
   // for its fine bucket.
-  int32_t* selection = smem_region<int32_t>(smem, p.plan.selection);
   int32_t& coarse_bucket = selection[0];
   int32_t& coarse_above = selection[1];
   int32_t& fine_bucket = selection[2];
   int32_t& fine_above = selection[3];
-
-  const int b = blockIdx.x % p.batch;
-  const int part = blockIdx.x / p.batch;
-  const int tid = threadIdx.x;
-  const int K = p.num_top_k;
-  const int D = p.buffer_size;
-  HISPARSE_START();
-  int32_t* out = p.out + int64_t(b) * p.out_stride;
-  const int32_t* top_k = p.top_k_positions + int64_t(b) * p.top_k_stride;
-
-  // Independent loads first: the real-batch size, this row's request and length, and the first
-  // batch of this CTA's top-k entries (all of them for the planner, its chunk for a copier).
-  const int num_real = *p.num_real_reqs;
-  const int64_t req = load_index(p.req_pool_indices, p.req_pool_indices_is_64, b);
-  const int64_t seq_len = load_index(p.seq_lens, p.seq_lens_is_64, b);
-  const int chunk = part == 0 ? K : copier_chunk(K, p.splits);
-  const int entries_begin = part == 0 ? 0 : min(K, (part - 1) * chunk);
-  const int entries_end = min(K, entries_begin + chunk);
-  int32_t first_batch[kBatch];
-#pragma unroll
-  for (int u = 0; u < kBatch; ++u) {
-    const int i = entries_begin + tid + u * THREADS;
-    first_batch[u] = i < entries_end ? top_k[i] : -1;
-  }
-  if (b >= num_real) {
-    if (part == 0) {
-      for (int i = tid; i < K; i += THREADS) out[i] = -1;
-    }
-    return;
-  }
-  const int32_t* positions_to_loc = p.req_to_token + req * p.req_to_token_stride;
-  const int32_t buffer = p.buffer_of_req[req];
-
-  if (buffer < 0) {  // resident: translate positions to device rows
-    if (part == 0) {
-      // Batches of independent loads per thread: the dependent lookups cost one memory round
-      // trip each per batch, not per entry.
-      for (int base = tid; base < K; base += THREADS * kBatch) {
-        int32_t t[kBatch];
-        int32_t loc[kBatch];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int i = base + u * THREADS;
-          t[u] = base == tid ? first_batch[u] : (i < K ? top_k[i] : -1);
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) loc[u] = (t[u] >= 0 && t[u] < seq_len) ? positions_to_loc[t[u]] : -1;
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          if (base + u * THREADS < K) out[base + u * THREADS] = loc[u] >= 0 ? p.device_row_of_loc[loc[u]] : -1;
-        }
-      }
-    }
-    return;
-  }
-
-  const int32_t now = static_cast<int32_t>(seq_len);
-  const int32_t newest = now - 1;
-  int16_t* token_slot = p.token_slot + int64_t(buffer) * p.token_slot_stride;
-
-  if (part != 0) {
-    copier<THREADS>(p, b, entries_begin, entries_end, chunk, top_k, first_batch, positions_to_loc, token_slot, newest,
-                    smem, warp_sums);
-    __syncthreads();
-    if (tid == 0) arrive_done(p, b);
-    return;
-  }
-
-  // ---------------------------------------------------------------- planner
   const int32_t* slot_rows = p.slot_rows + int64_t(buffer) * p.slot_rows_stride;
   const int hash_bits = static_cast<int>(p.plan.hash_bits);
   const int H = 1 << hash_bits;
@@ -742,6 +675,85 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
       [&](int k, int v, int4 value) { store_piece(p.device_kv, hash_device_row[miss_hash[k]], p.row_bytes, v, value); });
   HISPARSE_MARK(7);
   HISPARSE_DUMP("plan");
+}
+
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) {
+  static_assert(THREADS % kWarpSize == 0 && THREADS <= 1024, "block size");
+  // Every byte of shared memory is in the host's plan (none is declared statically here).
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint64_t* warp_sums = smem_region<uint64_t>(smem, p.plan.warp_sums);
+  int32_t* selection = smem_region<int32_t>(smem, p.plan.selection);  // the planner's victim selection
+
+  const int b = blockIdx.x % p.batch;
+  const int part = blockIdx.x / p.batch;
+  const int tid = threadIdx.x;
+  const int K = p.num_top_k;
+  const int D = p.buffer_size;
+  HISPARSE_START();
+  int32_t* out = p.out + int64_t(b) * p.out_stride;
+  const int32_t* top_k = p.top_k_positions + int64_t(b) * p.top_k_stride;
+
+  // Independent loads first: the real-batch size, this row's request and length, and the first
+  // batch of this CTA's top-k entries (all of them for the planner, its chunk for a copier).
+  const int num_real = *p.num_real_reqs;
+  const int64_t req = load_index(p.req_pool_indices, p.req_pool_indices_is_64, b);
+  const int64_t seq_len = load_index(p.seq_lens, p.seq_lens_is_64, b);
+  const int chunk = part == 0 ? K : copier_chunk(K, p.splits);
+  const int entries_begin = part == 0 ? 0 : min(K, (part - 1) * chunk);
+  const int entries_end = min(K, entries_begin + chunk);
+  int32_t first_batch[kBatch];
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    const int i = entries_begin + tid + u * THREADS;
+    first_batch[u] = i < entries_end ? top_k[i] : -1;
+  }
+  if (b >= num_real) {
+    if (part == 0) {
+      for (int i = tid; i < K; i += THREADS) out[i] = -1;
+    }
+    return;
+  }
+  const int32_t* positions_to_loc = p.req_to_token + req * p.req_to_token_stride;
+  const int32_t buffer = p.buffer_of_req[req];
+
+  if (buffer < 0) {  // resident: translate positions to device rows
+    if (part == 0) {
+      // Batches of independent loads per thread: the dependent lookups cost one memory round
+      // trip each per batch, not per entry.
+      for (int base = tid; base < K; base += THREADS * kBatch) {
+        int32_t t[kBatch];
+        int32_t loc[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int i = base + u * THREADS;
+          t[u] = base == tid ? first_batch[u] : (i < K ? top_k[i] : -1);
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) loc[u] = (t[u] >= 0 && t[u] < seq_len) ? positions_to_loc[t[u]] : -1;
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (base + u * THREADS < K) out[base + u * THREADS] = loc[u] >= 0 ? p.device_row_of_loc[loc[u]] : -1;
+        }
+      }
+    }
+    return;
+  }
+
+  const int32_t now = static_cast<int32_t>(seq_len);
+  const int32_t newest = now - 1;
+  int16_t* token_slot = p.token_slot + int64_t(buffer) * p.token_slot_stride;
+
+  if (part != 0) {
+    copier<THREADS>(p, b, entries_begin, entries_end, chunk, top_k, first_batch, positions_to_loc, token_slot, newest,
+                    smem, warp_sums);
+    __syncthreads();
+    if (tid == 0) arrive_done(p, b);
+    return;
+  }
+
+  planner<THREADS>(p, b, K, D, out, top_k, first_batch, positions_to_loc, buffer, now, newest, token_slot, smem,
+                   warp_sums, selection);
 }
 
 struct CopyRowsParams {

@@ -268,6 +268,8 @@ def _child(conn) -> None:
         "transfer": lambda: _transfer_under_device_pressure(server_args, hooked=True, long_len=LONG),
         "transfer_unhooked": lambda: _transfer_under_device_pressure(server_args, hooked=False, long_len=SHORTER),
         "colocated": lambda: _colocated(server_args),
+        # what the plugin reads of the parallel layout (the shared host pool's DP-attention check)
+        "parallel": lambda: {"attention_dp_size": compat.attention_dp_size(), "tp_rank": compat.tp_rank()},
     }
     reports = {}
     for name, scenario in scenarios.items():
@@ -445,3 +447,9 @@ def test_decode_capacity_is_the_logical_pool_less_the_reserve_and_refuses_less_t
     with pytest.raises(UnsupportedSetupError, match=r"holds 512 tokens .*--num-reserved-decode-tokens \(512\); raise "
                        r"host_to_device_ratio"):
         limits.decode_request_capacity(small.coordinator, DEVICE_TOKENS)
+
+
+def test_the_plugin_reads_the_parallel_layout_of_the_release(reports):
+    """One TP rank, DP attention off: attention DP width 1 (0.5.22+ keep ServerArgs.enable_dp_attention
+    false even when attention DP is on, so the width comes from SGLang's parallel context)."""
+    assert _report(reports, "parallel") == {"attention_dp_size": 1, "tp_rank": 0}

@@ -289,16 +289,10 @@ class Coordinator:
         # The layer's new KV is written: back it up before this layer's swap-in reuses any row (a
         # reader of a shared pool does not: its writer backs the same token up, fenced).
         if self._writes_host:
-            if self._fence_backups:
-                self.ops.backup_newest(
-                    req_pool_indices, seq_lens, self.num_real_reqs, tables.req_to_token, tables.device_row_of_loc,
-                    tables.device_kv, tables.host_kv, fence_system=True,
-                )
-            else:
-                self.ops.backup_newest(
-                    req_pool_indices, seq_lens, self.num_real_reqs, tables.req_to_token, tables.device_row_of_loc,
-                    tables.device_kv, tables.host_kv,
-                )
+            self.ops.backup_newest(
+                req_pool_indices, seq_lens, self.num_real_reqs, tables.req_to_token, tables.device_row_of_loc,
+                tables.device_kv, tables.host_kv, fence_system=self._fence_backups,
+            )
         return self.ops.swap_in(
             top_k,
             seq_lens,

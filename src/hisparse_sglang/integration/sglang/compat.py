@@ -217,6 +217,16 @@ def coordinator_cpu_group(model_runner):
     return getattr(group, "cpu_group", None)
 
 
+def attention_dp_size() -> int:
+    """How many data-parallel attention groups this scheduler's TP ranks form (1: DP attention off,
+    every TP rank holds the same requests). From 0.5.22 ``ServerArgs.enable_dp_attention`` stays
+    false after resolution even when attention DP is configured; the parallel context's width is
+    right in every release."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(get_parallel().attn_dp_size)
+
+
 def tp_rank() -> int:
     """This scheduler's tensor-parallel rank."""
     from sglang.srt.runtime_context import get_parallel

@@ -103,7 +103,7 @@ def _maybe_init_hisparse_coordinator(self) -> None:
     config = config_from_server_args(self.server_args, model_index_topk=index_topk)
     self.hisparse_coordinator = runtime.start(
         config, self.req_to_token_pool, self.device, tp_group=compat.coordinator_cpu_group(self),
-        dp_attention=bool(getattr(self.server_args, "enable_dp_attention", False)),
+        dp_attention=compat.attention_dp_size() > 1,
     )
 
 
