@@ -115,6 +115,10 @@ class RankSpec:
         return reference
 
 
+# How long a rank that lost its group waits for the test's go-ahead to check its rows again.
+HOLD_TIMEOUT_S = 600.0
+
+
 def run_rank(rank: int, spec: RankSpec, events, hold=None) -> None:
     """Entry point of one rank (a spawned process).
 
@@ -145,8 +149,13 @@ def run_rank(rank: int, spec: RankSpec, events, hold=None) -> None:
         lost.summary["before"] = summaries
         events.put(("failed", rank, lost.summary))
         if hold is not None:
-            hold.get(timeout=120)
-            lost.summary["rechecked"] = verify_snapshot(lost.pool, lost.snapshot, spec.item_bytes)
+            try:
+                # the test restarts a writer first (a new process importing torch: minutes on a loaded box)
+                hold.get(timeout=HOLD_TIMEOUT_S)
+                lost.summary["rechecked"] = verify_snapshot(lost.pool, lost.snapshot, spec.item_bytes)
+            except BaseException:  # reported, not left to a process exit that waits on the queue
+                events.put(("error", rank, traceback.format_exc()[-3000:]))
+                _exit(events, 1)
             events.put(("rechecked", rank, lost.summary))
         _exit(events, 0)  # the group is broken: skip its teardown
     except BaseException:
