@@ -209,9 +209,7 @@ def coordinator_cpu_group(model_runner):
     try:
         from sglang.srt.layers.dp_attention import get_dp_tp_group
     except ImportError:  # 0.5.17 - 0.5.21
-        from sglang.srt.runtime_context import get_parallel
-
-        group = model_runner.attention_tp_group if get_parallel().enable_dp_attention else model_runner.tp_group
+        group = model_runner.attention_tp_group if attention_dp_size() > 1 else model_runner.tp_group
     else:
         group = get_dp_tp_group()
     return getattr(group, "cpu_group", None)
