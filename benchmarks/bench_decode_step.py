@@ -45,8 +45,9 @@ ITEM_BYTES = 64
 
 
 def op_sets():
-    from hisparse_sglang.ops import swap_in as cuda
+    from hisparse_sglang.ops.swap_in import CudaOps
 
+    cuda = CudaOps()
     kernels = types.SimpleNamespace(
         swap_in=cuda.swap_in, copy_rows=cuda.copy_rows, backup_newest=cuda.backup_newest, bind_rows=cuda.bind_rows
     )
@@ -56,7 +57,10 @@ def op_sets():
     return {"kernels": kernels, "torch twins": twins}
 
 
-def build(batch: int, mode: str, ops) -> SimulatedServer:
+def build(batch: int, mode: str, ops, device: str = "cuda") -> SimulatedServer:
+    """A simulated decode server with ``batch`` requests of PROMPT tokens, one decode step in, in
+    ``mode``: all resident, all offloaded, or half of them demoted ("mixed"). ``device`` "cpu" (with
+    the reference ops) is how tests/test_bench_decode_step.py checks this setup without a GPU."""
     config = HiSparseConfig(
         top_k=TOP_K, device_buffer_size=BUFFER, page_size=PAGE, host_to_device_ratio=4,
         resident_first=mode != "offloaded", switch_cooldown_steps=1_000_000,
@@ -64,7 +68,7 @@ def build(batch: int, mode: str, ops) -> SimulatedServer:
     pages_per_request = -(-(PROMPT + 400) // PAGE)
     server = SimulatedServer(
         config, layer_num=LAYERS, item_bytes=ITEM_BYTES, device_pages=batch * pages_per_request + 64,
-        max_reqs=batch + 1, max_context=PROMPT + 512, verify=False, ops=ops, device="cuda", checked=False,
+        max_reqs=batch + 1, max_context=PROMPT + 512, verify=False, ops=ops, device=device, checked=False,
     )
     for _ in range(batch):
         if server.add_request(PROMPT, 400) is None:
@@ -74,7 +78,7 @@ def build(batch: int, mode: str, ops) -> SimulatedServer:
         # demote every other request (the longest first): free what half of them hold beyond a buffer
         coordinator = server.coordinator
         record = next(iter(coordinator.requests.values()))
-        gain = -(-record.seq_len // PAGE) - coordinator.buffer_pages
+        gain = -(-record.seq_len // PAGE) - coordinator.policy.buffer_pages
         coordinator.reclaim(coordinator.allocator.device_rows.free_pages + (batch // 2) * gain)
     server.step()
     return server
@@ -108,7 +112,8 @@ def time_step_work(server: SimulatedServer, steps: int, profiler=None) -> tuple[
     finally:
         coordinator.prepare_decode = originals["prepare_decode"]
         allocator.alloc_decode = originals["alloc_decode"]
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     modes = [record.mode for record in coordinator.requests.values()]
     return (
         1e6 * statistics.median(spent["prepare_decode"]),

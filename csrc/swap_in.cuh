@@ -274,6 +274,22 @@ __device__ __forceinline__ void count_looked(int32_t* looked) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(looked) : "memory");
 }
 
+// One round of a thread's top-k entries: kBatch entries THREADS apart from `index`, counted from
+// entry `begin`, -1 at or past `end` (also counted from `begin`); the first round takes the batch the
+// kernel loaded up front. Every lookup loop of the kernel (resident translation, planner, copier)
+// starts its rounds here, so the dependent loads after it cost one memory round trip per batch, not
+// per entry.
+template <int THREADS>
+__device__ __forceinline__ void load_top_k_batch(int32_t (&t)[kBatch], const int32_t* top_k,
+                                                 const int32_t (&first_batch)[kBatch], bool first_round, int begin,
+                                                 int index, int end) {
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    const int i = index + u * THREADS;
+    t[u] = first_round ? first_batch[u] : (i < end ? top_k[begin + i] : -1);
+  }
+}
+
 // Entries per copier CTA: an equal share of the top-k, rounded up to whole warps.
 __device__ __forceinline__ int copier_chunk(int top_k, int splits) {
   const int copiers = splits - 1;
@@ -300,7 +316,7 @@ __device__ __forceinline__ void copier(const SwapInParams& p, int b, int begin, 
   int32_t* list_entry = smem_region<int32_t>(smem, p.plan.role);
   int32_t* list_host = list_entry + chunk;
   int32_t* list_device = list_host + chunk;  // before the compaction: host row of a missed entry, else -1
-  const int list_bytes = 3 * chunk * static_cast<int>(sizeof(int32_t));  // swap_in_limits.swap_in_plan: copier_list
+  const int list_bytes = kCopierListInts * chunk * static_cast<int>(sizeof(int32_t));
   const int64_t staged_offset = p.plan.role + (list_bytes + kPieceBytes - 1) / kPieceBytes * kPieceBytes;
   int4* staged = smem_region<int4>(smem, staged_offset);
   const int capacity = max(0, static_cast<int>((p.plan.total_bytes - staged_offset) / p.row_bytes));
@@ -320,11 +336,7 @@ __device__ __forceinline__ void copier(const SwapInParams& p, int b, int begin, 
     int32_t t[kBatch];
     int16_t slot[kBatch];
     int32_t host_row[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = tid + (round * kBatch + u) * THREADS;
-      t[u] = round == 0 ? first_batch[u] : (e < span ? top_k[begin + e] : -1);
-    }
+    load_top_k_batch<THREADS>(t, top_k, first_batch, round == 0, begin, tid + round * kBatch * THREADS, span);
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) slot[u] = (t[u] >= 0 && t[u] < newest) ? token_slot[t[u]] : int16_t(0);
 #pragma unroll
@@ -436,11 +448,7 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
     for (int base = tid; base < K; base += THREADS * kBatch) {
       int32_t t[kBatch];
       int32_t slot[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int i = base + u * THREADS;
-        t[u] = base == tid ? first_batch[u] : (i < K ? top_k[i] : -1);
-      }
+      load_top_k_batch<THREADS>(t, top_k, first_batch, base == tid, 0, base, K);
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) slot[u] = (t[u] >= 0 && t[u] < newest) ? token_slot[t[u]] : -1;
       int32_t row[kBatch];
@@ -719,16 +727,10 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
 
   if (buffer < 0) {  // resident: translate positions to device rows
     if (part == 0) {
-      // Batches of independent loads per thread: the dependent lookups cost one memory round
-      // trip each per batch, not per entry.
       for (int base = tid; base < K; base += THREADS * kBatch) {
         int32_t t[kBatch];
         int32_t loc[kBatch];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int i = base + u * THREADS;
-          t[u] = base == tid ? first_batch[u] : (i < K ? top_k[i] : -1);
-        }
+        load_top_k_batch<THREADS>(t, top_k, first_batch, base == tid, 0, base, K);
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) loc[u] = (t[u] >= 0 && t[u] < seq_len) ? positions_to_loc[t[u]] : -1;
 #pragma unroll

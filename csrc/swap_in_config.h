@@ -34,6 +34,11 @@ constexpr int32_t kDone = -1;
 constexpr int32_t kNewest = -2;
 constexpr int32_t kMissBase = -3;
 
+// A copier CTA's area (from plan.role): its miss list, kCopierListInts int32 per entry of its chunk
+// (entry, host row, device row), then staged rows from the next kPieceBytes boundary to the end of
+// the plan (ops/swap_in_limits.COPIER_LIST_INTS: the plan reserves the list of a whole top-k).
+constexpr int kCopierListInts = 3;
+
 // flags[b]: 0 before the plan, kPlanReady when the missed entries' outputs are published.
 constexpr int32_t kPlanReady = 1;
 

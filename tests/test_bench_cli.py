@@ -148,7 +148,8 @@ def test_the_command_line_imports_only_the_standard_library():
 
 # --- the report (pure functions of the records) -----------------------------------------------------
 
-@pytest.mark.parametrize("stem", ["swap_in_H100_2026-11-23", "swap_in_H200_2026-11-23"])
+@pytest.mark.parametrize("stem", ["swap_in_H100_2026-11-23", "swap_in_H200_2026-11-23",
+                                  "swap_in_against_f5438cc_H100_2026-11-24"])
 def test_markdown_renders_committed_results_byte_for_byte(bench, stem):
     """The table of the runs docs/kernels.md quotes comes out of their JSON exactly as committed."""
     data = json.loads((RESULTS / f"{stem}.json").read_text())
@@ -203,6 +204,31 @@ def test_sweep_adds_the_variants_table(bench):
     ]
     assert bench.report.variants_markdown([synthetic_record()]) == ""
     assert "Variants" not in bench.report.markdown([synthetic_record()], "GPU", 55.0, {1152: 51.3}, 3, "2026-11-24")
+
+
+def test_against_adds_the_before_after_table_with_each_kernels_round_spread(bench):
+    timed = [
+        synthetic_record(ours_us=80.0, ours_rounds_us=[80.0, 84.0], against_us=100.0, against_rounds_us=[100.0, 101.0]),
+        synthetic_record(batch=64, ours_us=150.0, ours_rounds_us=[150.0], against_us=120.0, against_rounds_us=[120.0]),
+    ]
+    table = bench.report.markdown(timed, "GPU", 55.0, {1152: 51.3}, 2, "2026-11-24")
+    after = table.split("Before/after (`--against`", 1)[1].splitlines()
+    assert after[2:6] == [
+        "| row B | batch | miss % | ours µs | against µs | ours / against | ours rounds max/min | against rounds max/min |",
+        "|---|---|---|---|---|---|---|---|",
+        "| 1152 | 8 | 20 | 80.0 | 100.0 | 0.800 | 1.050 | 1.010 |",
+        "| 1152 | 64 | 20 | 150.0 | 120.0 | 1.250 | 1.000 | 1.000 |",
+    ]
+    assert after[7] == "ours / against over 2 cells: min 0.800, median 1.250, max 1.250."
+    assert "against 100.0 us ours/against 0.800" in bench.report.format_row(timed[0])
+    assert bench.report.against_markdown([synthetic_record()]) == ""
+
+
+def test_against_is_an_option_of_table_and_sweep(bench):
+    for name in ("table", "sweep"):
+        args = bench.cli.parse([name, "--against", "/tmp/before/csrc"])
+        assert args.against == "/tmp/before/csrc"
+    assert bench.cli.parse(["table"]).against is None
 
 
 def test_results_keep_their_file_names(bench, tmp_path):

@@ -100,3 +100,20 @@ def test_a_checkout_or_editable_install_uses_the_top_level_csrc():
     assert [path.suffix for path in jit.source_files(jit.source_dir())] == [
         path.suffix for path in sorted((REPO / "csrc").iterdir()) if path.suffix in KERNEL_SUFFIXES
     ]
+
+
+def test_other_kernel_sources_must_hold_the_binding(tmp_path):
+    """``load_module(sources=DIR)`` (a benchmark's before/after) names a directory without the binding
+    before any build."""
+    from hisparse_sglang.errors import KernelBuildError
+
+    with pytest.raises(KernelBuildError, match=r"no swap_in_binding\.cu in .*sources must name a directory"):
+        jit.load_module(sources=str(tmp_path))
+
+
+def test_cuda_ops_refuse_a_cpu_device_and_name_the_reference_ops():
+    from hisparse_sglang.errors import HiSparseError
+    from hisparse_sglang.ops.swap_in import CudaOps
+
+    with pytest.raises(HiSparseError, match=r"CudaOps needs a CUDA device, got cpu; use hisparse_sglang.ops.reference"):
+        CudaOps("cpu")

@@ -132,5 +132,6 @@ def test_the_kernel_header_and_python_agree_on_shared_constants():
     # the hash set of the misses (2 x top_k, a power of two) is indexed by int16
     assert 2 * swap_in_limits.MAX_TOP_K <= 1 << k["kMaxHashBits"] and k["kMaxHashBits"] <= 15
     assert k["kBitmapWordBits"] == 32 and k["kWarpSize"] == 32
+    assert k["kCopierListInts"] == swap_in_limits.COPIER_LIST_INTS
     plan = swap_in_plan(2048, 4096)
     assert plan.offsets["fine"] - plan.offsets["coarse"] == 4 * k["kCoarseBuckets"]

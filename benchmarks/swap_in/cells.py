@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hisparse_sglang.ops import swap_in as ours
+from hisparse_sglang.ops.swap_in import DEFAULT_THREADS, CudaOps
 from hisparse_sglang.testing.cases import make_case
 from swap_in import baseline
 
@@ -49,9 +49,12 @@ class Cell:
 
     ``module``: the kernel library our calls launch (``hisparse_sglang.ops.jit.load_module(defines)``
     for a variant build); None runs the production build exactly as the coordinator calls it.
+    ``ops``: the ops to launch through (default: new ``CudaOps`` on ``module``), shared by the cells
+    of a run.
     """
 
-    def __init__(self, batch: int, miss_rate: float, row_bytes: int, seed: int, host_cache: dict, module=None):
+    def __init__(self, batch: int, miss_rate: float, row_bytes: int, seed: int, host_cache: dict, module=None,
+                 ops: CudaOps | None = None):
         key = (batch, row_bytes)
         case = make_case(
             batch, TOP_K, BUFFER, row_bytes, page_size=PAGE, miss_rate=miss_rate, seq_len=SEQ_LEN,
@@ -59,7 +62,7 @@ class Cell:
         )
         if key not in host_cache:
             host_cache[key] = case.host_kv
-        self.module = module
+        self.ops = CudaOps(module=module) if ops is None else ops
         self.misses = case.expected_misses
         self.bytes = self.misses * row_bytes
         self.gpu = case.clone(device="cuda")
@@ -94,23 +97,23 @@ class Cell:
         self.sg_host_locs = case.req_to_token.to(torch.int64).cuda()
         self.sg_out = torch.empty((case.top_k.shape[0], TOP_K), dtype=torch.int32, device="cuda")
 
-    def default_splits(self, threads: int = ours.DEFAULT_THREADS) -> int:
+    def default_splits(self, threads: int = DEFAULT_THREADS) -> int:
         """The CTAs per request ``swap_in`` picks for this cell when given none."""
-        batch = self.gpu.top_k.shape[0]
-        return ours.choose_splits(batch, TOP_K, BUFFER, threads, torch.device("cuda"), module=self.module)
+        return self.ops.choose_splits(self.gpu.top_k.shape[0], TOP_K, BUFFER, threads)
 
     def resident_ctas(self, threads: int) -> int:
         """How many CTAs of our kernel at this shape and ``threads`` the GPU holds at once."""
-        return ours.resident_ctas(TOP_K, BUFFER, threads, torch.device("cuda"), module=self.module)
+        return self.ops.resident_ctas(TOP_K, BUFFER, threads)
 
     def reset_ours(self) -> None:
         for table, saved in zip((self.gpu.slot_tokens, self.gpu.slot_stamps, self.gpu.token_slot), self.saved):
             table.copy_(saved)
 
-    def run_ours(self, splits=None, threads=None) -> None:
-        # With the hit/miss counters, as the coordinator calls it in production.
-        ours.swap_in(*self.gpu.args(), out=self.out, counters=self.counters, splits=splits, threads=threads,
-                     module=self.module)
+    def run_ours(self, splits=None, threads=None, ops: CudaOps | None = None) -> None:
+        """Our kernel on this cell, through ``ops`` (default the cell's), with the hit/miss counters
+        as the coordinator calls it in production."""
+        (ops or self.ops).swap_in(*self.gpu.args(), out=self.out, counters=self.counters, splits=splits,
+                                  threads=threads)
 
     def copy_only(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Host and device rows of this cell's misses, from a call's outputs (run after one call).
@@ -143,7 +146,7 @@ class Cell:
 
     def run_copy_only(self, src: torch.Tensor, dst: torch.Tensor, max_blocks: int) -> None:
         """``copy_rows`` of the rows ``copy_only`` listed, in one launch of at most ``max_blocks`` blocks."""
-        ours.copy_rows([self.gpu.host_kv], [self.gpu.device_kv], src, dst, max_blocks=max_blocks, module=self.module)
+        self.ops.copy_rows([self.gpu.host_kv], [self.gpu.device_kv], src, dst, max_blocks=max_blocks)
 
     def reset_sglang(self) -> None:
         self.sg_tokens.copy_(self.sg_tokens0)

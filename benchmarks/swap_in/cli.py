@@ -73,6 +73,9 @@ def _add_table(parser: argparse.ArgumentParser, sweep_flag: bool) -> None:
         parser.set_defaults(sweep=True)
     parser.add_argument("--out", default=os.environ.get("OUT", str(REPO / "benchmarks" / "results")))
     _add_define(parser, "compile our kernel with these -D macros (variant experiments)")
+    parser.add_argument("--against", metavar="DIR", default=None,
+                        help="also time our kernel built from the kernel sources in DIR (e.g. an earlier commit's "
+                             "csrc/), alternating with this tree's in every round: a before/after in one run")
     parser.add_argument("--tag", default="", help="suffix of the output file names")
 
 

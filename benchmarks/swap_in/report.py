@@ -12,7 +12,7 @@ import re
 
 from swap_in.cells import BUFFER, SEQ_LEN, TOP_K
 
-__all__ = ["format_row", "markdown", "variants_markdown", "result_name", "write_results"]
+__all__ = ["format_row", "markdown", "against_markdown", "variants_markdown", "result_name", "write_results"]
 
 _VARIANT = re.compile(r"t(\d+)s(\d+)")
 
@@ -30,6 +30,8 @@ def format_row(r: dict) -> str:
     if "ours_padding_us" in r:
         extra += f" all-padding launch {r['ours_padding_us']:.1f} us"
     copy = f"{r['copy_only_us']:8.1f} us ours/copy {r['ours_us'] / r['copy_only_us']:6.3f}" if "copy_only_us" in r else "       - us"
+    if "against_us" in r:
+        extra += f" against {r['against_us']:.1f} us ours/against {r['ours_us'] / r['against_us']:.3f}"
     extra += f" clock {r.get('sm_clock_mhz_after', '?')} MHz"
     return (f"row {r['row_bytes']:5d} bs {r['batch']:4d} miss {r['miss_percent']:5.1f}% | ours {r['ours_us']:8.1f} us "
             f"(splits {r['splits']}) | sglang {sglang} us | copy-only {copy} | floor {r['floor_us']:8.1f} us | "
@@ -70,7 +72,40 @@ def markdown(results: list, gpu: str, memcpy: float, gather: dict, rounds: int, 
             f"{copy} | {r['floor_us']:.1f} | {vs_copy} | {floor} | {vs} |"
         )
     variants = variants_markdown(results)
+    against = against_markdown(results)
+    if against:
+        variants = against + ("\n" + variants if variants else "")
     return "\n".join(lines) + "\n" + (f"\n{variants}" if variants else "")
+
+
+def against_markdown(results: list) -> str:
+    """The before/after table of ``--against``: per cell, this tree's kernel and the other sources'
+    (best round median each, rounds alternating) and their ratio, with the spread of each kernel's
+    rounds (max / min). Empty when no record has an ``against`` time."""
+    timed = [r for r in results if "against_us" in r]
+    if not timed:
+        return ""
+
+    def spread(rounds: list) -> str:
+        return f"{max(rounds) / min(rounds):.3f}" if rounds else "-"
+
+    lines = [
+        "Before/after (`--against`: our kernel built from other sources, alternating with this tree's in every "
+        "round; µs, best round median):",
+        "",
+        "| row B | batch | miss % | ours µs | against µs | ours / against | ours rounds max/min | against rounds max/min |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in timed:
+        lines.append(
+            f"| {r['row_bytes']} | {r['batch']} | {r['miss_percent']:g} | {r['ours_us']:.1f} | {r['against_us']:.1f} | "
+            f"{r['ours_us'] / r['against_us']:.3f} | {spread(r.get('ours_rounds_us', []))} | "
+            f"{spread(r.get('against_rounds_us', []))} |"
+        )
+    ratios = sorted(r["ours_us"] / r["against_us"] for r in timed)
+    lines += ["", f"ours / against over {len(ratios)} cells: min {ratios[0]:.3f}, median "
+                  f"{ratios[len(ratios) // 2]:.3f}, max {ratios[-1]:.3f}."]
+    return "\n".join(lines) + "\n"
 
 
 def variants_markdown(results: list) -> str:

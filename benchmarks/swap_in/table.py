@@ -7,7 +7,9 @@ scattered zero-copy gather bandwidth measured in the same run), the copy-only ti
 of exactly the cell's missed rows, known in advance: the data movement alone at that size, launch
 included), the all-padding launch (``num_real_reqs`` = 0) and the ratios; writes JSON and
 Markdown to --out (default $OUT or benchmarks/results). ``sweep`` (or ``--sweep``) also times
-splits/threads variants of our kernel in every cell.
+splits/threads variants of our kernel in every cell. ``--against DIR`` adds a third kernel to the
+rounds: ours built from the sources in DIR (``git archive <commit> csrc | tar -x -C DIR/..``), for a
+before/after on one GPU in one run (columns "against" and "ours / against").
 
 SGLang's kernel comes from ``.baseline/`` (compiled from the installed sglang package by
 ``build-baseline``, never copied here); without it the table has no SGLang column.
@@ -21,6 +23,7 @@ import pathlib
 import torch
 
 from hisparse_sglang.ops import jit
+from hisparse_sglang.ops.swap_in import CudaOps
 from swap_in import report
 from swap_in.cells import BUFFER, SEQ_LEN, TOP_K, Cell, cell_seed, load_sglang
 from swap_in.timing import gather_bandwidth, host_us, median_us, memcpy_bandwidth, sm_clock_mhz, warm_up
@@ -54,6 +57,7 @@ def run(args) -> int:
     except Exception as exc:  # the SGLang column is optional; say why it is missing
         print(f"[bench] SGLang baseline unavailable: {exc}", flush=True)
         baseline = {}
+    against = CudaOps(module=jit.load_module(tuple(args.define), sources=args.against)) if args.against else None
     memcpy = memcpy_bandwidth()
     gather = {row: gather_bandwidth(row, module=module) for row in args.rows}
     print(f"[bench] {properties.name}: pinned H2D memcpy {memcpy:.1f} GB/s; scattered gather "
@@ -70,6 +74,11 @@ def run(args) -> int:
                 cell.run_ours()
                 torch.cuda.synchronize()
                 cell.verify(cell.out)
+                if against is not None:
+                    cell.reset_ours()
+                    cell.run_ours(ops=against)
+                    torch.cuda.synchronize()
+                    cell.verify(cell.out)
                 kernel = baseline.get(row_bytes)
                 if kernel is not None:
                     cell.reset_sglang()
@@ -79,10 +88,14 @@ def run(args) -> int:
                 # Rounds alternate ours and SGLang's kernel; each keeps its best round median, so a
                 # burst of interference on the shared host (seen on the device machines as 3-6x
                 # slower medians of single cells) hits both or neither.
-                ours_rounds, sglang_rounds = [], []
+                ours_rounds, sglang_rounds, against_rounds = [], [], []
                 for _ in range(args.rounds):
                     warm_up()
                     ours_rounds.append(median_us(cell.run_ours, cell.reset_ours, args.reps))
+                    if against is not None:
+                        against_rounds.append(
+                            median_us(lambda: cell.run_ours(ops=against), cell.reset_ours, args.reps)
+                        )
                     if kernel is not None:
                         sglang_rounds.append(
                             median_us(lambda: cell.run_sglang(kernel), cell.reset_sglang, args.reps)
@@ -106,6 +119,9 @@ def run(args) -> int:
                 }
                 if copy_us is not None:
                     record["copy_only_us"] = copy_us
+                if against_rounds:
+                    record["against_us"] = min(against_rounds)
+                    record["against_rounds_us"] = against_rounds
                 if sglang_rounds:
                     record["sglang_us"] = min(sglang_rounds)
                     record["sglang_rounds_us"] = sglang_rounds
@@ -133,6 +149,6 @@ def run(args) -> int:
     name = report.result_name(properties.name, stamp, args.tag)
     report.write_results(pathlib.Path(args.out), name, {
         "gpu": properties.name, "date": stamp, "torch": torch.__version__, "defines": args.define, "memcpy_gbps": memcpy,
-        "gather_gbps": gather, "top_k": TOP_K, "buffer": BUFFER, "seq_len": SEQ_LEN, "results": results,
+        "gather_gbps": gather, "against": args.against, "top_k": TOP_K, "buffer": BUFFER, "seq_len": SEQ_LEN, "results": results,
     }, table)
     return 0

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from hisparse_sglang.ops import swap_in as ours
+from hisparse_sglang.ops.swap_in import CudaOps
 
 __all__ = [
     "SPIN_CYCLES", "warm_up", "sm_clock_mhz", "median_us", "host_us", "gather_bandwidth", "memcpy_bandwidth",
@@ -84,13 +84,14 @@ def gather_bandwidth(row_bytes: int, total_bytes: int = 1 << 30, module=None) ->
     src = torch.randperm(rows * 2, device="cuda")[:rows]
     dst = torch.randperm(rows, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ops = CudaOps(module=module)
     best = 0.0
     for blocks in (sms // 2, sms, 2 * sms, 4 * sms):
         timings = []
         for _ in range(4):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            ours.copy_rows([host], [device], src, dst, max_blocks=blocks, module=module)
+            ops.copy_rows([host], [device], src, dst, max_blocks=blocks)
             end.record()
             end.synchronize()
             timings.append(start.elapsed_time(end) / 1000.0)

@@ -8,11 +8,12 @@ import sys
 import torch
 
 from hisparse_sglang.ops import reference
-from hisparse_sglang.ops import swap_in as ops
+from hisparse_sglang.ops.swap_in import CudaOps
 from hisparse_sglang.testing.cases import make_case
 
 
 def main() -> int:
+    ops = CudaOps()
     case = make_case(
         3, 2048, 4096, 1152, miss_rate=0.3, duplicate_fraction=0.02, padding_fraction=0.01,
         out_of_range_fraction=0.01, resident_fraction=0.34, num_real=3, seed=42,
@@ -40,13 +41,13 @@ def main() -> int:
             if not torch.equal(want, got.cpu()):
                 print(f"MISMATCH splits={splits} late_copiers_ns={late_copiers_ns}: {name}")
                 return 1
-    if not decode_rows_match(case):
+    if not decode_rows_match(case, ops):
         return 1
     print("sanitize case: outputs match the reference")
     return 0
 
 
-def decode_rows_match(case) -> bool:
+def decode_rows_match(case, ops: CudaOps) -> bool:
     """backup_newest and bind_rows on the case's tables: every request, both kinds of binding."""
     slots = case.req_pool_indices.to(torch.int64)
     num_real = torch.tensor([slots.numel()], dtype=torch.int32)

@@ -46,7 +46,8 @@ def guard(obj, name: str, calls: dict) -> None:
 
 
 def server_for(mode: str) -> SimulatedServer:
-    from hisparse_sglang.ops import swap_in as cuda_ops
+    from hisparse_sglang.ops.swap_in import CudaOps
+    cuda_ops = CudaOps()
 
     config = HiSparseConfig(
         top_k=256, device_buffer_size=512, page_size=PAGE, host_to_device_ratio=4,

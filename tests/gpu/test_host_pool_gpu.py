@@ -11,7 +11,8 @@ pytestmark = pytest.mark.gpu
 
 
 def test_pinned_pool_is_page_locked_and_read_by_the_copy_kernel():
-    from hisparse_sglang.ops import swap_in as ops
+    from hisparse_sglang.ops.swap_in import CudaOps
+    ops = CudaOps()
 
     pool = HostKVPool(5, 3000, 656, pin=True, threads=4)
     assert pool.pinned and all(layer.is_pinned() for layer in pool.layers)

@@ -70,7 +70,8 @@ def _fence_probe(rank: int, init_file: str) -> dict:
     import torch.distributed as dist
 
     from hisparse_sglang.memory.shared_host_pool import open_host_pool
-    from hisparse_sglang.ops import swap_in as ops
+    from hisparse_sglang.ops.swap_in import CudaOps
+    ops = CudaOps()
 
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,

@@ -9,10 +9,10 @@ from hisparse_sglang.testing.cases import POISON, make_case
 pytestmark = pytest.mark.gpu
 
 
-def cuda_ops():
-    from hisparse_sglang.ops import swap_in as ops
+def cuda_ops(module=None):
+    from hisparse_sglang.ops.swap_in import CudaOps
 
-    return ops
+    return CudaOps(module=module)
 
 
 def run_both(case, splits=None, threads=None, graph=False, late_copiers_ns=0):
@@ -26,7 +26,7 @@ def run_both(case, splits=None, threads=None, graph=False, late_copiers_ns=0):
     out = torch.full(tuple(case.top_k.shape), 777, dtype=torch.int32, device="cuda")  # sentinel
     ops = cuda_ops()
     if graph:
-        ops.reserve("cuda", case.top_k.shape[0], case.top_k.shape[1])
+        ops.reserve(case.top_k.shape[0], case.top_k.shape[1])
         ops.swap_in(*actual.clone(device="cuda", pin_host=True).args(), out=out.clone(), splits=splits, threads=threads)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -124,14 +124,15 @@ def test_copiers_with_all_hits_and_small_odd_top_k():
 def test_splits_beyond_co_residency_is_refused():
     """The CTAs of a request wait for each other: a grid the GPU cannot hold at once would hang."""
     from hisparse_sglang.errors import HiSparseError
+    from hisparse_sglang.ops.swap_in_limits import DEFAULT_THREADS
 
     ops = cuda_ops()
-    resident = ops.resident_ctas(512, 1024, ops.DEFAULT_THREADS, torch.device("cuda"))
+    resident = ops.resident_ctas(512, 1024, DEFAULT_THREADS)
     batch = resident // 2 + 1
     case = make_case(batch, 512, 1024, 64, miss_rate=0.2, seed=34)
     with pytest.raises(HiSparseError, match="co-resident"):
         ops.swap_in(*case.clone(device="cuda", pin_host=True).args(), splits=2)
-    assert ops.choose_splits(batch, 512, 1024, ops.DEFAULT_THREADS, torch.device("cuda")) == 1
+    assert ops.choose_splits(batch, 512, 1024, DEFAULT_THREADS) == 1
 
 
 @pytest.mark.parametrize("offset", [-1, 0, 1])
@@ -191,7 +192,7 @@ def test_graph_replays_many_times_with_changing_inputs():
     gpu = base.clone(device="cuda", pin_host=True)
     ref = base.clone()
     out = torch.empty(tuple(base.top_k.shape), dtype=torch.int32, device="cuda")
-    ops.reserve("cuda", 4, 1024)
+    ops.reserve(4, 1024)
     ops.swap_in(*gpu.clone(device="cuda", pin_host=True).args(), out=out.clone(), splits=3)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -254,8 +255,9 @@ def raw_swap_in(case, plan_values, threads=1024):
 
     gpu = case.clone(device="cuda", pin_host=True)
     batch, top_k = case.top_k.shape
+    *batch_args, tables = gpu.args()
     load_module().swap_in(
-        *gpu.args(), torch.empty((batch, top_k), dtype=torch.int32, device="cuda"),
+        *batch_args, *tables.tensors(), torch.empty((batch, top_k), dtype=torch.int32, device="cuda"),
         torch.empty(0, dtype=torch.int64, device="cuda"), torch.zeros(3 * batch, dtype=torch.int32, device="cuda"),
         torch.tensor(plan_values, dtype=torch.int64), 1, threads, 0, torch.cuda.current_stream().cuda_stream,
     )
@@ -305,7 +307,7 @@ def test_the_op_and_reserve_reject_a_shape_beyond_this_gpu_naming_the_key_and_th
     from hisparse_sglang.errors import HiSparseConfigError
 
     case = make_case(1, 2048, 14336, 64, miss_rate=0.5, seed=54).clone(device="cuda", pin_host=True)
-    for call in (lambda: cuda_ops().swap_in(*case.args()), lambda: cuda_ops().reserve("cuda", 4, 2048, 14336)):
+    for call in (lambda: cuda_ops().swap_in(*case.args()), lambda: cuda_ops().reserve(4, 2048, 14336)):
         with pytest.raises(HiSparseConfigError) as info:
             call()
         assert "device_buffer_size (14336)" in str(info.value) and "device_buffer_size <= 14272" in str(info.value)

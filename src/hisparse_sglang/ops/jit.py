@@ -8,8 +8,8 @@ directory and renamed into place atomically while holding a file lock, so concur
 
 Variants: ``load_module(defines=("NAME=VALUE", ...))`` builds the same sources with extra ``-D``
 macros (e.g. ``HISPARSE_TRACE``, the phase timeline of ``csrc/swap_in.cuh``) into a cache entry of
-their own; the ops use it only where a caller passes that module (``ops.swap_in.swap_in(...,
-module=...)``), never in place of the default build.
+their own; the ops use it only where a caller builds them on that module (``ops.swap_in.CudaOps(module=...)``),
+never in place of the default build.
 
 Environment:
     HISPARSE_CACHE_DIR: cache location.
@@ -159,7 +159,7 @@ def check_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
 
 
 @functools.cache
-def load_module(defines: tuple[str, ...] = ()):
+def load_module(defines: tuple[str, ...] = (), sources: str | None = None):
     """Build (once per cache key) and load the kernel library; returns the tvm-ffi module.
 
     ``defines``: a tuple (the call is cached: a list is refused as unhashable) of extra ``-D``
@@ -167,19 +167,28 @@ def load_module(defines: tuple[str, ...] = ()):
     builds such as ``("HISPARSE_TRACE",)``. They are part of the compiler flags and so of the cache
     key: each set of defines is a separate cache entry and a separate module; the default ``()`` is
     the build every op uses unless given another module. A variant module is used only where it is
-    passed (``ops.swap_in.swap_in(..., module=...)``).
+    passed (``ops.swap_in.CudaOps(module=...)``).
+
+    ``sources``: another directory of kernel sources (default :func:`source_dir`), for a benchmark's
+    before/after comparison (``bench_swap_in.py table --against DIR``); its contents are part of the
+    cache key like the package's own.
 
     Raises:
         TypeError, ValueError: ``defines`` is malformed (:func:`check_defines`), before any build.
         KernelBuildError: no CUDA sources, toolkit, target or tvm-ffi, or nvcc failed.
     """
-    return _load_variant(check_defines(defines))
+    if sources is not None:
+        sources = str(pathlib.Path(sources).resolve())
+        if not (pathlib.Path(sources) / _BINDING).is_file():
+            raise KernelBuildError(f"no {_BINDING} in {sources}: sources must name a directory of kernel sources")
+    return _load_variant(check_defines(defines), sources)
 
 
 @functools.cache
-def _load_variant(defines: tuple[str, ...]):
-    """One module per checked define set (``load_module()`` and ``load_module(())`` share it)."""
-    sources = source_dir()
+def _load_variant(defines: tuple[str, ...], other_sources: str | None):
+    """One module per checked define set and source directory (``load_module()`` and
+    ``load_module(())`` share it)."""
+    sources = source_dir() if other_sources is None else pathlib.Path(other_sources)
     arch = cuda_arch()
     includes, library, tvm_version = _tvm_ffi_paths()
     flags = _flags(arch, defines)

@@ -53,6 +53,9 @@ SM90_SHARED_MEMORY_PER_BLOCK = 232448
 # The two histograms of the slot ages (csrc/swap_in_config.h): coarse by age >> 7, fine by age & 127.
 COARSE_BUCKETS = 256
 FINE_BUCKETS = 128
+# A copier's miss list: entry, host row and device row (int32 each) per entry of its chunk
+# (csrc/swap_in_config.h kCopierListInts); its staged rows follow it, to the end of the plan.
+COPIER_LIST_INTS = 3
 _ROLE_ALIGN = 128  # the role's area starts on a 128-byte line (same bank mapping as at offset 0)
 
 # Order of the plan as it travels to the binding (an int64 tensor): csrc/swap_in.cuh SwapInSmemPlan.
@@ -125,7 +128,7 @@ def swap_in_plan(top_k: int, buffer_size: int, threads: int | None = None) -> Sw
     region("entry_hash", top_k, 2)
     # A copier's miss list (entry, host row, device row per entry of a chunk of at most top_k
     # entries rounded up to whole warps) must fit the same area.
-    copier_list = offsets["role"] + 3 * 4 * _round_up(top_k, 32)
+    copier_list = offsets["role"] + COPIER_LIST_INTS * 4 * _round_up(top_k, 32)
     total = _round_up(max(cursor, copier_list), 16)
     return SwapInPlan(top_k, buffer_size, threads, hash_bits, types.MappingProxyType(offsets), total)
 

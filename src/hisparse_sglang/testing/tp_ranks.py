@@ -109,9 +109,9 @@ class RankSpec:
 
     def ops(self):
         if self.device == "cuda":
-            from hisparse_sglang.ops import swap_in
+            from hisparse_sglang.ops.swap_in import CudaOps
 
-            return swap_in
+            return CudaOps()
         return reference
 
 

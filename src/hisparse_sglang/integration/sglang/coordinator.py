@@ -140,13 +140,13 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         _check_device_memory(DeviceBufferPool.table_bytes(*table_shape), self.device, table_shape)
         self.buffers = DeviceBufferPool(*table_shape, self.device)
         if self.device.type == "cuda":
-            from hisparse_sglang.ops import swap_in as ops
             from hisparse_sglang.ops.jit import load_module
+            from hisparse_sglang.ops.swap_in import CudaOps
 
             started = time.monotonic()
-            load_module()  # compile before any CUDA-graph capture
+            ops = CudaOps(self.device, module=load_module())  # compiled before any CUDA-graph capture
             ops.reserve(
-                self.device, num_req_slots, config.top_k, config.device_buffer_size, config.swap_in_block_size,
+                num_req_slots, config.top_k, config.device_buffer_size, config.swap_in_block_size,
                 page_size=config.page_size,
             )
             logger.info("HiSparse: CUDA kernels ready in %.1f s", time.monotonic() - started)
