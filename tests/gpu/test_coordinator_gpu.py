@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("item_bytes", [1152, 656])
 def test_decode_loop_matches_reference(resident_first, item_bytes):
     from hisparse_sglang.ops.swap_in import CudaOps
+
     cuda_ops = CudaOps()
 
     config = HiSparseConfig(

@@ -56,6 +56,7 @@ def newest_case(batch: int, seed: int, row_bytes: int, index_dtype: torch.dtype)
 def test_backup_newest_matches_reference(batch, row_bytes, index_dtype, fence_system):
     """fence_system (the writer of a shared host pool) adds a fence, never a different row."""
     from hisparse_sglang.ops.swap_in import CudaOps
+
     ops = CudaOps()
 
     req_pool_indices, seq_lens, req_to_token, device_row_of_loc, device_kv, num_locs = newest_case(
@@ -76,6 +77,7 @@ def test_backup_newest_matches_reference(batch, row_bytes, index_dtype, fence_sy
 
 def test_backup_newest_replays_in_a_cuda_graph():
     from hisparse_sglang.ops.swap_in import CudaOps
+
     ops = CudaOps()
 
     req_pool_indices, seq_lens, req_to_token, device_row_of_loc, device_kv, num_locs = newest_case(8, 5, 1152, torch.int64)
@@ -102,6 +104,7 @@ def test_backup_newest_replays_in_a_cuda_graph():
 @pytest.mark.parametrize("count", [1, 7, 129, 1000])
 def test_bind_rows_matches_reference(count):
     from hisparse_sglang.ops.swap_in import CudaOps
+
     ops = CudaOps()
 
     _, device_row_of_loc, buffer_of_req, slot_rows = tables(count)
@@ -135,6 +138,7 @@ def test_bind_rows_matches_reference(count):
 
 def test_bind_rows_empty_plan_and_bad_arguments():
     from hisparse_sglang.ops.swap_in import CudaOps
+
     ops = CudaOps()
 
     _, device_row_of_loc, buffer_of_req, slot_rows = [t.cuda() for t in tables(3)]

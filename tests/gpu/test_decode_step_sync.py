@@ -47,6 +47,7 @@ def guard(obj, name: str, calls: dict) -> None:
 
 def server_for(mode: str) -> SimulatedServer:
     from hisparse_sglang.ops.swap_in import CudaOps
+
     cuda_ops = CudaOps()
 
     config = HiSparseConfig(

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.gpu
 
 def test_pinned_pool_is_page_locked_and_read_by_the_copy_kernel():
     from hisparse_sglang.ops.swap_in import CudaOps
+
     ops = CudaOps()
 
     pool = HostKVPool(5, 3000, 656, pin=True, threads=4)

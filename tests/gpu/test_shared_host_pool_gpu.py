@@ -71,9 +71,9 @@ def _fence_probe(rank: int, init_file: str) -> dict:
 
     from hisparse_sglang.memory.shared_host_pool import open_host_pool
     from hisparse_sglang.ops.swap_in import CudaOps
-    ops = CudaOps()
 
     torch.cuda.set_device(0)
+    ops = CudaOps()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=300))
     pool = open_host_pool(LAYERS, ROWS, ITEM_BYTES, pin=True, group=dist.group.WORLD)
