@@ -49,12 +49,9 @@ class Cell:
 
     ``module``: the kernel library our calls launch (``hisparse_sglang.ops.jit.load_module(defines)``
     for a variant build); None runs the production build exactly as the coordinator calls it.
-    ``ops``: the ops to launch through (default: new ``CudaOps`` on ``module``), shared by the cells
-    of a run.
     """
 
-    def __init__(self, batch: int, miss_rate: float, row_bytes: int, seed: int, host_cache: dict, module=None,
-                 ops: CudaOps | None = None):
+    def __init__(self, batch: int, miss_rate: float, row_bytes: int, seed: int, host_cache: dict, module=None):
         key = (batch, row_bytes)
         case = make_case(
             batch, TOP_K, BUFFER, row_bytes, page_size=PAGE, miss_rate=miss_rate, seq_len=SEQ_LEN,
@@ -62,7 +59,7 @@ class Cell:
         )
         if key not in host_cache:
             host_cache[key] = case.host_kv
-        self.ops = CudaOps(module=module) if ops is None else ops
+        self.ops = CudaOps(module=module)
         self.misses = case.expected_misses
         self.bytes = self.misses * row_bytes
         self.gpu = case.clone(device="cuda")
