@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run for the kernels: GPU tests, compute-sanitizer, benchmark. Logs go to $OUT.
-#   carry: .whl (apache-tvm-ffi cp312 wheel; or part 1 of the e2e bundle installed into /tmp/site first),
+#   carry: .whl (apache-tvm-ffi cp312 wheel; or part 1 of the e2e bundle installed into /tmp/site first by
+#     tools/gpu-bundle/install_part.sh),
 #     .baseline (SGLang's kernel: bench_swap_in.py build-baseline), .before (an earlier commit's csrc/ for
 #     BENCH_ARGS="table --against .before/csrc": git archive <commit> csrc | tar -x -C .before)
 #   STEPS: any of "tests sanitizer bench" (default all three, in that order)

@@ -12,9 +12,13 @@
 
 #include <cstdint>
 
-#include "swap_in.cuh"  // load_index, swap_in_config.h
+#include "primitives.cuh"  // load_index, kWarpSize
 
 namespace hisparse {
+
+// Launch of both kernels: kDecodeRowThreads per block; backup_newest gives each batch row one warp.
+constexpr int kDecodeRowThreads = 128;
+constexpr int kBackupNewestRowsPerBlock = kDecodeRowThreads / kWarpSize;
 
 // Bind kind besides a page ordinal (>= 0: the new token starts a page, mapped to new_pages[ordinal]).
 constexpr int64_t kBindBufferSlot = -2;  // offloaded: its buffer's slot D

@@ -1,38 +1,50 @@
-// HiSparse swap-in and row-copy kernels. Raw pointers and sizes only; the semantics are those of
-// hisparse_sglang/ops/reference.py (swap_in, copy_rows), which these kernels match bit for bit.
+// The HiSparse swap-in kernel. Raw pointers and sizes only; the semantics are those of
+// hisparse_sglang/ops/reference.py::swap_in, which this kernel matches bit for bit. The host launch is
+// hisparse_swap_in in swap_in_binding.cu; the constants are in swap_in_config.h, the shared-memory plan
+// in ops/swap_in_plan.py.
 //
 // swap_in: grid = batch * splits CTAs. CTA (b, part) with b = blockIdx.x % batch and
 // part = blockIdx.x / batch, so the planner CTAs (part 0) have the lowest block indices.
 //   * padded batch row (b >= num_real_reqs): the planner writes -1 to the output row.
 //   * resident request (buffer_of_req[r] < 0): the planner translates positions to device rows.
-//   * offloaded request: the planner looks every entry up in the token -> slot map (one load per
-//     entry); a hit writes its slot's row and stamps the slot at once. Only if some entry missed
-//     does the block go on: it deduplicates the misses, selects the least recently used slots not
-//     hit (two histogram passes over the slots' ages), updates the tables and writes the missed
-//     entries' outputs. With splits == 1 the planner then copies the missed rows itself.
-//   * copier CTAs (part >= 1, splits > 1): each owns a chunk of the top-k entries. It looks its
-//     entries up in the map on its own, counts itself in looked[b] (release) and starts reading
-//     the missed host rows into shared memory at once (zero-copy reads of pinned host memory),
-//     while the planner still chooses the slots. The planner waits for every copier's lookups
-//     before it updates the map (so a copier never sees a miss as a hit), and once it publishes
-//     the outputs (flags[b] = kPlanReady) the copiers write their rows to the device rows named
-//     there. A copier with no miss leaves after its lookups. Copiers wait for their planner and
-//     the planner for its copiers, so the host keeps the grid co-resident (ops.choose_splits).
-//     The last CTA of a request to finish resets its flag and counters, so the kernel can be
-//     replayed in a CUDA graph without host involvement.
+//   * offloaded request: the planner announces that it has started (kPlannerStarted) and looks every
+//     entry up in the token -> slot map (one load per entry); a hit writes its slot's row and stamps
+//     the slot at once. Only if some entry missed does the block go on: it deduplicates the misses,
+//     selects the least recently used slots not hit (two histogram passes over the slots' ages),
+//     closes the claims (below), updates the tables, writes the missed entries' outputs and copies
+//     the rows no copier claimed (with splits == 1: every missed row).
+//   * copier CTAs (part >= 1, splits > 1): copier c = part - 1 claims chunk c of the top-k entries
+//     (sets its bit in the row's claim words) as it starts, looks its entries up in the map on its
+//     own and, if its claim came before the planner closed the claims, stays: once it has seen the
+//     planner's announcement (or failed to give its chunk back, which only a closed claim prevents)
+//     it counts its lookups (release) and starts reading the missed host rows into shared memory
+//     (zero-copy reads of pinned host memory) while the planner still chooses the slots; once the
+//     planner publishes the outputs (flags[b] = kPlanReady) it writes its rows to the device rows
+//     named there. A copier with no miss leaves after its lookups.
+//   * Closing the claims: before it changes the map, the planner sets kClaimsClosed in each claim
+//     word; the bits it gets back are the copiers that stay, and it waits until they have looked
+//     (so no copier sees a miss as a hit). A copier whose claim comes later leaves; the planner
+//     copies the misses first seen in the chunks no copier kept.
+// Forward progress: a CTA only ever waits for CTAs of its row that have started (a copier for the
+// planner, whose announcement it saw or whose close beat its give-back; the planner for the copiers
+// whose claims it found, whose lookups wait for nothing), so the kernel completes whether or not its
+// grid is co-resident (docs/kernels.md, "Forward progress"). The last CTA of an offloaded row to
+// finish resets the row's flag, counter word and claim words, so the kernel can be replayed in a CUDA
+// graph without host involvement.
 #pragma once
 
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "primitives.cuh"
 #include "swap_in_config.h"
 
 namespace hisparse {
 
 // Byte offsets of the regions of a swap_in CTA's dynamic shared memory, and its size. The host
-// computes them (hisparse_sglang/ops/swap_in_limits.py::swap_in_plan, the one owner of the layout
+// computes them (hisparse_sglang/ops/swap_in_plan.py::swap_in_plan, the one owner of the layout
 // and of the size the config is checked against) and passes them with every launch; every role
-// carves its regions from here. Field order = swap_in_limits.PLAN_FIELDS.
+// carves its regions from here. Field order = swap_in_plan.PLAN_FIELDS.
 struct SwapInSmemPlan {
   int64_t hash_bits;        // hash table of 1 << hash_bits >= 2 * K entries (indices fit int16)
   int64_t total_bytes;      // dynamic shared memory of every CTA
@@ -41,7 +53,7 @@ struct SwapInSmemPlan {
   int64_t role;             // planner: its tables below; copier: miss list, then staged rows
   int64_t keys;             // int32 [H]: missed token per hash entry
   int64_t first;            // int32 [H]: its first entry
-  int64_t hash_host_row;    // int32 [H]: its host row (planner copies alone)
+  int64_t hash_host_row;    // int32 [H]: its host row (the misses the planner copies)
   int64_t hash_device_row;  // int32 [H]: its device row
   int64_t row_of_slot;      // int32 [D]
   int64_t token_of_slot;    // int32 [D]
@@ -87,125 +99,17 @@ struct SwapInParams {
   int32_t* out;                      // [batch, out_stride]
   int64_t out_stride;
   unsigned long long* counters;      // [2] or nullptr: lookups, misses
-  int32_t* flags;                    // [batch], 0 between launches
-  int32_t* done;                     // [batch] CTAs finished, 0 between launches
-  int32_t* looked;                   // [batch] copiers done with their lookups, 0 between launches
+  int32_t* flags;                    // [batch] kPlanReady once the plan is published, 0 between launches
+  int32_t* row_counts;               // [batch] looked | finished | planner started (swap_in_config.h), 0 between launches
+  unsigned long long* claims;        // [batch, kClaimWords] copiers' claims | kClaimsClosed, 0 between launches
   int batch;
   int num_top_k;                     // K <= buffer_size, K <= 8192
   int buffer_size;                   // D <= kMaxBufferSize
-  int splits;
-  int late_copiers_ns;               // test hook: copiers sleep this long before their lookups
+  int splits;                        // CTAs per batch row, in [1, kMaxSplits]
   SwapInSmemPlan plan;
 };
 
-__device__ __forceinline__ int64_t load_index(const void* ptr, int is_64, int i) {
-  return is_64 ? static_cast<const int64_t*>(ptr)[i] : static_cast<const int32_t*>(ptr)[i];
-}
-
-__device__ __forceinline__ uint32_t hash_of(int32_t key, int bits) {
-  return (static_cast<uint32_t>(key) * 2654435761u) >> (32 - bits);
-}
-
-__device__ __forceinline__ uint64_t warp_inclusive_scan(uint64_t value) {
-  const int lane = threadIdx.x % kWarpSize;
-#pragma unroll
-  for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-    const uint64_t other = __shfl_up_sync(0xffffffffu, value, offset);
-    if (lane >= offset) value += other;
-  }
-  return value;
-}
-
-// Exclusive prefix sum over the block in thread order; `total` receives the block sum. The 64-bit
-// value can carry several narrower counters at once (no field may overflow).
-template <int THREADS>
-__device__ __forceinline__ uint64_t block_exclusive_scan(uint64_t value, uint64_t* warp_sums, uint64_t& total) {
-  constexpr int kWarps = THREADS / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
-  const uint64_t inclusive = warp_inclusive_scan(value);
-  if (lane == kWarpSize - 1) warp_sums[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    const uint64_t x = lane < kWarps ? warp_sums[lane] : 0;
-    const uint64_t x_inclusive = warp_inclusive_scan(x);
-    if (lane < kWarps) warp_sums[lane] = x_inclusive - x;
-    if (lane == kWarps - 1) warp_sums[kWarps] = x_inclusive;
-  }
-  __syncthreads();
-  const uint64_t exclusive = warp_sums[warp] + inclusive - value;
-  total = warp_sums[kWarps];
-  return exclusive;
-}
-
-// Run by one whole warp over a histogram of `buckets` (a multiple of 32) counts: the highest
-// bucket at which the count of items in that bucket or above reaches `target` (>= 1, at most the
-// histogram's total), and the count strictly above it.
-__device__ __forceinline__ void warp_find_from_top(const int32_t* hist, int buckets, int target, int* bucket_out,
-                                                   int* above_out) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int per_lane = buckets / kWarpSize;
-  const int top = buckets - lane * per_lane;  // lane 0 owns the highest buckets
-  int sum = 0;
-  for (int k = 1; k <= per_lane; ++k) sum += hist[top - k];
-  int inclusive = sum;
-#pragma unroll
-  for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-    const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
-    if (lane >= offset) inclusive += other;
-  }
-  const int exclusive = inclusive - sum;
-  if (exclusive < target && target <= inclusive) {
-    int running = exclusive;
-    for (int k = 1; k <= per_lane; ++k) {
-      const int count = hist[top - k];
-      if (running + count >= target) {
-        *bucket_out = top - k;
-        *above_out = running;
-        break;
-      }
-      running += count;
-    }
-  }
-}
-
-// Copies `count` rows of `vectors_per_row` 16-byte pieces: piece v of row m goes from load(m, v)
-// to store(m, v, value). Consecutive threads take consecutive pieces; each thread has kCopyUnroll
-// independent loads in flight. Serves every row copy of swap_in (host, shared memory, device).
-template <int THREADS, typename Load, typename Store>
-__device__ __forceinline__ void copy_rows_by(int count, int vectors_per_row, Load load, Store store) {
-  const int total = count * vectors_per_row;
-  for (int base = threadIdx.x; base < total; base += THREADS * kCopyUnroll) {
-    int4 value[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int g = base + u * THREADS;
-      if (g < total) value[u] = load(g / vectors_per_row, g % vectors_per_row);
-    }
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int g = base + u * THREADS;
-      if (g < total) store(g / vectors_per_row, g % vectors_per_row, value[u]);
-    }
-  }
-}
-
-// A 16-byte piece of a row: zero-copy read of pinned host memory, streaming write to device memory.
-__device__ __forceinline__ int4 load_piece(const uint8_t* base, int32_t row, int64_t row_bytes, int v) {
-  return __ldg(reinterpret_cast<const int4*>(base + int64_t(row) * row_bytes) + v);
-}
-
-__device__ __forceinline__ void store_piece(uint8_t* base, int32_t row, int64_t row_bytes, int v, int4 value) {
-  __stcg(reinterpret_cast<int4*>(base + int64_t(row) * row_bytes) + v, value);
-}
-
-__device__ __forceinline__ uint64_t global_time_ns() {
-  uint64_t now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  return now;
-}
-
-// Phase timestamps for diagnostics (benchmarks/trace_swap_in.py builds with -DHISPARSE_TRACE):
+// Phase timestamps for diagnostics (`benchmarks/bench_swap_in.py trace` builds with -DHISPARSE_TRACE):
 // thread 0 of batch row 0's CTAs records the global timer at each mark and prints them on exit.
 #ifdef HISPARSE_TRACE
 __shared__ uint64_t trace_marks[8];
@@ -241,23 +145,79 @@ __shared__ uint64_t trace_marks[8];
   } while (0)
 #endif
 
-__device__ __forceinline__ int load_acquire(const int32_t* ptr) {
-  int value;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ void store_release(int32_t* ptr, int value) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
-}
-
-// The last of the request's `splits` CTAs to arrive resets its flag and counters for the next launch.
-__device__ __forceinline__ void arrive_done(const SwapInParams& p, int b) {
-  if (atomicAdd(p.done + b, 1) == p.splits - 1) {
-    p.done[b] = 0;
-    p.flags[b] = 0;
-    p.looked[b] = 0;
+// Thread 0, the CTA's last access to its row's workspace (an offloaded row, splits > 1): counts the CTA
+// done; the last of the row's `splits` CTAs resets the flag, the counter word and the claim words for
+// the next launch (CUDA-graph replay needs no host work). A CTA that touched the flag or a claim word
+// (`released`: every copier, a planner that closed the claims) counts itself with release, so those
+// accesses are performed before its count, and the last CTA fences (acquire) before it resets: none of
+// them can land after the reset and leak into the next launch. The counter word's own accesses need
+// no fence (one location).
+__device__ __forceinline__ void arrive_done(const SwapInParams& p, int b, bool released) {
+  int32_t before;
+  if (released) {
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
+                 : "=r"(before)
+                 : "l"(p.row_counts + b), "r"(kFinished)
+                 : "memory");
+  } else {
+    before = atomicAdd(p.row_counts + b, kFinished);
   }
+  if (((before >> kFinishedShift) & kCounterMask) == p.splits - 1) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    p.flags[b] = 0;
+    p.row_counts[b] = 0;
+#pragma unroll
+    for (int w = 0; w < kClaimWords; ++w) p.claims[int64_t(b) * kClaimWords + w] = 0;
+  }
+}
+
+#if defined(HISPARSE_TEST_LATE_COPIERS_NS) || defined(HISPARSE_TEST_LATE_ARRIVALS_NS) || \
+    defined(HISPARSE_TEST_LATE_PLANNER_NS)
+// Test hooks, compiled only into variant builds (jit.load_module(defines=...); tests/gpu): thread 0
+// sleeps `ns` nanoseconds on the global timer.
+__device__ __forceinline__ void test_sleep(uint64_t ns) {
+  if (threadIdx.x == 0) {
+    const uint64_t until = global_time_ns() + ns;
+    while (global_time_ns() < until) __nanosleep(kTestSleepNs);
+  }
+}
+#endif
+
+// The host row a missed entry is copied from: `row`, except in the test variant built with
+// HISPARSE_TEST_CORRUPT_MISSES=N (jit.load_module(defines=...); benchmarks/e2e arm dx), where every N-th
+// miss of a CTA's list (`index`) is read from the neighbouring host row, a plausible but wrong KV row:
+// the build that the end-to-end judge and the in-server KV check must reject. Never in production.
+__device__ __forceinline__ int32_t missed_host_row(int32_t row, int index) {
+#ifdef HISPARSE_TEST_CORRUPT_MISSES
+  return index % (HISPARSE_TEST_CORRUPT_MISSES) == 0 ? (row ^ 1) : row;
+#else
+  (void)index;
+  return row;
+#endif
+}
+
+// Thread 0 of copier `c`: claims its chunk; returns whether the claim came before the planner closed
+// the claims (the copier stays) — the atomic's result is read only after the copier's lookups.
+__device__ __forceinline__ unsigned long long claim_chunk(const SwapInParams& p, int b, int c) {
+#ifdef HISPARSE_TEST_LATE_ARRIVALS_NS
+  // Test hook: the copiers of block part >= 2 claim late, after the planner has closed the claims
+  // (unless it took the hit path), so it must copy the chunks they would have claimed.
+  if (blockIdx.x / p.batch >= 2) test_sleep(static_cast<uint64_t>(HISPARSE_TEST_LATE_ARRIVALS_NS));
+#endif
+  return atomicOr(p.claims + int64_t(b) * kClaimWords + c / kCopiersPerClaimWord,
+                  1ull << (c % kCopiersPerClaimWord));
+}
+
+// Thread 0 of copier `c`, whose claim came before the close: whether it may wait for the plan. Yes
+// once the planner has announced that it started (`started`: the counter word read when the copier
+// started, else read again now); otherwise it gives its chunk back (clears its bit): that fails only
+// if the planner closed the claims meanwhile, and then the planner has started and counts on it too.
+__device__ __forceinline__ bool stay_for_plan(const SwapInParams& p, int b, int c, int32_t started) {
+  if (started & kPlannerStarted) return true;
+  if (load_acquire(p.row_counts + b) & kPlannerStarted) return true;
+  const unsigned long long before = atomicAnd(p.claims + int64_t(b) * kClaimWords + c / kCopiersPerClaimWord,
+                                              ~(1ull << (c % kCopiersPerClaimWord)));
+  return (before & kClaimsClosed) != 0;
 }
 
 // Spins (thread 0) until *counter reaches `value` (acquire), then the block goes on together.
@@ -268,10 +228,38 @@ __device__ __forceinline__ void wait_until_at_least(const int32_t* counter, int 
   __syncthreads();
 }
 
-// Counts a copier CTA in looked[b] once all its threads are done with their lookups (the caller
-// synchronizes the block first): the release orders those loads before the planner's map update.
-__device__ __forceinline__ void count_looked(int32_t* looked) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(looked) : "memory");
+// Counts a copier CTA in its row's looked field once all its threads are done with their lookups (the
+// caller synchronizes the block first): the release orders those loads before the planner's map update.
+__device__ __forceinline__ void count_looked(int32_t* row_count) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(row_count), "r"(kLooked) : "memory");
+}
+
+// Threads [0, kClaimWords) of the planner: close the row's claim words; `kept[w]` receives the copiers'
+// bits each held at its close (the copiers that stay). Then thread 0 waits until that many copiers
+// have counted their lookups; they have started and their lookups wait for nothing, so the wait ends.
+// The first poll of the count is issued together with the close (neither waits for the other): in
+// the common case the close adds no round trip to the planner's path. The caller synchronizes after.
+__device__ __forceinline__ void close_claims(const SwapInParams& p, int b, unsigned long long* kept) {
+  const int tid = threadIdx.x;
+  if (tid < kClaimWords) {
+    kept[tid] = atomicOr(p.claims + int64_t(b) * kClaimWords + tid, kClaimsClosed) & ~kClaimsClosed;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int claimed = 0;
+#pragma unroll
+    for (int w = 0; w < kClaimWords; ++w) claimed += __popcll(kept[w]);
+    int32_t seen = load_acquire(p.row_counts + b);
+    while ((seen & kCounterMask) < claimed) {
+      __nanosleep(kSpinSleepNs);
+      seen = load_acquire(p.row_counts + b);
+    }
+  }
+}
+
+// Whether copier chunk `c` is kept by its copier (its bit in the closed claim words).
+__device__ __forceinline__ bool chunk_kept(const unsigned long long* kept, int c) {
+  return (kept[c / kCopiersPerClaimWord] >> (c % kCopiersPerClaimWord)) & 1ull;
 }
 
 // One round of a thread's top-k entries: kBatch entries THREADS apart from `index`, counted from
@@ -296,18 +284,16 @@ __device__ __forceinline__ int copier_chunk(int top_k, int splits) {
   return ((top_k + copiers - 1) / copiers + kWarpSize - 1) / kWarpSize * kWarpSize;
 }
 
-// A copier CTA (part >= 1) of an offloaded request, owning entries [begin, end) of a chunk of
-// `chunk` entries; see the file comment. Returns with the block converged; the caller arrives.
+// Copier `c` (block part c + 1) of an offloaded request, owning entries [begin, end) of a chunk of
+// `chunk` entries; see the file comment. Returns with the block converged, and whether it touched the
+// row's claims or flag (the caller counts it done with release then).
 template <int THREADS>
-__device__ __forceinline__ void copier(const SwapInParams& p, int b, int begin, int end, int chunk,
+__device__ __forceinline__ bool copier(const SwapInParams& p, int b, int c, int begin, int end, int chunk,
                                        const int32_t* top_k, const int32_t (&first_batch)[kBatch],
                                        const int32_t* positions_to_loc, const int16_t* token_slot, int32_t newest,
-                                       uint8_t* smem, uint64_t* warp_sums) {
+                                       uint8_t* smem, uint64_t* warp_sums, int32_t* selection) {
   const int tid = threadIdx.x;
-  if (begin >= end) {  // no entries: counted at once
-    if (tid == 0) count_looked(p.looked + b);
-    return;
-  }
+  if (begin >= end) return false;  // no entries: no claim (the planner finds its bit clear, nothing to copy)
   const int span = end - begin;
   const int vectors_per_row = static_cast<int>(p.row_bytes / kPieceBytes);
   int32_t* out = p.out + int64_t(b) * p.out_stride;
@@ -321,13 +307,21 @@ __device__ __forceinline__ void copier(const SwapInParams& p, int b, int begin, 
   int4* staged = smem_region<int4>(smem, staged_offset);
   const int capacity = max(0, static_cast<int>((p.plan.total_bytes - staged_offset) / p.row_bytes));
 
-  if (p.late_copiers_ns > 0) {
-    if (tid == 0) {
-      const uint64_t until = global_time_ns() + static_cast<uint64_t>(p.late_copiers_ns);
-      while (global_time_ns() < until) __nanosleep(kLateCopierSleepNs);
-    }
-    __syncthreads();
+  // The claim and a first look at the planner's announcement, in flight with the lookups; thread 0
+  // reads them after the lookups.
+  unsigned long long claim_before = 0;
+  int32_t started = 0;
+  if (tid == 0) {
+    claim_before = claim_chunk(p, b, c);
+    started = load_relaxed(p.row_counts + b);
   }
+
+#ifdef HISPARSE_TEST_LATE_COPIERS_NS
+  // Test hook: a copier that claimed its chunk looks its entries up late, long after the planner
+  // reached its map update; the planner must wait for it.
+  test_sleep(static_cast<uint64_t>(HISPARSE_TEST_LATE_COPIERS_NS));
+  __syncthreads();
+#endif
 
   // C1: lookups; a miss records its host row.
   int local = 0;
@@ -367,17 +361,24 @@ __device__ __forceinline__ void copier(const SwapInParams& p, int b, int begin, 
     }
   }
 
-  if (tid == 0) count_looked(p.looked + b);  // the scan synchronized the block after the lookups
-  if (num_miss == 0) {
-    HISPARSE_DUMP("copy");
-    return;
+  // Stay (the claim came before the close, and the planner has started or closed meanwhile) or leave
+  // the chunk to the planner. Staying, count the lookups: the scan synchronized the block after them.
+  if (tid == 0) {
+    const bool stays = !(claim_before & kClaimsClosed) && stay_for_plan(p, b, c, started);
+    if (stays) count_looked(p.row_counts + b);
+    selection[0] = stays;
   }
   __syncthreads();
+  if (!selection[0] || num_miss == 0) {
+    HISPARSE_DUMP("copy");
+    return true;
+  }
 
   // C2: stage the first missed rows in shared memory while the planner chooses the slots.
   const int staged_rows = min(num_miss, capacity);
   copy_rows_by<THREADS>(
-      staged_rows, vectors_per_row, [&](int m, int v) { return load_piece(p.host_kv, list_host[m], p.row_bytes, v); },
+      staged_rows, vectors_per_row,
+      [&](int m, int v) { return load_piece(p.host_kv, missed_host_row(list_host[m], m), p.row_bytes, v); },
       [&](int m, int v, int4 value) { staged[m * vectors_per_row + v] = value; });
 
   // C3: the planner's outputs name the device rows.
@@ -391,15 +392,18 @@ __device__ __forceinline__ void copier(const SwapInParams& p, int b, int begin, 
       [&](int m, int v, int4 value) { store_piece(p.device_kv, list_device[m], p.row_bytes, v, value); });
   copy_rows_by<THREADS>(
       num_miss - staged_rows, vectors_per_row,
-      [&](int m, int v) { return load_piece(p.host_kv, list_host[staged_rows + m], p.row_bytes, v); },
+      [&](int m, int v) {
+        return load_piece(p.host_kv, missed_host_row(list_host[staged_rows + m], staged_rows + m), p.row_bytes, v);
+      },
       [&](int m, int v, int4 value) { store_piece(p.device_kv, list_device[staged_rows + m], p.row_bytes, v, value); });
   HISPARSE_MARK(4);
   HISPARSE_DUMP("copy");
+  return true;
 }
 
 // The planner CTA (part 0) of an offloaded request; see the file comment. Looks every entry up,
 // and if any missed: ranks the misses, selects the least recently used slots not hit, updates the
-// tables, writes the missed entries' outputs and (without copiers) copies their rows.
+// tables, writes the missed entries' outputs and copies the rows of the misses no copier claimed.
 template <int THREADS>
 __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int D, int32_t* out, const int32_t* top_k,
                                         const int32_t (&first_batch)[kBatch], const int32_t* positions_to_loc,
@@ -439,6 +443,16 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
   const int slots_per_thread = (D + THREADS - 1) / THREADS;
   const int slot_begin = min(D, tid * slots_per_thread);
   const int slot_end = min(D, slot_begin + slots_per_thread);
+
+  // The announcement copiers wait for before they rely on the plan (fire and forget).
+  if (p.splits > 1 && tid == 0) {
+#ifdef HISPARSE_TEST_LATE_PLANNER_NS
+    // Test hook: the planner announces itself late, after its copiers looked: they give their
+    // chunks back and leave, and the planner copies every miss.
+    test_sleep(static_cast<uint64_t>(HISPARSE_TEST_LATE_PLANNER_NS));
+#endif
+    asm volatile("red.relaxed.gpu.global.or.b32 [%0], %1;" ::"l"(p.row_counts + b), "r"(kPlannerStarted) : "memory");
+  }
 
   // H1: every entry is looked up in the token -> slot map.
   {
@@ -496,9 +510,9 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
     }
     HISPARSE_MARK(1);
 
-    if (!missed) {  // all hits: done (copiers find no miss and leave without waiting)
+    if (!missed) {  // all hits: done, claims left open (copiers find no miss and leave without waiting)
       if (p.splits > 1 && tid == 0) {
-        arrive_done(p, b);
+        arrive_done(p, b, false);  // it touched only the counter word
       }
       HISPARSE_DUMP("plan");
       return;
@@ -525,7 +539,8 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
   const uint32_t mask = static_cast<uint32_t>(H - 1);
 
   // M1: mark the hit slots; insert the missed tokens into the hash set with their first entry
-  // (and host row if the planner copies); stage the tokens, ages and device rows of the slots.
+  // (and, with splits == 1, their host row: the planner copies every miss); stage the tokens, ages
+  // and device rows of the slots.
   for (int i0 = entry_begin; i0 < entry_end; i0 += kBatch) {
     int32_t state[kBatch];
     int32_t host_row[kBatch];
@@ -639,9 +654,16 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
   }
   __syncthreads();
 
-  // The copiers must have looked the entries up before the map changes.
+  // Close the claims: the copiers that keep a chunk must have looked their entries up before the map
+  // changes; the chunks no copier keeps are the planner's to copy. selection[] (room for the claim
+  // words' kept bits) is free again: its scalars were read before the barrier above.
   HISPARSE_MARK(4);
-  if (p.splits > 1) wait_until_at_least(p.looked + b, p.splits - 1);
+  static_assert(kClaimWords * sizeof(unsigned long long) <= 4 * sizeof(int32_t), "selection holds the kept bits");
+  unsigned long long* kept = reinterpret_cast<unsigned long long*>(selection);
+  if (p.splits > 1) {
+    close_claims(p, b, kept);
+    __syncthreads();
+  }
   HISPARSE_MARK(5);
 
   // M5: the k-th miss takes the k-th victim: tables and the device rows of the misses.
@@ -665,22 +687,51 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
     if (entry_state[i] <= kMissBase) out[i] = hash_device_row[entry_hash[i]];
   }
   if (tid == 0 && p.counters != nullptr) atomicAdd(p.counters + 1, static_cast<unsigned long long>(num_miss));
+
+  // The rows the planner copies: a copier copies every missed entry of the chunk it keeps, so the
+  // planner copies the misses first seen in a chunk no copier kept (hash indices in `mine`: all of
+  // miss_hash with splits == 1, else compacted into victim_slot, free after M5). A token also missed in
+  // a kept chunk is then written twice, with the same bytes.
+  const int16_t* mine = miss_hash;
+  int mine_count = num_miss;
   if (p.splits > 1) {
-    __syncthreads();
+    bool any_kept = false;
+#pragma unroll
+    for (int w = 0; w < kClaimWords; ++w) any_kept |= kept[w] != 0;
+    __syncthreads();  // the outputs (M6) are written before they are published
     if (tid == 0) {
-      store_release(p.flags + b, kPlanReady);  // cumulative: covers the whole block's outputs
-      arrive_done(p, b);
+      if (any_kept) store_release(p.flags + b, kPlanReady);  // cumulative: covers the whole block's outputs
+      arrive_done(p, b, true);  // it closed the claims (and published the flag)
     }
-    HISPARSE_MARK(7);
-    HISPARSE_DUMP("plan");
-    return;
+    if (any_kept) {
+      const int copier_entries = copier_chunk(K, p.splits);
+      const int ranks_per_thread = (num_miss + THREADS - 1) / THREADS;
+      const int rank_begin = min(num_miss, tid * ranks_per_thread);
+      const int rank_end = min(num_miss, rank_begin + ranks_per_thread);
+      int count = 0;
+      for (int k = rank_begin; k < rank_end; ++k) count += !chunk_kept(kept, first[miss_hash[k]] / copier_entries);
+      uint64_t total;
+      int position = static_cast<int>(block_exclusive_scan<THREADS>(count, warp_sums, total));
+      for (int k = rank_begin; k < rank_end; ++k) {
+        if (!chunk_kept(kept, first[miss_hash[k]] / copier_entries)) victim_slot[position++] = miss_hash[k];
+      }
+      mine = victim_slot;
+      mine_count = static_cast<int>(total);
+      __syncthreads();
+    }
+    // Their host rows (M1 loads them only when the planner copies every miss).
+    for (int k = tid; k < mine_count; k += THREADS) {
+      const int h = mine[k];
+      hash_host_row[h] = positions_to_loc[keys[h]];
+    }
+    __syncthreads();
   }
 
-  // M7: the planner copies the missed rows itself.
+  // M7: the planner copies its missed rows.
   copy_rows_by<THREADS>(
-      num_miss, static_cast<int>(p.row_bytes / kPieceBytes),
-      [&](int k, int v) { return load_piece(p.host_kv, hash_host_row[miss_hash[k]], p.row_bytes, v); },
-      [&](int k, int v, int4 value) { store_piece(p.device_kv, hash_device_row[miss_hash[k]], p.row_bytes, v, value); });
+      mine_count, static_cast<int>(p.row_bytes / kPieceBytes),
+      [&](int k, int v) { return load_piece(p.host_kv, missed_host_row(hash_host_row[mine[k]], k), p.row_bytes, v); },
+      [&](int k, int v, int4 value) { store_piece(p.device_kv, hash_device_row[mine[k]], p.row_bytes, v, value); });
   HISPARSE_MARK(7);
   HISPARSE_DUMP("plan");
 }
@@ -691,7 +742,8 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   // Every byte of shared memory is in the host's plan (none is declared statically here).
   extern __shared__ __align__(16) uint8_t smem[];
   uint64_t* warp_sums = smem_region<uint64_t>(smem, p.plan.warp_sums);
-  int32_t* selection = smem_region<int32_t>(smem, p.plan.selection);  // the planner's victim selection
+  // The planner's victim selection, then the claim words' kept bits; a copier's decision.
+  int32_t* selection = smem_region<int32_t>(smem, p.plan.selection);
 
   const int b = blockIdx.x % p.batch;
   const int part = blockIdx.x / p.batch;
@@ -716,6 +768,7 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
     const int i = entries_begin + tid + u * THREADS;
     first_batch[u] = i < entries_end ? top_k[i] : -1;
   }
+  // Padded and resident rows: the planner's work alone, nothing waits, the workspace is not touched.
   if (b >= num_real) {
     if (part == 0) {
       for (int i = tid; i < K; i += THREADS) out[i] = -1;
@@ -747,67 +800,14 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   int16_t* token_slot = p.token_slot + int64_t(buffer) * p.token_slot_stride;
 
   if (part != 0) {
-    copier<THREADS>(p, b, entries_begin, entries_end, chunk, top_k, first_batch, positions_to_loc, token_slot, newest,
-                    smem, warp_sums);
-    __syncthreads();
-    if (tid == 0) arrive_done(p, b);
+    const bool released = copier<THREADS>(p, b, part - 1, entries_begin, entries_end, chunk, top_k, first_batch,
+                                          positions_to_loc, token_slot, newest, smem, warp_sums, selection);
+    if (tid == 0) arrive_done(p, b, released);
     return;
   }
 
   planner<THREADS>(p, b, K, D, out, top_k, first_batch, positions_to_loc, buffer, now, newest, token_slot, smem,
                    warp_sums, selection);
-}
-
-struct CopyRowsParams {
-  const uint64_t* src_layers;  // [layers] base addresses (device or pinned host)
-  const uint64_t* dst_layers;  // [layers]
-  const void* src_rows;        // [count] int32 or int64
-  const void* dst_rows;        // [count] int32 or int64
-  int src_rows_is_64;
-  int dst_rows_is_64;
-  int64_t count;
-  int layers;
-  int64_t row_bytes;           // multiple of 16
-};
-
-// Copies `count` rows of every layer. Each block copies one contiguous chunk of the flattened
-// (layer, row, 16-byte piece) space; consecutive threads copy consecutive pieces and each thread
-// has kCopyUnroll loads in flight. Index is uint32_t when the space fits (cheaper division).
-template <int THREADS, typename Index>
-__global__ void __launch_bounds__(THREADS) copy_rows_kernel(const CopyRowsParams p) {
-  const Index vectors_per_row = static_cast<Index>(p.row_bytes / kPieceBytes);
-  const Index per_layer = static_cast<Index>(p.count) * vectors_per_row;
-  const Index total = per_layer * static_cast<Index>(p.layers);
-  const Index step = static_cast<Index>(THREADS) * kCopyUnroll;
-  const Index chunk = (total + gridDim.x * step - 1) / (gridDim.x * step) * step;
-  const Index chunk_begin = static_cast<Index>(blockIdx.x) * chunk;
-  const Index chunk_end = chunk_begin + chunk < total ? chunk_begin + chunk : total;
-  for (Index base = chunk_begin + threadIdx.x; base < chunk_end; base += step) {
-    int4 value[kCopyUnroll];
-    int4* dst[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const Index g = base + static_cast<Index>(u) * THREADS;
-      dst[u] = nullptr;
-      if (g < chunk_end) {
-        const Index layer = g / per_layer;
-        const Index rest = g - layer * per_layer;
-        const Index row = rest / vectors_per_row;
-        const Index vector = rest - row * vectors_per_row;
-        const int64_t src_row = load_index(p.src_rows, p.src_rows_is_64, static_cast<int>(row));
-        const int64_t dst_row = load_index(p.dst_rows, p.dst_rows_is_64, static_cast<int>(row));
-        const int4* src =
-            reinterpret_cast<const int4*>(reinterpret_cast<const uint8_t*>(p.src_layers[layer]) + src_row * p.row_bytes) +
-            vector;
-        value[u] = __ldg(src);
-        dst[u] = reinterpret_cast<int4*>(reinterpret_cast<uint8_t*>(p.dst_layers[layer]) + dst_row * p.row_bytes) + vector;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      if (dst[u] != nullptr) __stcg(dst[u], value[u]);
-    }
-  }
 }
 
 }  // namespace hisparse

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <string>
 
+#include "copy_rows.cuh"
 #include "decode_rows.cuh"
 #include "swap_in.cuh"
 
@@ -99,7 +100,7 @@ int current_device(const char* op) {
 constexpr int kMaxDevices = 64;
 
 // Raises (never lowers) the kernel's dynamic shared-memory limit on the current device; the one
-// place that sets it. The host checked the plan against the device already (ops/swap_in_limits.py);
+// place that sets it. The host checked the plan against the device already (ops/swap_in_plan.py);
 // if CUDA still refuses, the message says what was asked and what the device allows.
 template <int THREADS>
 void ensure_smem(size_t smem, const char* op, const hisparse::SwapInSmemPlan& plan) {
@@ -117,7 +118,7 @@ void ensure_smem(size_t smem, const char* op, const hisparse::SwapInSmemPlan& pl
     TVM_FFI_THROW(RuntimeError) << op << ": cudaFuncSetAttribute(MaxDynamicSharedMemorySize = " << smem
                                 << " B, " << THREADS << " threads, hash_bits " << plan.hash_bits << ") failed on cuda:"
                                 << device << ": " << cudaGetErrorString(status) << "; this GPU allows " << optin
-                                << " B per block. Lower device_buffer_size (ops/swap_in_limits.py "
+                                << " B per block. Lower device_buffer_size (ops/swap_in_plan.py "
                                 << "largest_device_buffer_size gives the largest that fits).";
   }
   configured[device] = smem;
@@ -128,7 +129,7 @@ void ensure_smem(size_t smem, const char* op, const hisparse::SwapInSmemPlan& pl
 hisparse::SwapInSmemPlan plan_of(const TensorView& plan, const char* op) {
   require_tensor(on_cpu(plan) && is_int(plan, 64) && plan.ndim() == 1 && plan.size(0) == hisparse::kPlanFields &&
                      plan.stride(0) == 1,
-                 op, "plan", "a contiguous int64 CPU tensor of swap_in_limits.PLAN_FIELDS", plan);
+                 op, "plan", "a contiguous int64 CPU tensor of swap_in_plan.PLAN_FIELDS", plan);
   hisparse::SwapInSmemPlan result{};
   int64_t* fields = reinterpret_cast<int64_t*>(&result);
   const int64_t* values = data_of<int64_t>(plan);
@@ -189,8 +190,7 @@ void hisparse_swap_in(
     TensorView top_k, TensorView seq_lens, TensorView req_pool_indices, TensorView num_real_reqs,
     TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
     TensorView slot_tokens, TensorView slot_stamps, TensorView token_slot, TensorView host_kv, TensorView device_kv, TensorView out,
-    TensorView counters, TensorView sync, TensorView plan, int64_t splits, int64_t threads, int64_t late_copiers_ns,
-    int64_t stream) {
+    TensorView counters, TensorView sync, TensorView plan, int64_t splits, int64_t threads, int64_t stream) {
   constexpr const char* op = "swap_in";
   require_tensor(top_k.ndim() == 2 && is_int(top_k, 32) && on_cuda(top_k) && top_k.stride(1) == 1, op, "top_k",
                  "int32 [batch, top_k] on CUDA, rows contiguous", top_k);
@@ -241,22 +241,27 @@ void hisparse_swap_in(
   require(row_bytes == row_bytes_of(host_kv, op, "host_kv") && row_bytes % 16 == 0, op,
           "host and device KV rows must have the same size, a multiple of 16 bytes; got " +
               std::to_string(row_bytes_of(host_kv, op, "host_kv")) + " and " + std::to_string(row_bytes));
-  require(splits >= 1, op, "splits must be >= 1; got " + std::to_string(splits));
+  require(splits >= 1 && splits <= hisparse::kMaxSplits, op,
+          "splits must be in [1, " + std::to_string(hisparse::kMaxSplits) + "]; got " + std::to_string(splits));
+  require(batch * splits <= INT32_MAX, op,
+          "batch (" + std::to_string(batch) + ") x splits (" + std::to_string(splits) + ") CTAs exceed the grid limit");
   require_tensor(counters.numel() == 0 || (is_int(counters, 64) && counters.numel() >= 2 && on_cuda(counters)), op,
                  "counters", "int64 [2] on CUDA or empty", counters);
-  require(late_copiers_ns >= 0 && late_copiers_ns < (int64_t(1) << 31), op,
-          "late_copiers_ns must be in [0, 2^31); got " + std::to_string(late_copiers_ns));
-  // sync = [flags | done | looked], capacity rows each, all zero between launches.
-  require_tensor(is_int(sync, 32) && on_cuda(sync) && sync.numel() % 3 == 0 && sync.numel() / 3 >= batch, op, "sync",
-                 "an int32 CUDA workspace of 3 x capacity >= 3 x batch entries", sync);
+  // sync = [flags | row_counts | claims (kClaimWords uint64 per row)], capacity rows each, all zero
+  // between launches.
+  constexpr int64_t kCounters = hisparse::kSyncCountersPerRow;
+  static const std::string sync_shape = "an int32 CUDA workspace of " + std::to_string(kCounters) + " x capacity >= " +
+                                        std::to_string(kCounters) + " x batch entries (SYNC_COUNTERS_PER_ROW)";
+  require_tensor(is_int(sync, 32) && on_cuda(sync) && sync.numel() % kCounters == 0 && sync.numel() / kCounters >= batch,
+                 op, "sync", sync_shape.c_str(), sync);
   require_threads(threads, op);
   const hisparse::SwapInSmemPlan smem_plan = plan_of(plan, op);
   require((int64_t(1) << smem_plan.hash_bits) >= 2 * K, op,
           "plan hash_bits " + std::to_string(smem_plan.hash_bits) + " is too small for top_k " + std::to_string(K) +
-              "; compute the plan with swap_in_limits.swap_in_plan(top_k, device_buffer_size, threads)");
+              "; compute the plan with swap_in_plan.swap_in_plan(top_k, device_buffer_size, threads)");
   if (batch == 0) return;
 
-  const int64_t capacity = sync.numel() / 3;
+  const int64_t capacity = sync.numel() / kCounters;
   int32_t* sync_data = data_of<int32_t>(sync);
   hisparse::SwapInParams p{};
   p.top_k_positions = data_of<int32_t>(top_k);
@@ -285,13 +290,13 @@ void hisparse_swap_in(
   p.out_stride = out.stride(0);
   p.counters = counters.numel() ? reinterpret_cast<unsigned long long*>(data_of<int64_t>(counters)) : nullptr;
   p.flags = sync_data;
-  p.done = sync_data + capacity;
-  p.looked = sync_data + 2 * capacity;
+  p.row_counts = sync_data + capacity;
+  // 8-byte aligned: the workspace's base is, and 2 * capacity int32 come before.
+  p.claims = reinterpret_cast<unsigned long long*>(sync_data + 2 * capacity);
   p.batch = static_cast<int>(batch);
   p.num_top_k = static_cast<int>(K);
   p.buffer_size = static_cast<int>(D);
   p.splits = static_cast<int>(splits);
-  p.late_copiers_ns = static_cast<int>(late_copiers_ns);
   p.plan = smem_plan;
 
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);

@@ -285,7 +285,6 @@ def test_load_module_refuses_malformed_defines_before_building():
             load_module((bad,))
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"), reason="needs nvcc (no GPU)")
 def test_each_define_set_builds_its_own_cache_entry(tmp_path):
     """Built for 9.0a without a GPU (three nvcc builds, about 30 s each on two cores): the default,

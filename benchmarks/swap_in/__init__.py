@@ -5,6 +5,7 @@
     timing.py          warm-up, CUDA-event medians, host time per call, the gather and memcpy floors
     report.py          a cell's line, the Markdown tables, the result files (no GPU)
     table.py           ``table`` (default) and ``sweep``
+    against.py         ``table --against DIR``: another tree's kernel driven with this tree's arguments
     trace.py           ``trace``: phase timeline of a -DHISPARSE_TRACE build
     diagnose.py        ``diagnose``: one cell, checked (compute-sanitizer, ncu)
     latency.py         ``latency``: fixed costs of a call

@@ -25,6 +25,7 @@ import torch
 from hisparse_sglang.ops import jit
 from hisparse_sglang.ops.swap_in import CudaOps
 from swap_in import report
+from swap_in.against import adapt
 from swap_in.cells import BUFFER, SEQ_LEN, TOP_K, Cell, cell_seed, load_sglang
 from swap_in.timing import gather_bandwidth, host_us, median_us, memcpy_bandwidth, sm_clock_mhz, warm_up
 
@@ -41,7 +42,7 @@ def sweep_variants(cell: Cell, default_splits: int, reps: int) -> dict[str, floa
         resident = cell.resident_ctas(threads)
         for splits in sorted({*SWEEP_SPLITS, default_splits}):
             if splits > 1 and batch * splits > resident:
-                continue  # copiers wait for their planner: the grid must be co-resident
+                continue  # beyond co-residency late CTAs leave and their planner copies for them: not a split to choose
             variants[f"t{threads}s{splits}"] = median_us(
                 lambda: cell.run_ours(splits, threads), cell.reset_ours, reps
             )
@@ -57,7 +58,8 @@ def run(args) -> int:
     except Exception as exc:  # the SGLang column is optional; say why it is missing
         print(f"[bench] SGLang baseline unavailable: {exc}", flush=True)
         baseline = {}
-    against = CudaOps(module=jit.load_module(tuple(args.define), sources=args.against)) if args.against else None
+    against = (CudaOps(module=adapt(jit.load_module(tuple(args.define), sources=args.against))) if args.against
+               else None)
     memcpy = memcpy_bandwidth()
     gather = {row: gather_bandwidth(row, module=module) for row in args.rows}
     print(f"[bench] {properties.name}: pinned H2D memcpy {memcpy:.1f} GB/s; scattered gather "

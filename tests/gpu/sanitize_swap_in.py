@@ -1,6 +1,12 @@
 """One representative swap-in, copy and decode-row bookkeeping for compute-sanitizer (memcheck, racecheck); exits 1 on a mismatch.
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize_swap_in.py
+
+Besides the production build it runs three test variants of the kernel (jit.load_module(defines=...)):
+copiers that claim their chunk and look up late (the planner waits for them), copiers that claim late,
+after the planner closed the claims (the planner copies their chunks itself), and a planner that
+announces itself late (its copiers give their chunks back; it copies every miss). Build them before running
+this under the sanitizer (benchmarks/gpu_progress_check.sh does): compiling inside it is slow.
 """
 
 import sys
@@ -8,12 +14,22 @@ import sys
 import torch
 
 from hisparse_sglang.ops import reference
+from hisparse_sglang.ops.jit import load_module
 from hisparse_sglang.ops.swap_in import CudaOps
 from hisparse_sglang.testing.cases import make_case
 
+VARIANTS = {
+    "production": (),
+    "late copiers": ("HISPARSE_TEST_LATE_COPIERS_NS=30000",),
+    "late arrivals": ("HISPARSE_TEST_LATE_ARRIVALS_NS=30000",),
+    "late planner": ("HISPARSE_TEST_LATE_PLANNER_NS=30000",),
+}
+RUNS = (("production", 1), ("production", 4), ("production", 17), ("late copiers", 4), ("late arrivals", 5),
+        ("late arrivals", 17), ("late planner", 5))
+
 
 def main() -> int:
-    ops = CudaOps()
+    ops = {name: CudaOps(module=load_module(defines) if defines else None) for name, defines in VARIANTS.items()}
     case = make_case(
         3, 2048, 4096, 1152, miss_rate=0.3, duplicate_fraction=0.02, padding_fraction=0.01,
         out_of_range_fraction=0.01, resident_fraction=0.34, num_real=3, seed=42,
@@ -21,27 +37,28 @@ def main() -> int:
     expected = case.clone()
     expected_counters = torch.zeros(2, dtype=torch.int64)
     expected_out = reference.swap_in(*expected.args(), counters=expected_counters)
-    for splits, late_copiers_ns in ((1, 0), (4, 0), (17, 0), (4, 20_000)):
+    for name, splits in RUNS:
         actual = case.clone(device="cuda", pin_host=True)
         counters = torch.zeros(2, dtype=torch.int64, device="cuda")
-        out = ops.swap_in(*actual.args(), counters=counters, splits=splits, late_copiers_ns=late_copiers_ns)
+        out = ops[name].swap_in(*actual.args(), counters=counters, splits=splits)
         host = [actual.host_kv]
         device = [actual.device_kv]
         rows = torch.arange(64, 96, device="cuda")
-        ops.copy_rows(device, host, rows, rows + 1000)
+        ops[name].copy_rows(device, host, rows, rows + 1000)
         torch.cuda.synchronize()
-        for name, want, got in (
+        for what, want, got in (
             ("out", expected_out, out),
             ("slot_tokens", expected.slot_tokens, actual.slot_tokens),
             ("slot_stamps", expected.slot_stamps, actual.slot_stamps),
             ("token_slot", expected.token_slot, actual.token_slot),
             ("device_kv", expected.device_kv, actual.device_kv),
             ("counters", expected_counters, counters),
+            ("launch workspace", torch.zeros_like(ops[name]._sync.cpu()), ops[name]._sync),
         ):
             if not torch.equal(want, got.cpu()):
-                print(f"MISMATCH splits={splits} late_copiers_ns={late_copiers_ns}: {name}")
+                print(f"MISMATCH {name} build, splits={splits}: {what}")
                 return 1
-    if not decode_rows_match(case, ops):
+    if not decode_rows_match(case, ops["production"]):
         return 1
     print("sanitize case: outputs match the reference")
     return 0

@@ -4,9 +4,15 @@ import pytest
 import torch
 
 from hisparse_sglang.ops import reference
+from hisparse_sglang.ops.swap_in_plan import SYNC_COUNTERS_PER_ROW
 from hisparse_sglang.testing.cases import POISON, make_case
 
 pytestmark = pytest.mark.gpu
+
+# The test hook of a variant build (jit.load_module(defines=...); the production build has no hook):
+# a copier that claimed its chunk sleeps 30 us before its lookups, long after the planner reached its
+# map update. benchmarks/gpu_progress_check.sh builds the same variant ahead of the tests.
+LATE_COPIERS = ("HISPARSE_TEST_LATE_COPIERS_NS=30000",)
 
 
 def cuda_ops(module=None):
@@ -15,8 +21,15 @@ def cuda_ops(module=None):
     return CudaOps(module=module)
 
 
-def run_both(case, splits=None, threads=None, graph=False, late_copiers_ns=0):
-    """Run the reference on CPU copies and the kernel on GPU copies; return both states."""
+def variant(defines):
+    from hisparse_sglang.ops.jit import load_module
+
+    return load_module(defines)
+
+
+def run_both(case, splits=None, threads=None, graph=False, module=None):
+    """Run the reference on CPU copies and the kernel (of ``module``, default the production build)
+    on GPU copies; return both states. The launch workspace must be all zero afterwards."""
     expected = case.clone()
     expected_counters = torch.zeros(2, dtype=torch.int64)
     expected_out = reference.swap_in(*expected.args(), counters=expected_counters)
@@ -24,21 +37,32 @@ def run_both(case, splits=None, threads=None, graph=False, late_copiers_ns=0):
     actual = case.clone(device="cuda", pin_host=True)
     counters = torch.zeros(2, dtype=torch.int64, device="cuda")
     out = torch.full(tuple(case.top_k.shape), 777, dtype=torch.int32, device="cuda")  # sentinel
-    ops = cuda_ops()
+    ops = cuda_ops(module)
     if graph:
         ops.reserve(case.top_k.shape[0], case.top_k.shape[1])
         ops.swap_in(*actual.clone(device="cuda", pin_host=True).args(), out=out.clone(), splits=splits, threads=threads)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            ops.swap_in(*actual.args(), out=out, counters=counters, splits=splits, threads=threads,
-                        late_copiers_ns=late_copiers_ns)
+            ops.swap_in(*actual.args(), out=out, counters=counters, splits=splits, threads=threads)
         g.replay()
     else:
-        ops.swap_in(*actual.args(), out=out, counters=counters, splits=splits, threads=threads,
-                    late_copiers_ns=late_copiers_ns)
+        ops.swap_in(*actual.args(), out=out, counters=counters, splits=splits, threads=threads)
     torch.cuda.synchronize()
+    assert_workspace_clear(ops)
     return (expected, expected_out, expected_counters), (actual, out.cpu(), counters.cpu())
+
+
+def assert_workspace_clear(ops):
+    """The launch workspace (per row: the plan flag and the word of arrivals, lookups and CTAs done) is
+    back to 0 after a launch: what lets the next launch or CUDA-graph replay run without host work."""
+    from hisparse_sglang.ops.swap_in_plan import SYNC_COUNTERS_PER_ROW
+
+    workspace = ops._sync.cpu()
+    if bool(workspace.any()):
+        rows = workspace.numel() // SYNC_COUNTERS_PER_ROW
+        raise AssertionError(f"launch workspace not reset: [flags | row counts] x {rows} rows = "
+                             f"{workspace.reshape(SYNC_COUNTERS_PER_ROW, rows).tolist()}")
 
 
 def assert_same(name, expected, actual):
@@ -104,35 +128,37 @@ def test_planner_alone_matches_reference(row_bytes, miss_rate):
     check(case, splits=1, graph=True)
 
 
-@pytest.mark.parametrize("splits", [2, 5, 17])
+@pytest.mark.parametrize("splits", [2, 5, 17, 65])
 def test_planner_waits_for_late_copiers(splits):
-    """Copiers held back 30 us look the entries up long after the planner reached its map update;
-    the planner must wait for them (a copier that looked after the update would take its misses
-    for hits and copy nothing)."""
+    """Copiers held back 30 us (variant build) look the entries up long after the planner reached its
+    map update; they claimed their chunks before, so the planner must wait for them (a copier that
+    looked after the update would take its misses for hits and copy nothing)."""
     case = make_case(3, 2048, 4096, 1152, miss_rate=0.4, duplicate_fraction=0.05, newest_fraction=0.01,
                      seed=30 + splits)
-    check(case, splits=splits, late_copiers_ns=30_000)
+    check(case, splits=splits, module=variant(LATE_COPIERS))
+
+
+def test_late_copiers_under_graph_replay():
+    case = make_case(4, 1024, 2048, 656, miss_rate=0.3, duplicate_fraction=0.02, seed=35)
+    check(case, splits=5, graph=True, module=variant(LATE_COPIERS))
 
 
 def test_copiers_with_all_hits_and_small_odd_top_k():
-    check(make_case(4, 2048, 4096, 656, miss_rate=0.0, seed=31), splits=5, late_copiers_ns=10_000)
+    check(make_case(4, 2048, 4096, 656, miss_rate=0.0, seed=31), splits=5, module=variant(LATE_COPIERS))
     # 17 copiers over 100 entries: most copiers own no entry.
     check(make_case(3, 100, 256, 64, miss_rate=0.6, duplicate_fraction=0.1, seed=32), splits=17)
-    check(make_case(3, 100, 256, 64, miss_rate=0.6, seed=33), splits=17, late_copiers_ns=10_000)
+    check(make_case(3, 100, 256, 64, miss_rate=0.6, seed=33), splits=17, module=variant(LATE_COPIERS))
 
 
-def test_splits_beyond_co_residency_is_refused():
-    """The CTAs of a request wait for each other: a grid the GPU cannot hold at once would hang."""
-    from hisparse_sglang.errors import HiSparseError
-    from hisparse_sglang.ops.swap_in_limits import DEFAULT_THREADS
+def test_splits_out_of_range_are_refused_by_name():
+    from hisparse_sglang.ops.swap_in import MAX_SPLITS
 
-    ops = cuda_ops()
-    resident = ops.resident_ctas(512, 1024, DEFAULT_THREADS)
-    batch = resident // 2 + 1
-    case = make_case(batch, 512, 1024, 64, miss_rate=0.2, seed=34)
-    with pytest.raises(HiSparseError, match="co-resident"):
-        ops.swap_in(*case.clone(device="cuda", pin_host=True).args(), splits=2)
-    assert ops.choose_splits(batch, 512, 1024, DEFAULT_THREADS) == 1
+    case = make_case(1, 512, 1024, 64, miss_rate=0.2, seed=34).clone(device="cuda", pin_host=True)
+    limit = 127  # csrc/swap_in_config.h kMaxSplits: 1 + 2 claim words x 63 copiers
+    assert MAX_SPLITS <= limit
+    for splits in (0, limit + 1):
+        with pytest.raises(ValueError, match=rf"swap_in: splits must be in \[1, {limit}\]; got {splits}"):
+            cuda_ops().swap_in(*case.args(), splits=splits)
 
 
 @pytest.mark.parametrize("offset", [-1, 0, 1])
@@ -241,7 +267,7 @@ def test_copy_rows_every_layer_both_directions(row_bytes, index_dtype):
 
 def test_the_largest_buffer_that_fits_this_gpu_runs_and_matches_reference():
     """The plan at the device's shared-memory limit (14272 slots for top_k 2048 on sm_90) launches."""
-    from hisparse_sglang.ops.swap_in_limits import largest_device_buffer_size, shared_memory_per_block
+    from hisparse_sglang.ops.swap_in_plan import largest_device_buffer_size, shared_memory_per_block
 
     largest = largest_device_buffer_size(2048, 64, 1024, shared_memory_per_block(torch.cuda.current_device()))
     case = make_case(2, 2048, largest, 1152, miss_rate=0.5, duplicate_fraction=0.02, seed=50)
@@ -258,13 +284,14 @@ def raw_swap_in(case, plan_values, threads=1024):
     *batch_args, tables = gpu.args()
     load_module().swap_in(
         *batch_args, *tables.tensors(), torch.empty((batch, top_k), dtype=torch.int32, device="cuda"),
-        torch.empty(0, dtype=torch.int64, device="cuda"), torch.zeros(3 * batch, dtype=torch.int32, device="cuda"),
-        torch.tensor(plan_values, dtype=torch.int64), 1, threads, 0, torch.cuda.current_stream().cuda_stream,
+        torch.empty(0, dtype=torch.int64, device="cuda"),
+        torch.zeros(SYNC_COUNTERS_PER_ROW * batch, dtype=torch.int32, device="cuda"),
+        torch.tensor(plan_values, dtype=torch.int64), 1, threads, torch.cuda.current_stream().cuda_stream,
     )
 
 
 def fail_in_shared_memory_setup():
-    from hisparse_sglang.ops.swap_in_limits import swap_in_plan
+    from hisparse_sglang.ops.swap_in_plan import swap_in_plan
 
     case = make_case(1, 2048, 16384, 64, miss_rate=0.5, seed=51)
     with pytest.raises(RuntimeError) as info:
@@ -274,7 +301,7 @@ def fail_in_shared_memory_setup():
 
 def fail_in_occupancy_query():
     from hisparse_sglang.ops.jit import load_module
-    from hisparse_sglang.ops.swap_in_limits import swap_in_plan
+    from hisparse_sglang.ops.swap_in_plan import swap_in_plan
 
     plan = torch.tensor(swap_in_plan(2048, 16384, 512).as_ints(), dtype=torch.int64)
     with pytest.raises(RuntimeError) as info:

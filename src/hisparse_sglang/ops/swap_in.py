@@ -18,7 +18,12 @@ from hisparse_sglang.config import DEFAULT_PAGE_SIZE
 from hisparse_sglang.errors import HiSparseError
 from hisparse_sglang.ops.jit import load_module
 from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT
-from hisparse_sglang.ops.swap_in_limits import DEFAULT_THREADS, check_swap_in_fits, shared_memory_per_block
+from hisparse_sglang.ops.swap_in_plan import (
+    DEFAULT_THREADS,
+    SYNC_COUNTERS_PER_ROW,
+    check_swap_in_fits,
+    shared_memory_per_block,
+)
 from hisparse_sglang.ops.tables import SwapInTables
 
 __all__ = ["CudaOps", "DEFAULT_THREADS", "BIND_BUFFER_SLOT", "MAX_SPLITS", "TARGET_COPIERS"]
@@ -30,12 +35,13 @@ TARGET_COPIERS = 64
 class CudaOps:
     """The CUDA twins of ``ops.reference``'s ops on one GPU, with the state their launches keep.
 
-    * the swap-in workspace: per batch row, the flag, done counter and lookup counter through which
-      the CTAs of one request hand the plan over. The kernel leaves it all zero after every launch,
-      so it is zeroed only when allocated. Replaced tensors are kept alive: captured CUDA graphs may
-      still point at them;
+    * the swap-in workspace: per batch row, the plan flag and a word of counters (arrivals, lookups
+      done, CTAs done) through which the CTAs of one request take their roles and hand the plan over
+      (``SYNC_COUNTERS_PER_ROW`` int32). The kernel leaves it all zero after every launch, so it is
+      zeroed only when allocated. Replaced tensors are kept alive: captured CUDA graphs may still
+      point at them;
     * the shared-memory plan of each swap-in shape, checked once against this GPU;
-    * the kernel's occupancy per shape (how many CTAs of a request's grid can wait for each other);
+    * the kernel's occupancy per shape (how many CTAs run at once: ``choose_splits`` sizes the split to it);
     * the device tables of layer base pointers for ``copy_rows`` (on a ``LayerSet`` when given one).
 
     Args:
@@ -87,7 +93,7 @@ class CudaOps:
             self.choose_splits(1, top_k, buffer_size, threads or DEFAULT_THREADS)
 
     def _workspace(self, batch: int) -> torch.Tensor:
-        if self._sync is None or self._sync.numel() < 3 * batch:
+        if self._sync is None or self._sync.numel() < SYNC_COUNTERS_PER_ROW * batch:
             if torch.cuda.is_current_stream_capturing():
                 raise HiSparseError(
                     f"swap-in workspace for batch {batch} was not reserved before CUDA-graph capture; "
@@ -95,11 +101,11 @@ class CudaOps:
                 )
             if self._sync is not None:
                 self._retired.append(self._sync)
-            self._sync = torch.zeros(3 * batch, dtype=torch.int32, device=self.device)
+            self._sync = torch.zeros(SYNC_COUNTERS_PER_ROW * batch, dtype=torch.int32, device=self.device)
         return self._sync
 
     def launch_plan(self, top_k: int, buffer_size: int, threads: int, page_size: int = DEFAULT_PAGE_SIZE) -> torch.Tensor:
-        """The kernel's shared-memory plan for this shape (int64 CPU tensor, swap_in_limits.PLAN_FIELDS),
+        """The kernel's shared-memory plan for this shape (int64 CPU tensor, swap_in_plan.PLAN_FIELDS),
         checked once per shape against this GPU's shared memory per block.
 
         Raises:
@@ -133,8 +139,11 @@ class CudaOps:
         (benchmarks/results/swap_in_sweep_H100_2026-11-23.md): at bs 8, 9 CTAs per request against 3
         took 28.1 against 30.6 us at 5 % misses, 85.3 against 86.8 at 20 % and 379.4 against 382.2 at
         100 %; at bs 1, 65 against 17 took 55.9 against 58.0 us at 100 %; with no miss every split was
-        within 0.2 us. Every CTA of the grid must be co-resident (copiers wait for their planner, the
-        planner for its copiers), which caps the split at large batches.
+        within 0.2 us. The split is capped at the CTAs the GPU runs at once (``resident_ctas``, measured
+        on an idle GPU) for speed only: the kernel does not need its grid co-resident to finish (roles
+        follow the order in which a request's CTAs start, and a CTA waits only for CTAs that have
+        started; docs/kernels.md, "Forward progress"). A CTA that starts after its planner closed the
+        claims leaves, and the planner copies that chunk itself: correct, but slower than a copier.
         """
         resident = self.resident_ctas(top_k, buffer_size, threads)
         batch = max(batch, 1)
@@ -156,14 +165,13 @@ class CudaOps:
         *,
         splits: int | None = None,
         threads: int | None = None,
-        late_copiers_ns: int = 0,
     ) -> torch.Tensor:
         """CUDA twin of :func:`hisparse_sglang.ops.reference.swap_in` (see there for shapes and rules).
 
         ``tables.host_kv`` must be pinned host memory; every other tensor lives on this GPU. ``splits``
-        is the number of CTAs per request (default :meth:`choose_splits`). ``late_copiers_ns`` is a
-        test hook: copier CTAs sleep this long before their lookups, so the planner must wait for them;
-        results must not change.
+        is the number of CTAs per request (default :meth:`choose_splits`; every value the binding
+        accepts, 1 to ``kMaxSplits`` (127) of csrc/swap_in_config.h, gives the same result, whether or
+        not the grid fits the GPU at once).
         """
         if top_k.device != self.device:
             raise HiSparseError(f"swap_in: top_k is on {top_k.device}, but these ops launch on {self.device}.")
@@ -175,14 +183,6 @@ class CudaOps:
         plan = self.launch_plan(k, buffer_size, threads)
         if splits is None:
             splits = self.choose_splits(batch, k, buffer_size, threads)
-        elif splits > 1:
-            resident = self.resident_ctas(k, buffer_size, threads)
-            if batch * splits > resident:
-                raise HiSparseError(
-                    f"swap_in with splits={splits} needs {batch * splits} co-resident CTAs for batch {batch}, but this "
-                    f"GPU runs at most {resident} at once (the CTAs of a request wait for each other); pass a smaller "
-                    f"splits or leave it to choose_splits()."
-                )
         self.module.swap_in(
             top_k,
             seq_lens,
@@ -195,7 +195,6 @@ class CudaOps:
             plan,
             splits,
             threads,
-            late_copiers_ns,
             torch.cuda.current_stream(self.device).cuda_stream,
         )
         return out

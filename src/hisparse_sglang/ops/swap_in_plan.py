@@ -1,4 +1,4 @@
-"""What the swap-in kernel can run: its shared-memory plan and its limits, owned here alone.
+"""The swap-in kernel's shared-memory plan and the launch limits that follow from it, owned here alone.
 
 The kernel (``csrc/swap_in.cuh``) carves its dynamic shared memory at the byte offsets of
 :func:`swap_in_plan`, which the op (``ops/swap_in.py``) passes with every launch; config
@@ -27,17 +27,23 @@ __all__ = [
     "MAX_TOP_K",
     "MAX_DEVICE_BUFFER_SIZE",
     "SM90_SHARED_MEMORY_PER_BLOCK",
+    "SYNC_COUNTERS_PER_ROW",
     "swap_in_plan",
     "shared_memory_per_block",
     "largest_device_buffer_size",
     "largest_top_k",
+    "check_top_k_fits",
     "check_swap_in_fits",
 ]
 
 # Thread counts the kernel is instantiated for (csrc/swap_in_binding.cu's switch).
 SWAP_IN_BLOCK_SIZES = (256, 512, 1024)
-# The op's block size when swap_in_block_size is null: the fastest with misses in
-# benchmarks/bench_swap_in.py sweep at every batch size on an H100 (docs/kernels.md).
+# The op's block size when swap_in_block_size is null: the size the benchmark tables of docs/kernels.md were
+# measured with. The sweep does not single it out (benchmarks/bench_swap_in.py sweep, H100,
+# benchmarks/results/swap_in_sweep_H100_2026-11-23.json, each batch size's default CTAs per request): 512
+# threads were faster in 7 of the 15 cells with misses (every bs 8 cell) and 1024 in 8, by more than 1.5 %
+# only at bs 1 with 5 and 20 % misses (1024, ~8 %) and at bs 8 with 5 % (512, 3.3 %); 512 in every hit-only
+# cell, by 0.1-0.35 us.
 DEFAULT_THREADS = 1024
 # Slot ids are int16 in the token -> slot map, the victim list and the slot ages.
 MAX_DEVICE_BUFFER_SIZE = 32767
@@ -57,6 +63,10 @@ FINE_BUCKETS = 128
 # (csrc/swap_in_config.h kCopierListInts); its staged rows follow it, to the end of the plan.
 COPIER_LIST_INTS = 3
 _ROLE_ALIGN = 128  # the role's area starts on a 128-byte line (same bank mapping as at offset 0)
+# The launch workspace: int32 per batch row through which a row's CTAs claim chunks and hand the plan
+# over (the plan flag, the counter word and two uint64 claim words; csrc/swap_in_config.h
+# kSyncCountersPerRow).
+SYNC_COUNTERS_PER_ROW = 6
 
 # Order of the plan as it travels to the binding (an int64 tensor): csrc/swap_in.cuh SwapInSmemPlan.
 PLAN_FIELDS = (
@@ -160,12 +170,22 @@ def largest_device_buffer_size(top_k: int, page_size: int, threads: int | None, 
     return low * page_size
 
 
-def largest_top_k(page_size: int, threads: int | None, limit: int) -> int:
-    """The largest top_k that fits ``limit`` with the smallest buffer (device_buffer_size = top_k)."""
-    low, high = 1, MAX_TOP_K
-    while low < high:
+@functools.lru_cache(maxsize=64)
+def largest_top_k(page_size: int, threads: int | None, limit: int, buffer_size: int | None = None) -> int:
+    """The largest top_k the kernel takes within ``limit`` bytes: with ``buffer_size`` LRU slots
+    when given (0 when not even top_k 1 fits them), else with the smallest buffer it could have
+    (top_k rounded up to a page). Never above :data:`MAX_TOP_K`, the binding's own limit."""
+    if buffer_size is None:
+        def fits(top_k: int) -> bool:
+            return largest_device_buffer_size(top_k, page_size, threads, limit) is not None
+    else:
+        def fits(top_k: int) -> bool:
+            return top_k <= buffer_size and swap_in_plan(top_k, buffer_size, threads).total_bytes <= limit
+
+    low, high = 0, MAX_TOP_K
+    while low < high:  # the plan grows with top_k: bisect
         middle = (low + high + 1) // 2
-        if largest_device_buffer_size(middle, page_size, threads, limit) is not None:
+        if fits(middle):
             low = middle
         else:
             high = middle - 1
@@ -178,6 +198,71 @@ def _where(limit: int, device_name: str | None) -> str:
     return f"the {limit:,} B per block of this GPU ({device_name})"
 
 
+def check_top_k_fits(
+    top_k: int,
+    page_size: int,
+    threads: int | None = None,
+    buffer_size: int | None = None,
+    *,
+    limit: int | None = None,
+    device_name: str | None = None,
+    top_k_origin: str | None = None,
+) -> None:
+    """HiSparseConfigError, with the whole constraint and the fix, unless some device_buffer_size
+    lets the kernel take ``top_k``.
+
+    The message names the value, the largest top_k the kernel takes with this ``page_size`` and
+    ``threads`` (and with ``buffer_size``, the device_buffer_size the user set, if given) and
+    what to set; a top_k that is the model's index_topk (``top_k_origin``) cannot be lowered, so
+    then it says HiSparse cannot serve the model.
+
+    Args:
+        threads: swap_in_block_size (None: :data:`DEFAULT_THREADS`).
+        buffer_size: device_buffer_size if the user set it (None: its default adapts to top_k).
+        limit: shared memory per block (default: sm_90's); ``device_name`` names the GPU it is of.
+        top_k_origin: where top_k came from when it is not the user's to change ("the model's index_topk").
+    """
+    threads = threads or DEFAULT_THREADS
+    limit = SM90_SHARED_MEMORY_PER_BLOCK if limit is None else limit
+    largest = largest_top_k(page_size, threads, limit)
+    if top_k <= largest:
+        return
+    if largest == 0:
+        raise HiSparseConfigError(
+            f"the swap-in kernel cannot run on {_where(limit, device_name)}: not even top_k 1 fits its shared memory "
+            f"with page_size {page_size} and swap_in_block_size {threads}; serve without HiSparse on this GPU."
+        )
+    if largest == MAX_TOP_K:
+        bound = "the binding's limit: its hash table of misses is indexed by int16"
+    else:
+        bound = f"the most whose shared memory fits {_where(limit, device_name)}"
+    largest_buffer = largest_device_buffer_size(largest, page_size, threads, limit)
+    takes = (
+        f"with page_size {page_size} and swap_in_block_size {threads}, top_k <= {largest} with "
+        f"device_buffer_size <= {largest_buffer} ({bound})"
+    )
+    if top_k_origin is not None:
+        raise HiSparseConfigError(
+            f"top_k {_shown_int(top_k)} ({top_k_origin}) is more than the swap-in kernel takes: {takes}. HiSparse "
+            f"cannot serve a model that selects more than {largest} tokens per layer and step; serve it without "
+            f"HiSparse."
+        )
+    with_buffer = ""
+    if buffer_size is not None and 1 <= buffer_size <= MAX_DEVICE_BUFFER_SIZE:
+        fitting = largest_top_k(page_size, threads, limit, buffer_size)
+        with_buffer = f"; with device_buffer_size {buffer_size}, " + (f"top_k <= {fitting}" if fitting else "no top_k")
+    raise HiSparseConfigError(
+        f"top_k ({_shown_int(top_k)}) is more than the swap-in kernel takes: {takes}{with_buffer}. Set top_k <= "
+        f"{largest} and remove device_buffer_size (its default fits) or set it <= {largest_buffer}; or remove "
+        f"top_k (it defaults to the model's index_topk, which it must equal)."
+    )
+
+
+def _shown_int(value: int) -> str:
+    """An integer as a message shows it: its digits, or their count past 30 of them."""
+    return str(value) if value < 10**30 else "an integer of more than 30 digits"
+
+
 def check_swap_in_fits(
     top_k: int,
     buffer_size: int,
@@ -188,7 +273,8 @@ def check_swap_in_fits(
     device_name: str | None = None,
     top_k_origin: str | None = None,
 ) -> SwapInPlan:
-    """The plan of this shape, or HiSparseConfigError naming the key, the limit and the fix.
+    """The plan of this shape, or HiSparseConfigError naming the key, the limit and the fix: top_k
+    (:func:`check_top_k_fits`) when no buffer lets the kernel take it, else device_buffer_size.
 
     Args:
         threads: swap_in_block_size (None: :data:`DEFAULT_THREADS`).
@@ -197,24 +283,12 @@ def check_swap_in_fits(
     """
     threads = threads or DEFAULT_THREADS
     limit = SM90_SHARED_MEMORY_PER_BLOCK if limit is None else limit
-    top_k_text = f"top_k {top_k}" + (f" ({top_k_origin})" if top_k_origin else "")
-    if top_k > MAX_TOP_K:
-        raise HiSparseConfigError(
-            f"{top_k_text} must be <= {MAX_TOP_K} for the swap-in kernel; HiSparse cannot serve a "
-            f"model that selects more tokens per layer."
-        )
+    check_top_k_fits(top_k, page_size, threads, limit=limit, device_name=device_name, top_k_origin=top_k_origin)
     plan = swap_in_plan(top_k, buffer_size, threads)
     if plan.total_bytes <= limit:
         return plan
     largest = largest_device_buffer_size(top_k, page_size, threads, limit)
-    if largest is None:
-        smallest = swap_in_plan(top_k, _round_up(top_k, page_size), threads)
-        raise HiSparseConfigError(
-            f"{top_k_text} is too large for the swap-in kernel: even with the smallest "
-            f"device_buffer_size ({_round_up(top_k, page_size)}) and swap_in_block_size {threads} it needs "
-            f"{smallest.total_bytes:,} B of GPU shared memory per block, more than {_where(limit, device_name)}; "
-            f"top_k <= {largest_top_k(page_size, threads, limit)} fits there, so HiSparse cannot serve this top_k on it."
-        )
+    top_k_text = f"top_k {top_k}" + (f" ({top_k_origin})" if top_k_origin else "")
     raise HiSparseConfigError(
         f"device_buffer_size ({buffer_size}) is too large for the swap-in kernel: with {top_k_text} and "
         f"swap_in_block_size {threads} it needs {plan.total_bytes:,} B of GPU shared memory per block, more than "

@@ -4,7 +4,7 @@ import pytest
 
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.errors import HiSparseConfigError
-from hisparse_sglang.ops.swap_in_limits import (
+from hisparse_sglang.ops.swap_in_plan import (
     PLAN_FIELDS,
     SM90_SHARED_MEMORY_PER_BLOCK,
     SWAP_IN_BLOCK_SIZES,
@@ -84,7 +84,7 @@ def test_a_smaller_gpu_is_named_with_its_limit():
     with pytest.raises(HiSparseConfigError) as info:
         check_swap_in_fits(2048, 4096, 64, 1024, limit=101376, device_name="NVIDIA L40S")
     message = str(info.value)
-    assert "NVIDIA L40S" in message and "101,376 B" in message and "top_k 2048" in message
+    assert "NVIDIA L40S" in message and "101,376 B" in message and "top_k (2048)" in message
     assert f"top_k <= {largest_top_k(64, 1024, 101376)}" in message
 
 
@@ -104,34 +104,50 @@ def test_a_top_k_the_kernel_cannot_run_blames_top_k_and_its_origin():
     message = str(info.value)
     assert "top_k 8192 (the model's index_topk)" in message and "top_k <= 4096" in message
     assert message.startswith("top_k 8192"), message  # not "device_buffer_size (...)", which nobody set
-    with pytest.raises(HiSparseConfigError, match=r"top_k \(20000\) must be <= 8192"):
+    with pytest.raises(HiSparseConfigError, match=r"top_k \(20000\) is more than the swap-in kernel takes"):
         HiSparseConfig.from_json('{"top_k": 20000}')
 
 
 def kernel_constants() -> dict[str, int]:
-    """The ``constexpr`` integers of csrc/swap_in_config.h, evaluated in order."""
+    """The namespace-level ``constexpr`` integers of csrc/primitives.cuh (the warp size, which the
+    kernels take to be 32) and csrc/swap_in_config.h, evaluated in order."""
     import re
     from pathlib import Path
 
-    header = Path(__file__).resolve().parents[1] / "csrc" / "swap_in_config.h"
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
     values: dict[str, int] = {}
-    for name, expression in re.findall(r"constexpr\s+[\w ]+?\s+(k\w+)\s*=\s*([^;]+);", header.read_text()):
-        values[name] = eval(expression, {}, dict(values))  # integer literals, names above, + - * / << >>
+    for header in ("primitives.cuh", "swap_in_config.h"):
+        text = (csrc / header).read_text()
+        for name, expression in re.findall(r"^constexpr\s+[\w ]+?\s+(k\w+)\s*=\s*([^;]+);", text, re.MULTILINE):
+            expression = re.sub(r"\b(\d+)(?:ull|ULL|ll|LL|u|U)\b", r"\1", expression)  # C integer suffixes
+            values[name] = eval(expression, {}, dict(values))  # integer literals, names above, + - * / << >>
     return values
 
 
 def test_the_kernel_header_and_python_agree_on_shared_constants():
     """A limit or table size stated on both sides of the binding is the same number on both."""
-    from hisparse_sglang.ops import reference, swap_in_limits
+    from hisparse_sglang.ops import reference
+    from hisparse_sglang.ops import swap_in_plan as plan_module
 
     k = kernel_constants()
     assert k["kAgeCap"] == reference.AGE_CAP
-    assert k["kMaxBufferSize"] == swap_in_limits.MAX_DEVICE_BUFFER_SIZE
-    assert (k["kCoarseBuckets"], k["kFineBuckets"]) == (swap_in_limits.COARSE_BUCKETS, swap_in_limits.FINE_BUCKETS)
+    assert k["kMaxBufferSize"] == plan_module.MAX_DEVICE_BUFFER_SIZE
+    assert (k["kCoarseBuckets"], k["kFineBuckets"]) == (plan_module.COARSE_BUCKETS, plan_module.FINE_BUCKETS)
     assert k["kCoarseBuckets"] * k["kFineBuckets"] == k["kAgeCap"] + 1  # every capped age has one bucket pair
     # the hash set of the misses (2 x top_k, a power of two) is indexed by int16
-    assert 2 * swap_in_limits.MAX_TOP_K <= 1 << k["kMaxHashBits"] and k["kMaxHashBits"] <= 15
+    assert 2 * plan_module.MAX_TOP_K <= 1 << k["kMaxHashBits"] and k["kMaxHashBits"] <= 15
     assert k["kBitmapWordBits"] == 32 and k["kWarpSize"] == 32
-    assert k["kCopierListInts"] == swap_in_limits.COPIER_LIST_INTS
+    assert k["kCopierListInts"] == plan_module.COPIER_LIST_INTS
+    assert k["kSyncCountersPerRow"] == plan_module.SYNC_COUNTERS_PER_ROW
+    # The row's workspace: the claim words hold a bit per copier below the close bit, the counter word's
+    # fields hold every CTA of a row, and every split the op may choose is one the binding accepts.
+    from hisparse_sglang.ops.swap_in import MAX_SPLITS
+
+    bits = k["kCounterBits"]
+    assert k["kSyncCountersPerRow"] == 2 + 2 * k["kClaimWords"]
+    assert k["kClaimsClosed"] == 1 << k["kCopiersPerClaimWord"] and k["kCopiersPerClaimWord"] <= 63
+    assert MAX_SPLITS <= k["kMaxSplits"] == 1 + k["kClaimWords"] * k["kCopiersPerClaimWord"]
+    assert k["kMaxSplits"] <= k["kCounterMask"] == (1 << bits) - 1
+    assert (k["kLooked"], k["kFinished"], k["kPlannerStarted"]) == (1, 1 << bits, 1 << 30) and 2 * bits < 30
     plan = swap_in_plan(2048, 4096)
     assert plan.offsets["fine"] - plan.offsets["coarse"] == 4 * k["kCoarseBuckets"]
