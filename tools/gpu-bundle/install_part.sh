@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Install ONE part of the offline SGLang bundle (built by benchmarks/e2e/build_bundle.py) into $SITE
+# Install ONE part of the offline SGLang bundle (built by tools/gpu-bundle/build_bundle.py) into $SITE
 # on the GPU machine.  From the repository root, with the part carried:
 #
-#   bash benchmarks/e2e/install_part.sh .e2e/parts/part1.tar.xz     # SGLang 0.5.17 and its wheels
-#   bash benchmarks/e2e/install_part.sh .e2e/parts/part2.tar.xz     # Mooncake (PD), needs part 1 installed
+#   bash tools/gpu-bundle/install_part.sh .e2e/parts/part1.tar.xz     # SGLang 0.5.17 and its wheels
+#   bash tools/gpu-bundle/install_part.sh .e2e/parts/part2.tar.xz     # Mooncake (PD), needs part 1 installed
 #
 # Steps: verify the part's sha256 (PART.sha256 beside it, else the line in SHA256SUMS beside it),
 # skip if this exact part is already installed (marker in $SITE/.e2e-installed/), unpack to a temp
@@ -17,7 +17,7 @@
 # the marker.
 #
 # Env: SITE=/tmp/site   PY=<python of the GPU venv; default /opt/torch/.venv/bin/python3, else python3>
-#      SYSLIBS=/tmp/mooncake-sys (run_e2e.py --mooncake-syslibs; the PD servers' LD_LIBRARY_PATH gets $SYSLIBS/lib)
+#      SYSLIBS=/tmp/mooncake-sys (benchmarks/e2e/run_e2e.py --mooncake-syslibs; the PD servers' LD_LIBRARY_PATH gets $SYSLIBS/lib)
 #      SYSLIB_DIRS="<dirs>" (where the machine's own libraries are looked for; default the x86_64 lib dirs,
 #      plus `ldconfig -p` unless LDCONFIG=0)
 #      FORCE=1 (reinstall even if the marker matches)   COMPILE=0 (skip byte-compiling $SITE)
@@ -241,4 +241,4 @@ fi
 echo "$SUM" > "$MARKER"
 say "done: $NAME in $(( $(date +%s) - T0 )) s; installed:"
 grep -v '^#' MANIFEST.txt | awk -F'\t' '{printf "  %-6s %-28s %s\n", $1, $2, $3}'
-say "use: PYTHONPATH=$SITE (run_e2e.py sets it)"
+say "use: PYTHONPATH=$SITE (benchmarks/e2e/run_e2e.py sets it)"

@@ -19,10 +19,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+# tools/gpu-bundle/bundle_debs.py, on sys.path by selftest.py
 from bundle_debs import check_closure, deb_fields, deb_libraries, elf_needed, find_debs, read_deb_pins
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = Path(__file__).resolve().parents[2]
+BUNDLE = REPO / "tools" / "gpu-bundle"  # the builder, its pins and install_part.sh
+E2E = REPO / "benchmarks" / "e2e"  # the harness, whose mooncake_check.py runs on the GPU machine
 SYSTEM_LIB = Path("/usr/lib/x86_64-linux-gnu")
 
 
@@ -78,7 +80,7 @@ def bundle_checks(check) -> None:
             check(False, "closure without the package must fail")
         except SystemExit as e:
             check("fake.whl:pkg/engine.so needs libffi.so.8" in str(e), f"closure failure names the library: {e}")
-    pins = read_deb_pins(HERE / "bundle_mooncake_debs.txt")
+    pins = read_deb_pins(BUNDLE / "bundle_mooncake_debs.txt")
     names = {name for name, _ in pins}
     check({"libibverbs1", "ibverbs-providers", "libnuma1", "libcurl4"} <= names and len(names) == len(pins),
           f"Mooncake packages pinned once each: {sorted(names)}")
@@ -99,14 +101,14 @@ def part2_checks(check, part: Path, py312: str, cudart_dir: str | None) -> None:
         site = td / "site"
         (site / "sglang").mkdir(parents=True)  # part 2 REQUIRES part 1's sglang
         env = dict(os.environ, SITE=str(site), PY=py312, COMPILE="0")
-        p = subprocess.run(["bash", str(HERE / "install_part.sh"), str(part)], env=dict(env, SITE=str(td / "empty")),
+        p = subprocess.run(["bash", str(BUNDLE / "install_part.sh"), str(part)], env=dict(env, SITE=str(td / "empty")),
                            capture_output=True, text=True)
         check(p.returncode != 0 and "needs 'sglang'" in p.stderr, f"part 2 refused without part 1: {p.stderr[-300:]}")
         stub = td / "stub"
         stub.mkdir()
         for mode, extra in (("lacking", {}), ("none", {"SYSLIB_DIRS": str(td / "nothing"), "LDCONFIG": "0", "FORCE": "1"})):
             syslibs = td / f"sys-{mode}"
-            p = subprocess.run(["bash", str(HERE / "install_part.sh"), str(part)],
+            p = subprocess.run(["bash", str(BUNDLE / "install_part.sh"), str(part)],
                                env=dict(env, SYSLIBS=str(syslibs), **extra), capture_output=True, text=True)
             print(p.stdout[-1500:], p.stderr[-1500:], sep="\n")
             check(p.returncode == 0 and (site / "mooncake" / "engine.so").exists(), f"part 2 installs ({mode}): {p.stderr[-500:]}")
@@ -114,7 +116,7 @@ def part2_checks(check, part: Path, py312: str, cudart_dir: str | None) -> None:
                 print("part 2 checks: no C compiler for the stub libcuda")
                 return
             ld = [str(syslibs / "lib"), str(stub)] + ([cudart_dir] if cudart_dir else [])
-            p = subprocess.run([py312, str(HERE / "mooncake_check.py")], capture_output=True, text=True, timeout=120,
+            p = subprocess.run([py312, str(E2E / "mooncake_check.py")], capture_output=True, text=True, timeout=120,
                                env=dict(os.environ, PYTHONPATH=str(site), LD_LIBRARY_PATH=os.pathsep.join(ld),
                                         MC_FORCE_TCP="1", MC_LOG_LEVEL="ERROR"))
             line = next((ln for ln in p.stdout.splitlines() if ln.startswith("MOONCAKE_JSON=")), "MOONCAKE_JSON={}")
@@ -137,4 +139,4 @@ def default_cudart_dir(python: str) -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit("run benchmarks/e2e/selftest.py (it calls these checks)")
+    sys.exit("run tools/e2e-selftest/selftest.py (it calls these checks)")

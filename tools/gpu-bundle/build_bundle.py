@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build the offline SGLang 0.5.17 bundle for the GPU machine (run on a machine with PyPI access).
 
-    python3 benchmarks/e2e/build_bundle.py            # -> .e2e/parts/part{1,2}.tar.xz (+ .sha256, SHA256SUMS)
+    python3 tools/gpu-bundle/build_bundle.py          # -> .e2e/parts/part{1,2}.tar.xz (+ .sha256, SHA256SUMS)
 
 Two groups of items, each packed into parts of its own:
   * SGLang 0.5.17 and what it needs (bundle_requirements.txt) -> part1;
@@ -27,8 +27,8 @@ What it does:
   4. writes SHA256SUMS + partN.tar.xz.sha256 and prints a size table.
 
 Every part holds `e2e-bundle/` with `wheels/`, `trees/<tree>/<top-level entries>`, `debs/`, `PART`,
-`MANIFEST.txt`, a per-file `SHA256SUMS` and, for part2, `REQUIRES`; benchmarks/e2e/install_part.sh installs one part into /tmp/site on the GPU
-machine.  The output is byte-for-byte reproducible for the same wheels and options (fixed mtimes and
+`MANIFEST.txt`, a per-file `SHA256SUMS` and, for part2, `REQUIRES`; tools/gpu-bundle/install_part.sh installs one
+part into /tmp/site on the GPU machine.  The output is byte-for-byte reproducible for the same wheels and options (fixed mtimes and
 owners, sorted entries, single-threaded xz).
 """
 
@@ -60,6 +60,9 @@ MOONCAKE_DEBS = HERE / "bundle_mooncake_debs.txt"
 MOONCAKE_REQUIRES = "sglang\n"  # top-level packages of part 1 the Mooncake part is useless without
 DEFAULT_OUT = REPO / ".e2e" / "parts"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hisparse-sglang-e2e"
+# The builder each part's MANIFEST.txt names: its path before it moved to tools/gpu-bundle/ (issue #29),
+# kept so that a rebuild from the same wheels stays byte-identical to the parts already built and carried.
+MANIFEST_BUILDER = "benchmarks/e2e/build_bundle.py"
 
 MIB = 1 << 20
 FIXED_MTIME = 315532800  # 1980-01-01, the earliest time a zip entry can carry
@@ -370,7 +373,7 @@ def pack(items: list[Item], capacity: int) -> list[list[Item]]:
 
 
 def part_tail(part: str, nparts: int, items: list[Item], tar_len_so_far: int, requires: str = "") -> bytes:
-    manifest = [f"# {part} of {nparts}: built by benchmarks/e2e/build_bundle.py",
+    manifest = [f"# {part} of {nparts}: built by {MANIFEST_BUILDER}",
                 "# kind\tname\tversion\tfile\traw_bytes"]
     for it in items:
         manifest.append(f"{it.kind}\t{it.key}\t{it.version}\t{it.label}\t{it.raw_bytes}")
@@ -528,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     rel = os.path.relpath(out, REPO)
     for part, *_ in part_rows:
         log(f"[build] device run: carry [\"{rel}/{part}.tar.xz\", \"{rel}/{part}.tar.xz.sha256\"] and run "
-            f"`bash benchmarks/e2e/install_part.sh {rel}/{part}.tar.xz`")
+            f"`bash tools/gpu-bundle/install_part.sh {rel}/{part}.tar.xz`")
     if args.report_json:
         args.report_json.write_text(json.dumps({
             "parts": [{"file": f"{p}.tar.xz", "bytes": s, "sha256": d,
