@@ -19,22 +19,33 @@ DEFAULT_MODEL = REPO / "benchmarks" / "models" / "tiny-dsv32"
 DEFAULT_HISPARSE_CONFIG = '{"top_k":2048,"device_buffer_size":4096,"host_to_device_ratio":8}'
 DEFAULT_PLUGIN_EP = ("hisparse", "hisparse_sglang.integration.sglang.plugin:register")
 FIXTURE_EP = ("hisparse_e2e_weight_init", "hisparse_e2e_fixture:register")
-ALL_ARMS = ("a", "b", "c", "d", "pd-c", "pd-b")
+FIXTURE_MODULES = ("hisparse_e2e_fixture.py", "kv_check_fixture.py", "topk_workload_fixture.py")  # what every server imports from pyext-common
+# topk_workload_fixture.py (--topk-profile): a second entry point, and the workload model beside it
+TOPK_FIXTURE_EP = ("hisparse_e2e_topk_workload", "topk_workload_fixture:register")
+TOPK_WORKLOAD_SOURCE = REPO / "src/hisparse_sglang/testing/workload.py"  # copied as topk_workload_fixture.WORKLOAD_COPY
+ALL_ARMS = ("a", "b", "c", "d", "pd-c", "pd-b", "dx")
 ARM_LABELS = {"a": "baseline (no HiSparse)", "b": "SGLang in-tree HiSparse", "c": "hisparse-sglang plugin",
               "d": "hisparse-sglang plugin, always offload",
-              "pd-c": "PD, decode with hisparse-sglang", "pd-b": "PD, decode with SGLang in-tree HiSparse"}
+              "pd-c": "PD, decode with hisparse-sglang", "pd-b": "PD, decode with SGLang in-tree HiSparse",
+              "dx": "plugin, always offload, kernel build corrupting 1 in 16 missed rows (must fail)"}
 COLOCATED_ARMS = ("a", "b", "c", "d")
+# dx: arm d on a kernel build that copies every 16th missed row of a swap-in from the wrong host row
+# (csrc/swap_in.cuh, HISPARSE_TEST_CORRUPT_MISSES): what the correctness judge and the in-server KV
+# check must reject, to show they can fail.
+CORRUPT_DEFINES = "HISPARSE_TEST_CORRUPT_MISSES=16"
+ARM_ENV = {"dx": {"HISPARSE_E2E_KERNEL_DEFINES": CORRUPT_DEFINES}}
 PD_DECODE_ARM = {"pd-c": "c", "pd-b": "b"}  # the co-located arm whose flags a PD arm's decode instance takes
 PD_ARMS = tuple(PD_DECODE_ARM)
-PLUGIN_ARMS = ("c", "d", "pd-c")  # arms that load our plugin (its dist-info + src on PYTHONPATH; pd-c: its decode)
+PLUGIN_ARMS = ("c", "d", "pd-c", "dx")  # arms that load our plugin (its dist-info + src on PYTHONPATH; pd-c: its decode)
 PD_TRANSFER_BACKEND = "mooncake_tcp"  # SGLang 0.5.17: Mooncake with MC_FORCE_TCP=1 (no RDMA NIC on the GPU machine)
-ARM_HISPARSE_OVERRIDES = {"d": {"resident_first": False}}  # merged into --hisparse-config
+ARM_HISPARSE_OVERRIDES = {"d": {"resident_first": False}, "dx": {"resident_first": False}}  # merged into --hisparse-config
 # The DSA backend of each KV cache dtype whose decode path calls the HiSparse swap-in (SGLang 0.5.17).
 DSA_BACKEND_OF_KV_DTYPE = {"bfloat16": "flashmla_sparse", "fp8_e4m3": "flashmla_kv"}
 
 
 def arm_port(args, arm: str) -> int:
-    """Arms a/b/c/d/pd-c/pd-b listen on --port-base +0/+10/.../+50 (a PD arm: its prefill; decode +1, bootstrap +2)."""
+    """Arms a/b/c/d/pd-c/pd-b/dx listen on --port-base +0/+10/.../+60 (a PD arm: its prefill; decode +1,
+    bootstrap +2)."""
     return args.port_base + 10 * ALL_ARMS.index(arm)
 
 
@@ -96,8 +107,12 @@ def prepare_pyext(state: Path, args) -> tuple[Path, Path, tuple[str, str]]:
     common = state / "pyext-common"
     shutil.rmtree(common, ignore_errors=True)
     common.mkdir(parents=True)
-    shutil.copy2(HERE / "hisparse_e2e_fixture.py", common / "hisparse_e2e_fixture.py")
-    write_dist_info(common, "hisparse_e2e_fixture", [FIXTURE_EP])
+    for module in FIXTURE_MODULES:
+        shutil.copy2(HERE / module, common / module)
+    from topk_workload_fixture import WORKLOAD_COPY
+
+    shutil.copy2(TOPK_WORKLOAD_SOURCE, common / f"{WORKLOAD_COPY}.py")
+    write_dist_info(common, "hisparse_e2e_fixture", [FIXTURE_EP, TOPK_FIXTURE_EP])
     plugin = state / "pyext-plugin"
     shutil.rmtree(plugin, ignore_errors=True)
     plugin.mkdir(parents=True)
@@ -114,6 +129,13 @@ def hisparse_config_json(config: str, arm: str) -> str:
         raise ValueError(f"--hisparse-config must be a JSON object, got {config!r}")
     merged.update(ARM_HISPARSE_OVERRIDES.get(arm, {}))
     return json.dumps(merged, separators=(",", ":"))
+
+
+def topk_workload_env(args) -> dict[str, str]:
+    """HISPARSE_E2E_TOPK_* of every server (topk_workload_fixture.py): every arm gets the same top-k."""
+    from topk_workload_fixture import OFF, workload_env
+
+    return workload_env(getattr(args, "topk_profile", OFF), getattr(args, "topk_params", ""))
 
 
 def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: int, *,
@@ -136,6 +158,7 @@ def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: i
         cmd.append("--disable-cuda-graph")
     hisparse = ["--enable-hisparse", "--hisparse-config", hisparse_config_json(args.hisparse_config, arm)]
     env = dict(env0)
+    env.update(topk_workload_env(args))
     pp = [str(common), str(args.site)]
     if arm == "b":
         cmd += hisparse
@@ -147,6 +170,9 @@ def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: i
         # editable install lying in src/ (importlib.metadata keeps the first distribution per name)
         pp = [str(plugin_dir), str(args.plugin_src)] + pp
         env.update(parse_env_assignments(args.plugin_env))
+        env.update(ARM_ENV.get(arm, {}))
+        if args.kv_check_every:
+            env["HISPARSE_E2E_KV_CHECK"] = str(args.kv_check_every)
     cmd += shlex.split(args.extra_server_args)
     env["PYTHONPATH"] = os.pathsep.join(pp)
     return cmd, env

@@ -134,7 +134,7 @@ def base_env(args, state: Path, log: Log) -> tuple[dict, dict]:
 
 def mooncake_env(env0: dict, args) -> dict:
     """Environment of a PD server and of the Mooncake preflight: the bundle's system libraries
-    (install_part.sh links what the machine lacks into <--mooncake-syslibs>/lib) and torch's CUDA 13
+    (tools/gpu-bundle/install_part.sh links what the machine lacks into <--mooncake-syslibs>/lib) and torch's CUDA 13
     runtime on LD_LIBRARY_PATH; Mooncake's TCP transport (MC_FORCE_TCP, as SGLang's mooncake_tcp sets
     it); 127.0.0.1 as the address SGLang's connector announces (SGLANG_HOST_IP; the GPU machine has
     no network and no RDMA NIC)."""

@@ -26,6 +26,10 @@ manager registers with Mooncake, their count, bytes, and bytes per memory kind a
 each address (``cuPointerGetAttribute``: host = pinned host memory, device = GPU memory, pageable = not
 known to CUDA). That is what shows where the prefill's KV writes land on the decode instance.
 
+With ``HISPARSE_E2E_KV_CHECK=<N>`` (a server with the plugin) every N-th decode batch is checked row by
+row against the host pool, and ``HISPARSE_E2E_KERNEL_DEFINES`` builds the plugin's kernels as a test
+variant: ``kv_check_fixture.py``.
+
 With ``HISPARSE_E2E_SYNC_TRACE=<first>:<count>`` (profiling, any arm) it also finds every host wait of
 the scheduler's decode loop: from decode batch ``first`` on, for ``count`` decode batches, PyTorch's
 sync debug mode is on (``torch.cuda.set_sync_debug_mode("warn")``) and each synchronizing CUDA call is
@@ -242,6 +246,9 @@ def register() -> None:
     if os.environ.get("HISPARSE_E2E_PD_TRACE") == "1":
         HookRegistry.register(PD_REGISTER_TARGET, _around_register, HookType.AROUND)
         _say(f"PD trace on: AROUND hook on {PD_REGISTER_TARGET}")
+    import kv_check_fixture  # copied beside this module by the harness (arms.prepare_pyext)
+
+    kv_check_fixture.install(HookRegistry, HookType)
     sync_trace = os.environ.get("HISPARSE_E2E_SYNC_TRACE")
     if sync_trace:
         HookRegistry.register(

@@ -1,5 +1,5 @@
 """Reading SGLang's server logs: the decode/prefill batch lines, the plugin's ``HiSparse:`` line and
-the fixture's lines (pure functions on text; unit-tested by selftest.py on synthetic lines)."""
+the fixture's lines (pure functions on text; unit-tested by tools/e2e-selftest/selftest.py on synthetic lines)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ PLUGIN_FAIL_RE = re.compile(r"Failed to (load plugin|execute general plugin:?) (
 DENSE_THRESHOLD_RE = re.compile(r"Dense attention kv len threshold is manually set to (\d+)")
 # the fixture's record of the regions SGLang's Mooncake KV manager registers (HISPARSE_E2E_PD_TRACE=1)
 PD_REGISTER_RE = re.compile(r"\[hisparse-e2e-fixture\] pid=\d+ pd-register (?P<json>\{.*\})")
+KV_CHECK_RE = re.compile(r"\[hisparse-e2e-fixture\] pid=\d+ kv-check (?P<json>\{.*\})")
 # SGLang's rejection of a prompt longer than a request may be (validate_input_length)
 INPUT_TOO_LONG_RE = re.compile(r"Input length \(\d+ tokens\) exceeds the maximum allowed length \(\d+ tokens\)[^\n]*")
 # our plugin's periodic line (hisparse_sglang/integration/sglang/metrics.py), e.g.
@@ -141,6 +142,7 @@ def summarize_log(text: str) -> dict:
         "dense_attn_threshold": int(dense[-1]) if dense else None,
         "hisparse": summarize_hisparse(text),
         "pd_register": parse_pd_register(text),
+        "kv_check": parse_kv_check(text),
         "input_too_long": sorted(set(INPUT_TOO_LONG_RE.findall(text)))[:3],
     }
 
@@ -149,6 +151,15 @@ def parse_pd_register(text: str) -> dict | None:
     """The last `pd-register` record of the fixture in a log (None if there is none)."""
     found = None
     for m in PD_REGISTER_RE.finditer(text):
+        with contextlib.suppress(ValueError):
+            found = json.loads(m.group("json"))
+    return found
+
+
+def parse_kv_check(text: str) -> dict | None:
+    """The last `kv-check` totals of the fixture in a log (None if the check was off)."""
+    found = None
+    for m in KV_CHECK_RE.finditer(text):
         with contextlib.suppress(ValueError):
             found = json.loads(m.group("json"))
     return found

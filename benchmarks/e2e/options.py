@@ -14,6 +14,7 @@ from arms import ALL_ARMS, DEFAULT_HISPARSE_CONFIG, DEFAULT_MODEL, DSA_BACKEND_O
     parse_env_assignments
 from common import REPO
 from storm import STORM_TPOT_FROM
+from topk_workload_fixture import OFF as TOPK_OFF, PROFILE_NAMES as TOPK_PROFILES
 
 ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "lowload", "longprompt", "saturation", "storm",
               "report")
@@ -22,7 +23,7 @@ ARM_PHASES = ("correctness", "capacity", "throughput", "lowload", "longprompt", 
 DEFAULT_PHASES = "preflight,correctness,capacity,throughput,report"
 HELP = """End-to-end benchmark of HiSparse on SGLang 0.5.17 with a tiny DeepSeek-V3.2 (DSA) model.
 
-Runs on the offline GPU machine after benchmarks/e2e/install_part.sh has put the bundle into
+Runs on the offline GPU machine after tools/gpu-bundle/install_part.sh has put the bundle into
 /tmp/site.  Arms (served one after the other on 127.0.0.1, identical flags except):
 
   a  baseline         no HiSparse
@@ -42,7 +43,8 @@ Runs on the offline GPU machine after benchmarks/e2e/install_part.sh has put the
 
 Per arm: start the server, wait for /health, warm up, then the selected phases:
   correctness  greedy decode (temperature 0, ignore_eos) of 8K-32K-token random prompts with
-               return_logprob/top_logprobs_num=5, sequentially (bs 1, identical batches in all arms)
+               return_logprob/top_logprobs_num=5, sequentially (bs 1, identical batches in all arms),
+               every prompt --corr-decodes times (judge.py: the stack's own noise against the arms')
   capacity     N concurrent long requests; the most requests running at once (/v1/loads polling
                + `#running-req` of the server log), then abort_all
   throughput   concurrency levels (1,8,32,max) with fixed input/output lengths, streaming client:
@@ -107,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = ap.add_argument_group("what to run")
     g.add_argument("--arms", default="a,b,c",
                    help="comma list of " + ",".join(ALL_ARMS) + " (default %(default)s; d = plugin with "
-                        '"resident_first": false is opt-in)')
+                        '"resident_first": false is opt-in); they run in that order, whatever order is given, '
+                        "so put a late arm in a call of its own when the deadline is tight")
     g.add_argument("--phases", default=DEFAULT_PHASES,
                    help="comma list of " + ",".join(ALL_PHASES) + " (default %(default)s; the others are opt-in)")
     g.add_argument("--deadline-s", type=float, default=560,
@@ -160,10 +163,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="entry point to register (default: from pyproject.toml)")
     g = ap.add_argument_group("correctness")
     g.add_argument("--corr-lens", default="8192,16384,32768")
-    g.add_argument("--corr-seeds", type=int, default=2)
+    g.add_argument("--corr-seeds", type=int, default=4,
+                   help="prompts per length (with 3 lengths and the pair: 14 prompts; the judge needs 12)")
     g.add_argument("--corr-out", type=int, default=256)
-    g.add_argument("--corr-repeat", type=int, default=2, help="prompts decoded twice by the same server")
+    g.add_argument("--corr-decodes", type=int, default=3,
+                   help="times every prompt is decoded by the same server (the judge needs 2; 3 gives it more pairs)")
+    g.add_argument("--kv-check-every", type=int, default=0,
+                   help="servers with the plugin check every N-th decode batch row by row against the host pool "
+                        "(kv_check_fixture.py; slows decoding: use it for correctness runs; 0: off)")
     g.add_argument("--corr-pair-len", type=int, default=16384, help="0 disables the context-sensitivity pair")
+    g = ap.add_argument_group("top-k workload (topk_workload_fixture.py, docs/workload.md)")
+    g.add_argument("--topk-profile", choices=(TOPK_OFF,) + TOPK_PROFILES, default=TOPK_OFF,
+                   help="every arm's decode top-k from this workload profile instead of the tiny model's indexer "
+                        "(default %(default)s: the indexer's own)")
+    g.add_argument("--topk-params", default="",
+                   help='JSON object of workload parameters over the profile\'s, e.g. \'{"persistence": 0.6, '
+                        '"context_len": 16384}\' (context_len: the prompt length the persistence is solved for)')
     g = ap.add_argument_group("capacity")
     g.add_argument("--cap-input-len", type=int, default=16384)
     g.add_argument("--cap-output-len", type=int, default=4096)
@@ -236,6 +251,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError("--ll-levels takes numbers only (no 'max')")
         args.corr_lens = [int(x) for x in args.corr_lens.split(",") if x.strip()]
         parse_env_assignments(args.plugin_env)
+        if args.topk_params and not isinstance(json.loads(args.topk_params), dict):
+            raise ValueError(f"--topk-params must be a JSON object, got {args.topk_params!r}")
         for arm in ALL_ARMS:  # main() builds every arm's spec
             hisparse_config_json(args.hisparse_config, arm)
         shlex.split(args.plugin_args)
@@ -250,7 +267,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.storm_burst_output_len, args.sat_output_len, args.long_out) \
             > args.context_length:
         ap.error("input + output length exceeds --context-length")
-    if "d" in args.arms and args.plugin_no_enable_hisparse:
+    if args.kv_check_every < 0:
+        ap.error("--kv-check-every must be >= 0")
+    if ("d" in args.arms or "dx" in args.arms) and args.plugin_no_enable_hisparse:
         ap.error("arm d passes \"resident_first\": false through --hisparse-config; drop --plugin-no-enable-hisparse")
     if any(a in args.arms for a in ("pd-c", "pd-b")):
         args.preflight_mooncake = True
@@ -260,6 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            args.long_out) < 1:
         ap.error("--sat-requests, --sat-tpot-repeats, --sat-input-len, --sat-output-len, --long-len and --long-out "
                  "must be >= 1")
+    if min(args.corr_decodes, args.corr_seeds, args.corr_out) < 1:
+        ap.error("--corr-decodes, --corr-seeds and --corr-out must be >= 1")
     if min(args.ll_repeats, args.ll_input_len, args.ll_output_len) < 1:
         ap.error("--ll-repeats, --ll-input-len and --ll-output-len must be >= 1")
     if min(args.storm_input_len, args.storm_output_len, args.storm_requests, args.storm_burst_output_len) < 1:

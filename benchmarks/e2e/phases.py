@@ -160,20 +160,28 @@ def phase_correctness(target, run: Run, keep) -> dict:
         res["prompts"].append(row)
         keep(res)
     ok = [r for r in res["prompts"] if "output_ids" in r]
-    # Determinism of the server itself: the first prompts again, same server.
-    repeats = []
-    for p, first in zip(correctness_prompts(args, run.vocab)[: args.corr_repeat], ok):
-        if dl.left() < args.reserve_s + 20:
-            break
-        again = target.endpoint.generate(p["ids"], args.corr_out, logprobs=True,
-                                         rid=f"corr-{target.arm}-{p['id']}-again",
-                                         timeout=max(30.0, dl.left() - args.reserve_s))
-        lps, top = extract_logprobs(again.get("meta_info", {}))
-        second = {"id": p["id"], "output_ids": list(again.get("output_ids") or []), "logprobs": lps, "top": top}
-        row = compare_outputs({"prompts": [first]}, {"prompts": [second]})["per_prompt"][0]
-        repeats.append(row)
-        log(f"  correctness repeat {p['id']}: identical={row['identical']} first mismatch={row['first_mismatch']} "
-            f"max|dlogprob| before it={row['max_abs_dlogprob']:.3g}")
+    # The stack's own noise: every prompt decoded again on the same server (judge.py compares every
+    # pair of one server's decodes and decode k of an arm with decode k of the baseline).
+    redecodes, repeats = [], []
+    prompts = {p["id"]: p for p in correctness_prompts(args, run.vocab)}
+    for k in range(1, args.corr_decodes):
+        for first in ok:
+            if dl.left() < args.reserve_s + 20:
+                res["skipped_rest"] = "deadline"
+                break
+            again = target.endpoint.generate(prompts[first["id"]]["ids"], args.corr_out, logprobs=True,
+                                             rid=f"corr-{target.arm}-{first['id']}-{k}",
+                                             timeout=max(30.0, dl.left() - args.reserve_s))
+            lps, top = extract_logprobs(again.get("meta_info", {}))
+            decode = {"id": first["id"], "decode": k, "output_ids": list(again.get("output_ids") or []),
+                      "logprobs": lps, "top": top}
+            redecodes.append(decode)
+            row = compare_outputs({"prompts": [first]}, {"prompts": [decode]})["per_prompt"][0]
+            repeats.append(row | {"decode": k})
+            log(f"  correctness decode {k + 1} of {first['id']}: identical={row['identical']} first mismatch="
+                f"{row['first_mismatch']} max|dlogprob| before it={row['max_abs_dlogprob']:.3g}")
+        keep(res | {"redecodes": redecodes, "repeats": repeats})
+    res["redecodes"] = redecodes
     res["repeats"] = repeats
     res["distinct_outputs"] = len({tuple(r["output_ids"]) for r in ok})
     res["prompts_ok"] = len(ok)

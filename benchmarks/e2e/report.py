@@ -14,7 +14,7 @@ from lowload import lowload_ratios
 from stats import compare_outputs
 
 COMPARE_PAIRS = (("b", "a"), ("c", "a"), ("c", "b"), ("d", "a"), ("c", "d"), ("pd-c", "a"), ("pd-b", "a"),
-                 ("pd-c", "pd-b"))
+                 ("pd-c", "pd-b"), ("dx", "a"))
 MAX_OUT_FILES = 8  # what the device tool brings back from $OUT
 
 
@@ -50,7 +50,7 @@ def build_report(state: Path, imported: list[Path]) -> dict:
             fx, fy = arms[x].get("weight_fingerprints"), arms[y].get("weight_fingerprints")
             c["same_weights"] = (fx == fy) if fx and fy else None
             if y == "a":
-                c["verdict"] = judge_correctness(c, cx, cy)
+                c["verdict"] = judge_correctness(cx, cy, c["same_weights"])
             comp[f"{x}_vs_{y}"] = c
     data["compare"] = comp
     data["lowload_ratios"] = lowload_ratios(arms)
@@ -103,6 +103,7 @@ def render_markdown(data: dict) -> str:
     row("weight fingerprint", lambda r: ", ".join(r.get("weight_fingerprints") or ["–"])[:40])
     row("correctness prompts ok / distinct outputs", lambda r: f"{r['correctness']['prompts_ok']} / {r['correctness']['distinct_outputs']}")
     row("outputs depend on far context", lambda r: fmt(r["correctness"].get("context_sensitive")))
+    row("in-server KV check: rows compared / mismatches (checks)", kv_check_cell)
     cap_len = next((arms[x]["capacity"].get("input_len") for x in present if arms[x].get("capacity")), None)
     row(f"max concurrent {cap_len}-token requests running", lambda r: f"{r['capacity']['max_running']} of {r['capacity']['requests']}")
     levels = []
@@ -140,7 +141,11 @@ def render_markdown(data: dict) -> str:
             v = c.get("verdict")
             verdict = "–" if v is None else ("yes" if v["ok"] else "NO: " + "; ".join(v["failures"]))
             if v and v.get("rule") == "noise":
-                verdict += f" (median {v['cross_median']:.3g}, max {v['cross_max']:.3g}; same-server {v['own_max']:.3g})"
+                cross, own, p = v["cross"], v["base_own"], v["p"]
+                verdict += (f" (top-5 distance through the first divergence: median {cross['score_median']:.3g}, max "
+                            f"{cross['score_max']:.3g}, baseline's own {own['score_median']:.3g} / {own['score_max']:.3g}; "
+                            f"first divergence median {cross['first_median']} / own {own['first_median']}; "
+                            f"p {p['score']:.2g} / {p['first']:.2g} / {p['own_score']:.2g})")
             lines.append(f"| {k} | {c['prompts_identical']}/{c['prompts_compared']} | {c['mismatched_tokens']} | "
                          f"{c['max_abs_dlogprob_before_divergence']:.3g} | {c['max_abs_dtop5_before_divergence']:.3g} | "
                          f"{fmt(c.get('same_weights'))} | {verdict} |")
@@ -150,6 +155,14 @@ def render_markdown(data: dict) -> str:
         for x, e in errs:
             lines.append(f"- arm {x}: " + str(e).splitlines()[0][:300])
     return "\n".join(lines) + "\n"
+
+
+def kv_check_cell(r: dict) -> str:
+    """The in-server KV check's totals of an arm (kv_check_fixture.py), from the server that decodes."""
+    kv = r.get("log", {}).get("kv_check")
+    if not kv:
+        return "–"
+    return f"{kv['rows']} / {kv['mismatches']} ({kv['checks']})"
 
 
 def spread(r: dict, key: str, nd: int = 2) -> str:

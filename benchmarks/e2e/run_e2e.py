@@ -198,6 +198,10 @@ def run_arm(arm: str, specs: list[ServerSpec], run: Run, outputs: Outputs, plugi
         group.stop()
         current["group"] = None
         summarize_logs(group, offsets, result)
+        kv = result["log"].get("kv_check")
+        if kv:
+            log(f"  in-server KV check: {kv['checks']} checks, {kv['rows']} rows compared, {kv['mismatches']} "
+                f"mismatches" + (f"; first {kv['first_mismatch']}" if kv["first_mismatch"] else ""))
         if arm in PD_ARMS:
             result["pd"] = pd_evidence(result)
             for line in result["pd"]["statements"]:
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     arm_phases = [p for p in ARM_PHASES if p in args.phases]
     mooncake = meta["preflight"].get("mooncake")
     pd_blocked = None if mooncake is None or mooncake.get("ok") or args.allow_mooncake_failure else \
-        f"the Mooncake preflight failed (bundle part 2 installed? install_part.sh .e2e/parts/part2.tar.xz; "\
+        f"the Mooncake preflight failed (bundle part 2 installed? tools/gpu-bundle/install_part.sh .e2e/parts/part2.tar.xz; "\
         f"--allow-mooncake-failure starts the PD arms anyway): " \
         f"{mooncake.get('import_error') or mooncake.get('error') or mooncake}"
     for arm in args.arms if arm_phases else []:

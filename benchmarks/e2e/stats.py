@@ -38,9 +38,7 @@ def compare_outputs(ref: dict, other: dict) -> dict:
             continue
         a, b = rp["output_ids"], op["output_ids"]
         n = min(len(a), len(b))
-        first = next((i for i in range(n) if a[i] != b[i]), None)
-        if first is None and len(a) != len(b):
-            first = n
+        first = first_divergence(a, b)
         upto = n if first is None else first
         dlp = [abs(x - y) for x, y in zip(rp["logprobs"][:upto], op["logprobs"][:upto])
                if x is not None and y is not None]
@@ -64,6 +62,104 @@ def compare_outputs(ref: dict, other: dict) -> dict:
             "mismatched_tokens": mismatched_tokens,
             "max_abs_dlogprob_before_divergence": max_dlp,
             "max_abs_dtop5_before_divergence": max_dtop, "per_prompt": rows}
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where two greedy outputs differ (a length difference counts at the shorter
+    one's end); None if they are identical."""
+    n = min(len(a), len(b))
+    first = next((i for i in range(n) if a[i] != b[i]), None)
+    if first is None and len(a) != len(b):
+        first = n
+    return first
+
+
+def top_distance(top_x: list | None, top_y: list | None) -> float | None:
+    """How far apart two top-k lists ([[token id, logprob], ...]) of one position are: the largest
+    discrepancy over the tokens of either list. A token in both lists contributes |lp_x - lp_y|; a
+    token only in x's list was ranked below y's last entry by y, so it contributes at least
+    max(0, lp_x - lowest lp of y) (and symmetrically): a lower bound of the L-infinity distance of the
+    two distributions on those tokens. None if either list is missing."""
+    if not top_x or not top_y:
+        return None
+    x = {int(t): lp for t, lp in top_x if lp is not None}
+    y = {int(t): lp for t, lp in top_y if lp is not None}
+    if not x or not y:
+        return None
+    x_last, y_last = min(x.values()), min(y.values())
+    worst = 0.0
+    for token in x.keys() | y.keys():
+        if token in x and token in y:
+            gap = abs(x[token] - y[token])
+        elif token in x:
+            gap = max(0.0, x[token] - y_last)
+        else:
+            gap = max(0.0, y[token] - x_last)
+        worst = max(worst, gap)
+    return worst
+
+
+def divergence(x: dict, y: dict) -> dict:
+    """What two decodes of one prompt computed from the same prefix (dicts with output_ids, top).
+
+    first: the first differing position (the output length if none). Up to and including it both
+    decodes saw identical tokens, so their distributions there must agree up to the serving stack's
+    own noise. score: the largest top_distance over those positions (0.0 if no position has both top
+    lists). compared: how many positions were compared."""
+    a, b = x["output_ids"], y["output_ids"]
+    first = first_divergence(a, b)
+    end = min(len(a), len(b)) if first is None else first
+    last = min(end, len(a) - 1, len(b) - 1)
+    tops_x, tops_y = x.get("top") or [], y.get("top") or []
+    distances = [top_distance(tops_x[i] if i < len(tops_x) else None, tops_y[i] if i < len(tops_y) else None)
+                 for i in range(last + 1)]
+    distances = [d for d in distances if d is not None]
+    return {"first": min(len(a), len(b)) if first is None else first, "identical": first is None,
+            "score": max(distances) if distances else 0.0, "compared": len(distances)}
+
+
+def greedy_inconsistencies(decode: dict, tolerance: float = 1e-4) -> int:
+    """Positions where a greedy decode chose a token that is not its own most likely one: the token is
+    missing from its own top list, ranks below the top-1 there by more than `tolerance`, or its
+    reported logprob is not the one its top list gives it."""
+    bad = 0
+    for token, lp, top in zip(decode.get("output_ids") or [], decode.get("logprobs") or [], decode.get("top") or []):
+        if not top or lp is None:
+            continue
+        listed = {int(t): v for t, v in top if v is not None}
+        own = listed.get(int(token))
+        if own is None or own < max(listed.values()) - tolerance or abs(lp - own) > tolerance:
+            bad += 1
+    return bad
+
+
+def signed_rank_greater(differences: list[float]) -> float:
+    """One-sided p-value that paired differences tend to be positive: Wilcoxon's signed-rank test,
+    exact (zero differences dropped, tied magnitudes given their average rank). 1.0 with no non-zero
+    difference."""
+    nonzero = sorted((abs(d), d > 0) for d in differences if d != 0)
+    n = len(nonzero)
+    if n == 0:
+        return 1.0
+    doubled_ranks = [0] * n  # twice the average rank, an integer
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and nonzero[j + 1][0] == nonzero[i][0]:
+            j += 1
+        for k in range(i, j + 1):
+            doubled_ranks[k] = i + j + 2
+        i = j + 1
+    observed = sum(r for r, (_, positive) in zip(doubled_ranks, nonzero) if positive)
+    # Under the null every sign is a fair coin: count the sign patterns whose positive rank sum
+    # reaches the observed one.
+    counts = {0: 1}
+    for r in doubled_ranks:
+        step = dict(counts)
+        for total, ways in counts.items():
+            step[total + r] = step.get(total + r, 0) + ways
+        counts = step
+    return sum(ways for total, ways in counts.items() if total >= observed) / 2 ** n
 
 
 def steady_window(arrivals_per_request: list[list]) -> tuple[float, float] | None:

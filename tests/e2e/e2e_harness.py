@@ -19,15 +19,20 @@ sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 from judge import judge_correctness, run_failures  # noqa: E402
 
 
+KV_CHECK_EVERY = 4  # decode batches between two in-server KV checks (kv_check_fixture.py)
+
+
 def run_harness(arms: str, state: pathlib.Path, extra: list[str]) -> dict:
-    """A fresh harness run of the correctness phase with every prompt decoded twice per server (or, with
-    HISPARSE_E2E_RUN=0, the results an earlier run left in `state`); fails the test if the harness exited
-    non-zero or an arm is missing or not ok (a skipped or failed arm must not pass)."""
+    """A fresh harness run of the correctness phase (every prompt decoded 3 times per server, the
+    in-server KV check on every 4th decode batch), or with HISPARSE_E2E_RUN=0 the results an earlier run
+    left in `state`; fails the test if the harness exited non-zero or an arm is missing or not ok (a
+    skipped or failed arm must not pass)."""
     rc = 0
     if os.environ.get("HISPARSE_E2E_RUN", "1") == "1":
         rc = subprocess.run(
             [sys.executable, str(REPO / "benchmarks/e2e/run_e2e.py"), "--fresh", "--arms", arms,
-             "--phases", "preflight,correctness,report", "--corr-repeat", "8", "--state-dir", str(state), *extra],
+             "--phases", "preflight,correctness,report", "--kv-check-every", str(KV_CHECK_EVERY),
+             "--state-dir", str(state), *extra],
             check=False,
         ).returncode
     path = state / "results.json"
@@ -38,8 +43,27 @@ def run_harness(arms: str, state: pathlib.Path, extra: list[str]) -> dict:
     return data
 
 
-def assert_decodes_like_baseline(data: dict, arm: str) -> None:
+def verdict_against_baseline(data: dict, arm: str) -> dict:
+    """judge.judge_correctness of `arm` against arm a, recomputed from the results."""
     comparison = data["compare"].get(f"{arm}_vs_a")
     assert comparison is not None, f"no {arm}_vs_a comparison in the results: {sorted(data['compare'])}"
-    verdict = judge_correctness(comparison, data["arms"][arm]["correctness"], data["arms"]["a"]["correctness"])
+    return judge_correctness(data["arms"][arm]["correctness"], data["arms"]["a"]["correctness"],
+                             comparison.get("same_weights"))
+
+
+def kv_check_of(data: dict, arm: str) -> dict:
+    """The in-server KV check's totals of an arm's decoding server (it must have run)."""
+    kv = data["arms"][arm].get("log", {}).get("kv_check")
+    assert kv and kv["checks"] > 0 and kv["rows"] > 0, f"arm {arm}: the in-server KV check did not run: {kv}"
+    return kv
+
+
+def assert_decodes_like_baseline(data: dict, arm: str, kv_checked: bool = True) -> None:
+    """The judge accepts the arm and, where the plugin decodes (`kv_checked`), the in-server KV check ran
+    and found no mismatch."""
+    verdict = verdict_against_baseline(data, arm)
     assert verdict["ok"], f"arm {arm} vs baseline: {verdict}"
+    if not kv_checked:
+        return
+    kv = kv_check_of(data, arm)
+    assert kv["mismatches"] == 0, f"arm {arm}: rows attention read differ from the host pool: {kv}"

@@ -1,0 +1,191 @@
+"""Test fixture for the end-to-end benchmark: checks, inside a server with the hisparse-sglang plugin,
+that every KV row attention reads for a top-k position is that position's host row.
+
+The harness copies this module next to ``hisparse_e2e_fixture.py`` (whose ``register`` installs it) and
+turns it on with ``HISPARSE_E2E_KV_CHECK=<N>`` (``run_e2e.py --kv-check-every N``): every N-th decode
+batch of the scheduler is checked. It is test code, off unless that variable is set, and never part
+of the package.
+
+How, under CUDA graphs (the decode forward is replayed, so Python around ``swap_in`` runs only while a
+graph is captured):
+
+* ``Coordinator.swap_in`` is wrapped so that each layer's call also copies its inputs and its result
+  (the top-k positions, the request slots, the sequence lengths, the number of real requests and the
+  device rows it returned) into fixed tensors of this module, with plain device copies that a captured
+  graph replays;
+* ``Scheduler.run_batch`` is wrapped: after every N-th decode batch it synchronizes the device and, for
+  every real request and layer, compares the bytes of each returned device row with the host row of
+  the position's logical location (``req_to_token``), i.e. what the host pool holds as the truth for
+  that token. A valid top-k position without a device row counts as a mismatch too.
+
+After each check it logs one line ``[hisparse-e2e-fixture] kv-check {json}`` with the totals so far
+(checks, rows compared, mismatches, the first mismatch's layer/request/position) for the harness
+(logs.parse_kv_check). The rows are compared after the forward, before the scheduler prepares the next
+batch: nothing writes a layer's device rows after its attention in the same forward, so they are the
+rows attention read.
+
+``HISPARSE_E2E_KERNEL_DEFINES=NAME=VALUE,...`` makes the plugin build its kernels with those extra
+``-D`` macros (``hisparse_sglang.ops.jit.load_module(defines=...)``), e.g. the row-corrupting test
+variant that the judge and this check must reject.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+PREFIX = "[hisparse-e2e-fixture]"
+CHECK_ENV = "HISPARSE_E2E_KV_CHECK"
+DEFINES_ENV = "HISPARSE_E2E_KERNEL_DEFINES"
+MAX_RECORDED_BATCH = 256  # decode batches larger than this are not recorded (the correctness phase runs bs 1)
+
+
+def _say(msg: str) -> None:
+    print(f"{PREFIX} pid={os.getpid()} {msg}", file=sys.stderr, flush=True)
+
+
+class Recorder:
+    """What the last decode forward's swap-in calls took and returned, per layer (device tensors)."""
+
+    def __init__(self, coordinator) -> None:
+        import torch
+
+        device = coordinator.device
+        layers = len(coordinator.layer_tables)
+        rows = min(coordinator.buffers.num_req_slots, MAX_RECORDED_BATCH)
+        k = coordinator.config.top_k
+        self.coordinator = coordinator
+        self.top_k = torch.full((layers, rows, k), -1, dtype=torch.int32, device=device)
+        self.rows = torch.full((layers, rows, k), -1, dtype=torch.int32, device=device)
+        self.slots = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.real = torch.zeros(1, dtype=torch.int32, device=device)
+        self.batch = torch.zeros(1, dtype=torch.int32, device=device)
+        self.capacity = rows
+        self.checks = 0
+        self.rows_checked = 0
+        self.mismatches = 0
+        self.first_mismatch: dict | None = None
+
+    def record(self, layer: int, top_k, slots, seq_lens, rows) -> None:
+        batch = top_k.shape[0]
+        if batch > self.capacity:
+            self.batch.fill_(0)  # not recorded: the check skips this forward
+            return
+        self.top_k[layer, :batch, : top_k.shape[1]].copy_(top_k)
+        self.rows[layer, :batch, : rows.shape[1]].copy_(rows)
+        if layer == 0:
+            self.slots[:batch].copy_(slots)
+            self.seq_lens[:batch].copy_(seq_lens)
+            self.real.copy_(self.coordinator.num_real_reqs)
+            self.batch.fill_(batch)
+
+    def check(self) -> None:
+        import torch
+
+        if self.coordinator.device.type == "cuda":
+            torch.cuda.synchronize(self.coordinator.device)
+        batch = int(self.batch.item())
+        real = min(int(self.real.item()), batch)
+        if real <= 0:
+            return
+        coordinator = self.coordinator
+        slots = self.slots[:real]
+        seq_lens = self.seq_lens[:real].unsqueeze(1)
+        for layer in range(self.top_k.shape[0]):
+            positions = self.top_k[layer, :real].to(torch.int64)
+            rows = self.rows[layer, :real].to(torch.int64)
+            valid = (positions >= 0) & (positions < seq_lens)
+            unserved = valid & (rows < 0)
+            served = valid & (rows >= 0)
+            locations = coordinator.req_to_token[slots].to(torch.int64).gather(1, positions.clamp(min=0))
+            device_bytes = coordinator.device_layers[layer][rows[served]].cpu()
+            host_bytes = coordinator.host_layers[layer][locations[served].cpu()]
+            differ = (device_bytes != host_bytes).any(dim=1)
+            wrong = int(differ.sum()) + int(unserved.sum())
+            self.rows_checked += int(valid.sum())
+            if wrong and self.first_mismatch is None:
+                where = served.nonzero().cpu()[differ] if int(differ.sum()) else unserved.nonzero().cpu()
+                request, entry = (int(v) for v in where[0])
+                self.first_mismatch = {
+                    "check": self.checks, "layer": layer, "batch_row": request, "slot": int(slots[request]),
+                    "position": int(positions[request, entry]), "device_row": int(rows[request, entry]),
+                    "host_row": int(locations[request, entry]), "unserved": bool(unserved[request, entry]),
+                }
+            self.mismatches += wrong
+        self.checks += 1
+        _say("kv-check " + json.dumps({"checks": self.checks, "rows": self.rows_checked,
+                                       "mismatches": self.mismatches, "first_mismatch": self.first_mismatch}))
+
+
+_RECORDERS: list[Recorder] = []  # one per coordinator of this process (one scheduler, one coordinator)
+
+
+def _wrap_swap_in(core) -> None:
+    original_init = core.Coordinator.__init__
+    original_swap_in = core.Coordinator.swap_in
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self._kv_check = Recorder(self)
+        _RECORDERS.append(self._kv_check)
+
+    def swap_in(self, req_pool_indices, seq_lens, top_k, layer_id):
+        rows = original_swap_in(self, req_pool_indices, seq_lens, top_k, layer_id)
+        recorder = getattr(self, "_kv_check", None)
+        if recorder is not None:
+            recorder.record(layer_id, top_k, req_pool_indices, seq_lens, rows)
+        return rows
+
+    core.Coordinator.__init__ = __init__
+    core.Coordinator.swap_in = swap_in
+
+
+class _EveryNthDecode:
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.decode_batches = 0
+
+    def around_run_batch(self, original, scheduler, batch, *args, **kwargs):
+        result = original(scheduler, batch, *args, **kwargs)
+        if batch is not None and batch.forward_mode.is_decode():
+            self.decode_batches += 1
+            if self.decode_batches % self.every == 0:
+                for recorder in _RECORDERS:
+                    recorder.check()
+        return result
+
+
+def _use_kernel_defines(defines: tuple[str, ...]) -> None:
+    from hisparse_sglang.ops import jit
+
+    original = jit.load_module
+
+    def load_module(defines_=(), sources=None):
+        return original(tuple(defines_) or defines, sources)
+
+    jit.load_module = load_module
+
+
+def install(hook_registry, hook_type) -> None:
+    """Called by hisparse_e2e_fixture.register(); a no-op unless the variables above are set."""
+    import importlib.util
+
+    every = int(os.environ.get(CHECK_ENV, "0") or 0)
+    defines = tuple(d for d in os.environ.get(DEFINES_ENV, "").split(",") if d)
+    if not (every or defines):
+        return
+    if importlib.util.find_spec("hisparse_sglang") is None:
+        _say(f"{CHECK_ENV}/{DEFINES_ENV} ignored: hisparse_sglang is not importable in this server")
+        return
+    if defines:
+        _use_kernel_defines(defines)
+        _say(f"kernel variant: the plugin builds its kernels with -D {' -D '.join(defines)}")
+    if every:
+        from hisparse_sglang.coordinator import core
+
+        _wrap_swap_in(core)
+        hook_registry.register("sglang.srt.managers.scheduler.Scheduler.run_batch",
+                               _EveryNthDecode(every).around_run_batch, hook_type.AROUND)
+        _say(f"kv-check on: every {every}th decode batch")
