@@ -104,3 +104,55 @@ def test_the_batch_still_decodes_after_refused_calls():
     for _ in range(6):
         server.step()
         server.check_invariants()
+
+
+def can_decode_server(device_pages: int) -> tuple[SimulatedServer, list[int], int]:
+    """Two decoding requests and one still staging (not resident-first: the staged request waits
+    for its copy, so it stays pending until the next step)."""
+    config = HiSparseConfig(top_k=8, device_buffer_size=16, page_size=PAGE, resident_first=False)
+    server = SimulatedServer(config, layer_num=1, device_pages=device_pages, max_reqs=4, max_context=128)
+    uids = [server.add_request(30, 50), server.add_request(22, 50)]
+    server.step()
+    staging = server.requests[server.add_request(9, 50)].slot
+    return server, [server.requests[uid].slot for uid in uids], staging
+
+
+def fill_device_pool(server: SimulatedServer, leave_free: int) -> None:
+    rows = server.coordinator.allocator.device_rows
+    rows.alloc_pages(rows.free_pages - leave_free)
+
+
+@pytest.mark.parametrize("pressure", [False, True], ids=["pages-free", "memory-pressure"])
+@pytest.mark.parametrize("kind", ["unknown", "negative", "out-of-range", "staging"])
+def test_can_decode_refuses_a_slot_that_is_not_decoding_whatever_memory_is_free(kind, pressure):
+    server, (a, b), staging = can_decode_server(device_pages=64)
+    if pressure:
+        fill_device_pool(server, leave_free=0)
+    coordinator = server.coordinator
+    assert staging in coordinator.pending
+    bad = {"unknown": 3, "negative": -1, "out-of-range": 99, "staging": staging}[kind]
+    message = rf"request slot {bad} is still staging" if kind == "staging" else rf"request slot {bad} is not admitted"
+    free_before = coordinator.allocator.device_rows.free_pages
+    assert (free_before >= 3) != pressure  # the fast path (more pages free than slots) is the one without pressure
+    for batch in ([a, bad], [bad, b], [bad]):
+        before = state(server)
+        with pytest.raises(HiSparseMemoryError, match=message):
+            coordinator.can_decode(batch)
+        assert state(server)[0] == before[0] and state(server)[2] == free_before
+
+
+def test_can_decode_refuses_a_finished_request():
+    server, (a, b), _ = can_decode_server(device_pages=64)
+    coordinator = server.coordinator
+    coordinator.finish(b)
+    with pytest.raises(HiSparseMemoryError, match=rf"request slot {b} is not admitted"):
+        coordinator.can_decode([a, b])
+
+
+def test_can_decode_still_answers_for_decoding_requests():
+    server, (a, b), _ = can_decode_server(device_pages=64)
+    coordinator = server.coordinator
+    assert [coordinator.requests[slot].mode for slot in (a, b)] == ["offloaded", "offloaded"]
+    assert coordinator.can_decode([a, b]) and coordinator.can_decode([])
+    fill_device_pool(server, leave_free=0)
+    assert coordinator.can_decode([a, b])  # offloaded requests decode into their buffers: no page needed

@@ -34,11 +34,20 @@ request (its new token goes to slot ``D``). The eager backup of every new token 
 forward: the swap-in of each layer first copies each request's newest token, which the layer
 has just written, to its host row (``backup_newest``), so it is CUDA-graph captured and costs the
 host nothing.
+
+Speculative decoding (EAGLE / NextN MTP, ``speculative.py``, docs/speculative.md): a coordinator then
+serves verify steps instead of decode steps (``prepare_verify``, ``swap_in_verify`` per layer,
+``commit_verify``): each request verifies ``T`` positions per step, an offloaded one in buffer slots
+``D + 1 .. D + T``, and only the accepted tokens' KV is backed up to the host, by the commit.
 """
 
 from hisparse_sglang.coordinator.core import Coordinator
 from hisparse_sglang.coordinator.policy import ModePolicy
-from hisparse_sglang.coordinator.state import OFFLOADED, RESIDENT, RequestRecord, SlotTable
+from hisparse_sglang.coordinator.speculative import VerifyOps, VerifySteps
+from hisparse_sglang.coordinator.state import OFFLOADED, RESIDENT, RequestRecord, SlotTable, SpecState
 from hisparse_sglang.coordinator.telemetry import CoordinatorStats
 
-__all__ = ["Coordinator", "CoordinatorStats", "ModePolicy", "RequestRecord", "SlotTable", "RESIDENT", "OFFLOADED"]
+__all__ = [
+    "Coordinator", "CoordinatorStats", "ModePolicy", "RequestRecord", "SlotTable", "SpecState", "VerifyOps",
+    "VerifySteps", "RESIDENT", "OFFLOADED",
+]

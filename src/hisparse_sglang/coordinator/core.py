@@ -14,6 +14,7 @@ each other on the host: before demoting a request whose prefill may still be sta
 
 from __future__ import annotations
 
+import operator
 import time
 from typing import Callable, Sequence
 
@@ -21,7 +22,10 @@ import torch
 
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.coordinator.policy import ModePolicy
-from hisparse_sglang.coordinator.state import OFFLOADED, RESIDENT, Promotion, RequestRecord, SlotTable
+from hisparse_sglang.coordinator.speculative import VerifySteps
+from hisparse_sglang.coordinator.state import (
+    DECODE_STEPS, OFFLOADED, RESIDENT, VERIFY_STEPS, Promotion, RequestRecord, SlotTable,
+)
 from hisparse_sglang.coordinator.telemetry import CoordinatorStats, SwapCounters, Telemetry
 from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
 from hisparse_sglang.memory.allocator import KVAllocator
@@ -132,6 +136,10 @@ class Coordinator:
         # Slots with a promotion in flight: with none, and no offloaded request, the common decode
         # step skips the mode-switch scans.
         self._promoting: set[int] = set()
+        # Speculative decoding's verify steps (coordinator/speculative.py). A coordinator serves
+        # either plain decode steps or verify steps, whichever comes first.
+        self.speculative = VerifySteps(self)
+        self._step_kind: str | None = None
 
     # ================================================================== admission
     def admit_prefilled(self, slot: int, prefill_len: int) -> None:
@@ -222,6 +230,8 @@ class Coordinator:
                 match the slots, or a request would advance by other than one token.
         """
         entered = time.perf_counter()
+        if self._step_kind is not DECODE_STEPS:
+            self._enter_step_kind(DECODE_STEPS)
         bound = self._check_decode_batch(slots, seq_lens, new_locs)
         self.streams.step += 1
         switched = False
@@ -315,6 +325,49 @@ class Coordinator:
         if self._last_backup is not None:
             self._last_backup.wait_on_current_stream()
 
+    def _enter_step_kind(self, kind: str) -> None:
+        """Fix whether this coordinator serves plain decode steps or speculative verify steps.
+
+        The two keep different tokens on the host and in slot ``D`` (a decode step's newest token
+        is backed up by the next forward, a verify's accepted tokens by its commit), so one request
+        must never see both; SGLang runs every request of a server one way.
+        """
+        if self._step_kind is not None and self._step_kind is not kind:
+            raise HiSparseMemoryError(
+                f"this coordinator serves {self._step_kind}, so it cannot serve {kind}: a server runs "
+                f"every request with speculative decoding (prepare_verify / commit_verify) or none "
+                f"(prepare_decode)."
+            )
+        self._step_kind = kind
+
+    # ================================================================== speculative verify step
+    def prepare_verify(
+        self,
+        slots: Sequence[int],
+        committed_lens: Sequence[int],
+        allocated_lens: Sequence[int],
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_draft_tokens: int,
+    ) -> None:
+        """Before a target-verify forward (speculative decoding); see :meth:`VerifySteps.prepare`."""
+        self.speculative.prepare(slots, committed_lens, allocated_lens, req_pool_indices, seq_lens, num_draft_tokens)
+
+    def swap_in_verify(
+        self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, layer_id: int
+    ) -> torch.Tensor:
+        """Device rows of one layer's top-k of every verify position (int32 ``[B, T, K]``); see
+        :meth:`VerifySteps.swap_in`."""
+        return self.speculative.swap_in(req_pool_indices, seq_lens, top_k, layer_id)
+
+    def commit_verify(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, accept_lens: torch.Tensor) -> None:
+        """After acceptance: back up exactly the accepted tokens; see :meth:`VerifySteps.commit`."""
+        self.speculative.commit(req_pool_indices, seq_lens, accept_lens)
+
+    def can_verify(self, slots: Sequence[int], allocated_lens: Sequence[int]) -> bool:
+        """Whether a verify step with these reserves can bind them; see :meth:`VerifySteps.can_verify`."""
+        return self.speculative.can_verify(slots, allocated_lens)
+
     def swap_counter_values(self, exact: bool = True) -> list[int]:
         """(lookups, misses) so far (see :meth:`SwapCounters.values`)."""
         return self.counters.values(exact)
@@ -341,7 +394,8 @@ class Coordinator:
             self._cancel_promotion(record)
         if record.mode == OFFLOADED:
             self._free_buffer(slot)
-            self.allocator.unmap_(self.req_to_token[slot, : record.seq_len])
+            # Under speculation the verify positions past seq_len are bound into the buffer too.
+            self.allocator.unmap_(self.req_to_token[slot, : record.allocated_len])
         self.slots.forget(slot)
 
     def retract(self, slot: int) -> None:
@@ -364,7 +418,25 @@ class Coordinator:
         Offloaded requests need no device row for a new token; a resident request needs a new
         page when its new token starts one, unless it can be demoted instead. The scheduler
         retracts requests while this is False (SGLang's ``check_decode_mem``).
+
+        Raises:
+            HiSparseMemoryError: a slot is not admitted, or still staging, whatever memory is free.
         """
+        if self._step_kind is VERIFY_STEPS:
+            self._enter_step_kind(DECODE_STEPS)  # raises: use can_verify
+        # Every slot must be released for decoding before memory is looked at, so that misuse
+        # raises with plenty of pages free too. One C-level gather from the slot table's next_len
+        # (NOT_DECODING for an unknown, staging or finished slot, and for a negative one, which
+        # indexes its second half) costs a fraction of what building the batch's slot list does.
+        next_len = self.slots.next_len
+        try:
+            values = operator.itemgetter(*slots)(next_len) if len(slots) > 1 else [next_len[slot] for slot in slots]
+            released = SlotTable.NOT_DECODING not in values
+        except (LookupError, TypeError):
+            released = False
+        if not released:
+            for slot in slots:
+                self._record(slot)  # raises for the first unknown or staging slot, naming it
         free = self.allocator.device_rows.free_pages
         if len(slots) <= free:  # even if every request started a page (the common case: no scan)
             return True
@@ -477,7 +549,7 @@ class Coordinator:
                 promoting = [self.requests[slot] for slot in sorted(self._promoting)]
                 self._cancel_promotion(max(promoting, key=lambda r: r.promotion.pages.numel()))
                 continue
-            needing = {r.slot for r in records if self.policy.starts_page(r)}
+            needing = {r.slot for r in records if self.policy.new_pages(r)}
             order = self.policy.demotion_order(self.requests.values(), self.streams.step, needing)
             if not order:
                 raise PoolExhaustedError(
@@ -588,6 +660,8 @@ class Coordinator:
         self.telemetry.mark("free")
         # The newest token keeps its row, which is now the reserved slot.
         self.allocator.unmap_(locs[:newest])
+        if record.spec is not None:
+            self.speculative.release_reserve(record, newest_page)
         self.telemetry.mark("unmap")
         self.buffers.acquire(record.slot, buffer_rows, first_token=first)
         self.telemetry.mark("buffer")
@@ -624,7 +698,7 @@ class Coordinator:
     def _complete_promotion(self, record: RequestRecord) -> None:
         """Switch an offloaded request whose promotion copy is done to resident."""
         promotion = record.promotion
-        total = record.seq_len
+        total = record.allocated_len
         extra_pages = -(-total // self.page_size) - promotion.pages.numel()
         if extra_pages > 0:
             if self.allocator.device_rows.free_pages < extra_pages:

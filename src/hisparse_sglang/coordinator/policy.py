@@ -28,7 +28,7 @@ class ModePolicy:
     def pages_held(self, record: RequestRecord) -> int:
         if record.mode == OFFLOADED:
             return self.buffer_pages
-        return -(-record.seq_len // self.page_size)
+        return -(-record.allocated_len // self.page_size)
 
     def direct_admission_pages(self, kv_len: int) -> int:
         """Device pages a PD-transferred request takes: every page of its KV when it fits a buffer
@@ -48,8 +48,19 @@ class ModePolicy:
         """A resident request whose next new token starts a page (it needs a fresh device page)."""
         return record.mode == RESIDENT and record.promotion is None and record.seq_len % self.page_size == 0
 
+    def new_pages(self, record: RequestRecord) -> int:
+        """Device pages a resident request takes for its new locations this step: one when a plain
+        decode step's new token starts a page; under speculation, the pages of the reserve beyond
+        those it holds (``SpecState.wanted_len`` against ``allocated_len``)."""
+        spec = record.spec
+        if spec is None:
+            return 1 if self.starts_page(record) else 0
+        if record.mode != RESIDENT:
+            return 0
+        return -(-spec.wanted_len // self.page_size) - -(-spec.allocated_len // self.page_size)
+
     def pages_needed_for_new_tokens(self, records: Iterable[RequestRecord]) -> int:
-        return sum(1 for r in records if self.starts_page(r))
+        return sum(self.new_pages(r) for r in records)
 
     def reclaimable_pages(self, records: Iterable[RequestRecord]) -> int:
         """Device pages demotions and promotion cancels could free now."""

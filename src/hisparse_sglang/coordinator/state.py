@@ -13,10 +13,16 @@ import torch
 
 from hisparse_sglang.streams import CopyEvent
 
-__all__ = ["RESIDENT", "OFFLOADED", "Promotion", "SlotTable", "RequestRecord"]
+__all__ = [
+    "RESIDENT", "OFFLOADED", "DECODE_STEPS", "VERIFY_STEPS", "Promotion", "SpecState", "SlotTable", "RequestRecord",
+]
 
 RESIDENT = "resident"
 OFFLOADED = "offloaded"
+
+# What a coordinator serves, fixed by its first step (Coordinator._enter_step_kind).
+DECODE_STEPS = "plain decode steps"
+VERIFY_STEPS = "speculative verify steps"
 
 
 @dataclasses.dataclass
@@ -26,6 +32,30 @@ class Promotion:
     pages: torch.Tensor  # device pages, page k holds positions [k * P, (k + 1) * P)
     covered: int  # positions [0, covered) are being copied host -> device
     event: CopyEvent
+
+
+@dataclasses.dataclass
+class SpecState:
+    """What the coordinator keeps of a request that verifies speculative drafts (coordinator/speculative.py).
+
+    The request's ``seq_len`` is then ``c``, the committed length the scheduler knows on the host: a
+    lower bound of the device's committed length ``s`` (the accept lengths stay on the device; under
+    SGLang's overlap scheduler the host learns them one verify late).
+
+    Attributes:
+        allocated_len: positions ``[0, allocated_len)`` have logical locations (SGLang's
+            ``kv_allocated_len``, the committed tokens plus the speculative reserve). A resident
+            request's device pages are mapped whole up to it; it bounds every unmap of the request.
+        wanted_len: the ``allocated_len`` of the verify step being prepared; equal to
+            ``allocated_len`` between steps.
+        slot_d_stale: offloaded only: slot ``D`` of the buffer may not hold position ``s - 1`` (after a
+            demotion decided with ``c < s``, or a PD admission); the next prepare copies the host row
+            of ``s - 1`` into it.
+    """
+
+    allocated_len: int
+    wanted_len: int
+    slot_d_stale: bool = False
 
 
 class SlotTable:
@@ -117,9 +147,11 @@ class RequestRecord:
         staging: copy of the prefill KV to the host, while it may be in flight.
         promotion: an offloaded request's promotion in flight.
         mode_step: coordinator step of the last mode switch.
+        spec: the speculative state once the request has verified drafts (None before, and always
+            for a request served by plain decode steps).
     """
 
-    __slots__ = ("slot", "staging", "promotion", "mode_step", "_table")
+    __slots__ = ("slot", "staging", "promotion", "mode_step", "spec", "_table")
 
     def __init__(self, table: SlotTable, slot: int, seq_len: int, decoding: bool,
                  staging: CopyEvent | None = None, mode_step: int = 0) -> None:
@@ -128,6 +160,7 @@ class RequestRecord:
         self.staging = staging
         self.promotion: Promotion | None = None
         self.mode_step = mode_step
+        self.spec: SpecState | None = None
         table.admit(slot, seq_len, decoding)
 
     @property
@@ -137,6 +170,14 @@ class RequestRecord:
     @seq_len.setter
     def seq_len(self, value: int) -> None:
         self._table.set_len(self.slot, value)
+
+    @property
+    def allocated_len(self) -> int:
+        """Positions whose locations the request holds: ``seq_len`` for plain decode steps, the
+        speculative reserve (``SpecState.allocated_len``) once it verifies drafts. Every unmap of
+        the request's locations and a promotion's mapping are bounded by it."""
+        spec = self.spec
+        return self._table.seq_len[self.slot] if spec is None else spec.allocated_len
 
     @property
     def mode(self) -> str:

@@ -287,3 +287,252 @@ def _newest_slot_rows(
         return None
     buffer_ids = buffer_of_req[slots].to(torch.int64).clamp(min=0)
     return slot_rows[buffer_ids, buffer_size].to(torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Speculative decoding (EAGLE / NextN MTP, linear drafts): one target-verify forward asks, per request,
+# for the top-k of ``T`` query positions at once (docs/speculative.md). Names used below besides the
+# ones of the module docstring: ``T`` verify positions per request (``--speculative-num-draft-tokens``),
+# ``s`` a request's committed length: positions ``[0, s)`` hold accepted KV, ``s - 1`` is the newest
+# accepted token, and the verify writes the KV of positions ``s .. s + T - 1``.
+
+__all__ += ["swap_in_positions", "bind_verify_slots", "commit_accepted", "VERIFY_SLOT_BASE"]
+
+VERIFY_SLOT_BASE = 1
+"""Verify position ``j`` of an offloaded request lives in buffer slot ``D + VERIFY_SLOT_BASE + j``:
+slot ``D`` keeps the newest accepted token, the reserved page's other ``P - 1`` slots take the
+verify positions, so ``T <= P - 1``."""
+
+
+def _verify_slots_available(slot_rows: torch.Tensor, buffer_size: int) -> int:
+    """How many verify positions the reserved page of a buffer holds (``P - 1``)."""
+    return slot_rows.shape[1] - buffer_size - VERIFY_SLOT_BASE
+
+
+def _check_verify_positions(num_positions: int, slot_rows: torch.Tensor, buffer_size: int) -> None:
+    available = _verify_slots_available(slot_rows, buffer_size)
+    if not 1 <= num_positions <= max(available, 0):
+        raise ValueError(
+            f"{num_positions} verify positions per request, but a buffer's reserved page holds {available} "
+            f"(page size - 1); speculative decoding with HiSparse needs 1 <= --speculative-num-draft-tokens "
+            f"<= {available}."
+        )
+
+
+def swap_in_positions(
+    top_k: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    num_real_reqs: torch.Tensor,
+    tables: SwapInTables,
+    out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    *,
+    splits: int | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """One layer's swap-in for a target-verify forward: every request asks for ``T`` query positions.
+
+    Args:
+        top_k: int32 ``[B, T, K]``: row ``[b, j]`` holds the token positions the indexer chose for
+            query position ``j`` of batch row ``b`` (the token at position ``s + j``); -1 is padding.
+            Entries outside ``[0, s + j]`` (the causal range of that query) are padding too.
+        seq_lens: int32/int64 ``[B]``: each request's committed length ``s`` (not the per-query
+            lengths ``s + j + 1`` SGLang's attention metadata holds).
+        req_pool_indices: int32/int64 ``[B]``: the request slot of each batch row; distinct.
+        num_real_reqs: int32 ``[1]``: batch rows ``>= num_real_reqs[0]`` are CUDA-graph padding: all
+            of their outputs are -1 and nothing else changes.
+        tables: the layer's :class:`SwapInTables`, as for :func:`swap_in`; ``slot_rows`` must have room
+            for ``T`` verify slots after slot ``D`` (``T <= P - 1``).
+        out: optional int32 ``[B, T, K]`` to write into.
+        counters: optional int64 ``[2]``: incremented for offloaded rows by the number of history
+            entries looked up (``[0]``, every position counted) and of distinct misses copied
+            (``[1]``, each token once however many positions missed it).
+        splits, threads: launch parameters of the CUDA twin; ignored here.
+
+    Returns:
+        int32 ``[B, T, K]``: the device row of every entry, -1 for padding. Entries of one request
+        that name the same token get the same row in every position.
+
+    Semantics of a real batch row ``b`` with request ``r``, committed length ``s``, buffer ``buf``:
+
+    * Resident (``buf == -1``): every valid entry ``t`` maps to
+      ``device_row_of_loc[req_to_token[r, t]]``, the verify positions ``t >= s`` included (their
+      pages are bound before the forward). Nothing is copied or updated.
+    * Offloaded, by the entry's token ``t`` (valid for position ``j``: ``0 <= t <= s + j``):
+
+      - verify tokens ``t >= s``: ``slot_rows[buf, D + 1 + (t - s)]`` (:func:`bind_verify_slots`
+        bound their locations there, so the forward wrote their KV into these rows);
+      - the newest accepted token ``t == s - 1``: ``slot_rows[buf, D]``;
+      - history ``t < s - 1``: the request's positions share one buffer, so the history entries of
+        all ``T`` positions are served together, exactly as :func:`swap_in` serves one row made of
+        them in position-major order (position 0's entries first) with length ``s``: hits keep their
+        slot and take stamp ``s``; the distinct tokens no slot holds are the misses, in first
+        occurrence order over that row, each copied once from its host row; they take the least
+        recently used slots that no position hit. Every output row stays valid for the whole
+        forward: no position's miss evicts a token another position reads.
+
+    Preconditions (as :func:`swap_in`'s, plus): the distinct history tokens of one request's ``T``
+    positions number at most ``D`` (guaranteed when ``D >= T * K``); slot ``D`` holds position
+    ``s - 1``; every position ``< s - 1`` is on its host row.
+
+    Raises:
+        ValueError: ``T`` exceeds the verify slots of a buffer, or a request's history does not fit
+            its buffer.
+    """
+    batch, num_positions, num_top_k = top_k.shape
+    buffer_size = tables.slot_tokens.shape[1]
+    if tables.slot_rows.shape[0]:
+        _check_verify_positions(num_positions, tables.slot_rows, buffer_size)
+    if out is None:
+        out = torch.empty((batch, num_positions, num_top_k), dtype=torch.int32, device=top_k.device)
+    out.fill_(-1)
+    num_real = min(int(num_real_reqs.reshape(-1)[0]), batch)
+    # Position j of the request attends to positions [0, s + j]: its causal limit.
+    offsets = torch.arange(num_positions, dtype=torch.int64, device=top_k.device).reshape(-1, 1)
+    for b in range(num_real):
+        req = int(req_pool_indices[b])
+        committed = int(seq_lens[b])
+        tokens = top_k[b].to(torch.int64)  # [T, K]
+        valid = (tokens >= 0) & (tokens <= committed + offsets)
+        buf = int(tables.buffer_of_req[req])
+        if buf < 0:
+            locs = tables.req_to_token[req, tokens[valid]].to(torch.int64)
+            out[b][valid] = tables.device_row_of_loc[locs].to(torch.int32)
+            continue
+
+        # History of every position, position-major, as one swap_in row of length s; the newest
+        # accepted token and the verify tokens are left out (-1) and filled in below.
+        history = valid & (tokens < committed - 1)
+        union_row = torch.where(history, tokens, torch.full_like(tokens, -1)).reshape(1, -1)
+        distinct = torch.unique(union_row[union_row >= 0]).numel()
+        if distinct > buffer_size:
+            raise ValueError(
+                f"request slot {req}: its {num_positions} verify positions select {distinct} distinct history "
+                f"tokens but its buffer has {buffer_size} slots; device_buffer_size must be at least "
+                f"num_draft_tokens x top_k ({num_positions} x {num_top_k} = {num_positions * num_top_k})."
+            )
+        rows = swap_in(
+            union_row.to(torch.int32),
+            seq_lens[b : b + 1],
+            req_pool_indices[b : b + 1],
+            torch.ones(1, dtype=torch.int32, device=num_real_reqs.device),
+            tables,
+            counters=counters,
+        ).reshape(num_positions, num_top_k)
+        out[b][history] = rows[history]
+
+        newest = valid & (tokens == committed - 1)
+        out[b][newest] = tables.slot_rows[buf, buffer_size]
+        verify = valid & (tokens >= committed)
+        verify_slots = buffer_size + VERIFY_SLOT_BASE + (tokens[verify] - committed)
+        out[b][verify] = tables.slot_rows[buf, verify_slots]
+    return out
+
+
+def bind_verify_slots(
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_real_reqs: torch.Tensor,
+    num_positions: int,
+    req_to_token: torch.Tensor,
+    device_row_of_loc: torch.Tensor,
+    buffer_of_req: torch.Tensor,
+    slot_rows: torch.Tensor,
+    buffer_size: int,
+) -> None:
+    """Before a target-verify forward: bind the verify positions of offloaded requests to their slots.
+
+    For each real batch row ``b`` (``b < num_real_reqs[0]``) whose request ``r`` is offloaded, the
+    locations of positions ``s + j`` (``j < T``) become ``slot_rows[buf, D + 1 + j]``, so the
+    forward writes their KV there (the KV pool translates every write through
+    ``device_row_of_loc``). Resident requests are left alone: their verify positions lie in pages
+    bound when their locations were allocated.
+
+    Args:
+        req_pool_indices, seq_lens: int32/int64 ``[B]``: request slots and committed lengths ``s``.
+        num_real_reqs: int32 ``[1]``.
+        num_positions: ``T``.
+        req_to_token, device_row_of_loc, buffer_of_req, slot_rows: as in :class:`SwapInTables`
+            (``device_row_of_loc`` is written).
+        buffer_size: ``D``.
+    """
+    _check_verify_positions(num_positions, slot_rows, buffer_size)
+    real = min(int(num_real_reqs.reshape(-1)[0]), req_pool_indices.numel())
+    for b in range(real):
+        req = int(req_pool_indices[b])
+        buf = int(buffer_of_req[req])
+        if buf < 0:
+            continue
+        committed = int(seq_lens[b])
+        locs = req_to_token[req, committed : committed + num_positions].to(torch.int64)
+        slots = buffer_size + VERIFY_SLOT_BASE + torch.arange(num_positions, dtype=torch.int64, device=locs.device)
+        device_row_of_loc[locs] = slot_rows[buf, slots].to(device_row_of_loc.dtype)
+
+
+def commit_accepted(
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    accept_lens: torch.Tensor,
+    num_real_reqs: torch.Tensor,
+    num_positions: int,
+    req_to_token: torch.Tensor,
+    device_row_of_loc: torch.Tensor,
+    buffer_of_req: torch.Tensor,
+    slot_rows: torch.Tensor,
+    buffer_size: int,
+    device_layers: Sequence[torch.Tensor],
+    host_layers: Sequence[torch.Tensor],
+) -> None:
+    """After the verify's acceptance: the accepted tokens' KV, and only theirs, becomes host truth.
+
+    For each real batch row ``b`` with request ``r``, committed length ``s`` (before this verify)
+    and ``a = accept_lens[b]`` accepted positions (``0 <= a <= T``; SGLang's accept length counts
+    the verify's root token, so a real row has ``a >= 1``; 0 commits nothing):
+
+    * every layer's row of positions ``s .. s + a - 1`` is copied from its device row
+      (``device_row_of_loc`` of its location) to its host row (the location);
+    * an offloaded request's newest accepted token, position ``s + a - 1``, is also copied from its
+      verify slot ``D + 1 + (a - 1)`` into slot ``D`` of every layer, where the next verify (with
+      committed length ``s + a``) expects it.
+
+    Host rows of the rejected positions ``s + a .. s + T - 1`` are never written: their locations
+    stay allocated and the next verify writes them again before anything reads them as accepted.
+
+    Args:
+        req_pool_indices, seq_lens: int32/int64 ``[B]``: request slots and committed lengths ``s``.
+        accept_lens: int32/int64 ``[B]``: accepted positions ``a`` of each row.
+        num_real_reqs: int32 ``[1]``: rows ``>= num_real_reqs[0]`` are skipped.
+        num_positions: ``T``.
+        req_to_token, device_row_of_loc, buffer_of_req, slot_rows: as in :class:`SwapInTables`.
+        buffer_size: ``D``.
+        device_layers, host_layers: one KV tensor per layer (rows along dim 0, the same row layout).
+
+    Raises:
+        ValueError: an accept length outside ``[0, T]``, or layer lists of different lengths.
+    """
+    _check_verify_positions(num_positions, slot_rows, buffer_size)
+    if len(device_layers) != len(host_layers):
+        raise ValueError(f"{len(device_layers)} device layers but {len(host_layers)} host layers.")
+    real = min(int(num_real_reqs.reshape(-1)[0]), req_pool_indices.numel())
+    for b in range(real):
+        accepted = int(accept_lens[b])
+        if not 0 <= accepted <= num_positions:
+            raise ValueError(
+                f"batch row {b}: accept length {accepted} outside [0, {num_positions}] (the verify positions)."
+            )
+        if accepted == 0:
+            continue
+        req = int(req_pool_indices[b])
+        committed = int(seq_lens[b])
+        locs = req_to_token[req, committed : committed + accepted].to(torch.int64)
+        rows = device_row_of_loc[locs].to(torch.int64)
+        for device, host in zip(device_layers, host_layers):
+            host[locs.to(host.device)] = device[rows.to(device.device)].to(host.device)
+        buf = int(buffer_of_req[req])
+        if buf >= 0:
+            newest_verify_slot = buffer_size + VERIFY_SLOT_BASE + accepted - 1
+            source = int(slot_rows[buf, newest_verify_slot])
+            target = int(slot_rows[buf, buffer_size])
+            for device in device_layers:
+                device[target] = device[source]

@@ -1,0 +1,414 @@
+"""The reference twins of speculative decoding (docs/speculative.md): the multi-position swap-in of a
+target-verify forward, the binding of verify positions and the commit of accepted tokens."""
+
+import random
+
+import pytest
+import torch
+
+from hisparse_sglang.ops import reference
+from hisparse_sglang.ops.tables import SwapInTables
+
+D = 4  # LRU slots
+P = 8  # page size: slot D holds the newest accepted token, slots D+1 .. D+7 the verify positions
+ITEM = 16
+POISON = 0xAB
+
+
+class Case:
+    """Request slot 0 offloaded (buffer 0: LRU rows 50..53, slot D row 60, verify rows 61..67, committed
+    length 40, slots holding tokens 10..13), request slot 1 resident (position p on device row 300 + p).
+    Host row of position p: 1000 + p (slot 0), 2000 + p (slot 1); host rows are unique bytes, device rows
+    poisoned."""
+
+    def __init__(self, committed=40, slot_tokens=(10, 11, 12, 13), stamps=(30, 30, 30, 30)):
+        self.committed = committed
+        self.req_to_token = torch.zeros((3, 64), dtype=torch.int32)
+        self.req_to_token[0] = torch.arange(1000, 1064, dtype=torch.int32)
+        self.req_to_token[1] = torch.arange(2000, 2064, dtype=torch.int32)
+        self.device_row_of_loc = torch.zeros(3001, dtype=torch.int32)
+        self.device_row_of_loc[-1] = -1
+        self.device_row_of_loc[2000:2064] = torch.arange(300, 364, dtype=torch.int32)
+        self.buffer_of_req = torch.tensor([0, -1, -1], dtype=torch.int32)
+        self.slot_rows = torch.tensor([[50, 51, 52, 53, 60, 61, 62, 63, 64, 65, 66, 67]], dtype=torch.int32)
+        self.slot_tokens = torch.tensor([list(slot_tokens)], dtype=torch.int32)
+        self.stamps = torch.tensor([list(stamps)], dtype=torch.int32)
+        self.token_slot = torch.full((1, 65), -1, dtype=torch.int16)
+        for slot, token in enumerate(slot_tokens):
+            if token >= 0:
+                self.token_slot[0, token] = slot
+        self.host = torch.arange(3001 * ITEM, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(3001, ITEM)
+        self.device = torch.full((400, ITEM), POISON, dtype=torch.uint8)
+        self.counters = torch.zeros(2, dtype=torch.int64)
+
+    def tables(self):
+        return SwapInTables(
+            self.req_to_token, self.device_row_of_loc, self.buffer_of_req, self.slot_rows, self.slot_tokens,
+            self.stamps, self.token_slot, self.host, self.device,
+        )
+
+    def run(self, top_k, reqs=(0,), committed=None, num_real=None):
+        top_k = torch.tensor(top_k, dtype=torch.int32)
+        if top_k.dim() == 2:
+            top_k = top_k.unsqueeze(0)
+        seq_lens = torch.tensor(committed or [self.committed] * len(reqs), dtype=torch.int64)
+        num_real = torch.tensor([len(reqs) if num_real is None else num_real], dtype=torch.int32)
+        out = torch.full(top_k.shape, 12345, dtype=torch.int32)  # sentinel
+        result = reference.swap_in_positions(
+            top_k, seq_lens, torch.tensor(reqs, dtype=torch.int64), num_real, self.tables(), out=out,
+            counters=self.counters,
+        )
+        assert result is out
+        self.check_map()
+        return result
+
+    def check_map(self):
+        expected = torch.full_like(self.token_slot, -1)
+        for slot, token in enumerate(self.slot_tokens[0].tolist()):
+            if token >= 0:
+                expected[0, token] = slot
+        assert torch.equal(self.token_slot, expected), "token -> slot map is not the inverse of the slots"
+
+    def written_rows(self):
+        return torch.nonzero((self.device != POISON).any(dim=1)).reshape(-1).tolist()
+
+
+# ------------------------------------------------------------------------------------ swap_in_positions
+def test_history_newest_and_verify_tokens_each_take_their_rows():
+    case = Case()
+    out = case.run([
+        [11, 39, 40, 41, -1],  # position 0 is token 40: 41 is beyond its causal limit
+        [11, 39, 40, 41, 42],  # position 1 (token 41): 42 is beyond it
+        [12, 39, 40, 41, 42],  # position 2 (token 42)
+    ])
+    assert out.tolist() == [[
+        [51, 60, 61, -1, -1],
+        [51, 60, 61, 62, -1],
+        [52, 60, 61, 62, 63],
+    ]]
+    assert case.counters.tolist() == [3, 0]  # the history entries of every position, none missed
+    assert case.stamps.tolist() == [[30, 40, 40, 30]]
+    assert case.written_rows() == [], "hits, the newest token and verify tokens copy nothing"
+
+
+def test_a_token_missed_by_two_positions_is_copied_once():
+    case = Case()
+    out = case.run([[20, 11], [20, 21]])
+    # Union in position-major order: 20 (miss), 11 (hit, slot 1), 20 (repeat), 21 (miss). The slots not
+    # hit (0, 2, 3) are equally old: the lower ones go first, 20 -> slot 0, 21 -> slot 2.
+    assert out.tolist() == [[[50, 51], [50, 52]]]
+    assert case.slot_tokens.tolist() == [[20, 11, 21, 13]]
+    assert case.stamps.tolist() == [[40, 40, 40, 30]]
+    assert case.counters.tolist() == [4, 2]
+    assert case.written_rows() == [50, 52]
+    assert torch.equal(case.device[50], case.host[1020]) and torch.equal(case.device[52], case.host[1021])
+
+
+def test_no_position_evicts_a_token_another_position_reads():
+    # Ages 1, 30, 30, 30. Alone, position 0's miss (20) would evict token 11 (slot 1, oldest and lowest),
+    # which position 1 reads; together, 11 and 12 are hits of the request and stay.
+    stamps = (39, 10, 10, 10)
+    case = Case(stamps=stamps)
+    out = case.run([[20, -1, -1], [11, 12, 21]])
+    # hits 11 (slot 1), 12 (slot 2); misses 20, 21 take slots 3 (age 30) and 0 (age 1, the youngest victim)
+    assert out.tolist() == [[[53, -1, -1], [51, 52, 50]]]
+    assert case.slot_tokens.tolist() == [[21, 11, 12, 20]]
+    assert case.counters.tolist() == [4, 2]
+
+    one_at_a_time = Case(stamps=stamps)
+    one_at_a_time.run([[20, -1, -1]])
+    one_at_a_time.run([[11, 12, 21]])
+    assert one_at_a_time.counters.tolist() == [4, 3], "alone, position 0 evicts 11 and position 1 copies it back"
+
+
+def test_each_position_reads_the_kv_it_would_read_alone():
+    """Served together, every position reads the same KV as when it is the request's only position
+    (run on a fresh copy of the tables; the rows may differ, the bytes read may not)."""
+    top_k = [[20, 11, 39, 40, -1], [21, 20, 13, 41, 40], [20, 13, 11, 42, 39]]
+
+    def consistent_case():
+        case = Case()
+        case.device[[50, 51, 52, 53]] = case.host[[1010, 1011, 1012, 1013]]  # LRU slots hold their tokens
+        case.device[60] = case.host[1039]  # slot D holds the newest accepted token
+        for j in range(3):  # what the verify forward wrote for positions 40, 41, 42
+            case.device[61 + j] = torch.full((ITEM,), 7 + j, dtype=torch.uint8)
+        return case
+
+    together = consistent_case()
+    out = together.run(top_k)[0]
+    for position, row in enumerate(top_k):
+        alone = consistent_case()
+        rows_alone = alone.run([[-1] * len(row)] * position + [row])[0, position]
+        for entry, token in enumerate(row):
+            if token < 0:
+                assert int(out[position, entry]) == -1 and int(rows_alone[entry]) == -1
+                continue
+            read_together = together.device[int(out[position, entry])]
+            read_alone = alone.device[int(rows_alone[entry])]
+            assert torch.equal(read_together, read_alone), (position, entry, token)
+            written = torch.full((ITEM,), 7 + token - 40, dtype=torch.uint8)
+            expected = together.host[1000 + token] if token < 40 else written
+            assert torch.equal(read_together, expected), (position, entry, token)
+
+
+def test_one_position_of_history_is_swap_in():
+    top_k = [[20, 11, 39, -1, 21, 20, 13, 11]]
+    positions = Case(stamps=(35, 20, 33, 20))
+    single = Case(stamps=(35, 20, 33, 20))
+    out = positions.run(top_k)
+    expected = reference.swap_in(
+        torch.tensor(top_k, dtype=torch.int32), torch.tensor([40]), torch.tensor([0]),
+        torch.tensor([1], dtype=torch.int32), single.tables(), counters=single.counters,
+    )
+    assert torch.equal(out[0], expected)
+    for name in ("slot_tokens", "stamps", "token_slot", "device", "counters"):
+        assert torch.equal(getattr(positions, name), getattr(single, name)), name
+
+
+def test_resident_request_translates_every_valid_entry():
+    case = Case()
+    out = case.run([[5, 39, 40, 41, -1], [5, 39, 40, 41, 63]], reqs=(1,))
+    assert out.tolist() == [[[305, 339, 340, -1, -1], [305, 339, 340, 341, -1]]]
+    assert case.counters.tolist() == [0, 0]
+    assert case.written_rows() == []
+
+
+def test_mixed_batch_with_a_padded_row():
+    case = Case()
+    out = case.run(
+        [[[39, 40], [41, 12]], [[3, 40], [41, 4]], [[1, 2], [3, 4]]],
+        reqs=(0, 1, 2), committed=[40, 40, 9], num_real=2,
+    )
+    assert out.tolist() == [[[60, 61], [62, 52]], [[303, 340], [341, 304]], [[-1, -1], [-1, -1]]]
+
+
+def test_padding_rows_output_minus_one_and_change_nothing():
+    case = Case()
+    out = case.run([[30, 31], [32, 33]], num_real=0)
+    assert out.tolist() == [[[-1, -1], [-1, -1]]]
+    assert case.slot_tokens.tolist() == [[10, 11, 12, 13]]
+    assert case.stamps.tolist() == [[30, 30, 30, 30]]
+    assert case.counters.tolist() == [0, 0]
+    assert case.written_rows() == []
+
+
+def test_history_larger_than_the_buffer_is_refused():
+    case = Case()
+    with pytest.raises(ValueError, match="2 verify positions select 5 distinct history tokens .* device_buffer_size"):
+        case.run([[20, 21, 22], [23, 24, -1]])  # five distinct history tokens, four slots
+
+
+def test_more_positions_than_the_reserved_page_holds_are_refused():
+    case = Case()
+    with pytest.raises(ValueError, match="num-draft-tokens"):
+        case.run([[1]] * P)
+
+
+# ------------------------------------------------------------------------------------ bind / commit
+def _bind(case, reqs, committed, num_positions, num_real=None):
+    reference.bind_verify_slots(
+        torch.tensor(reqs), torch.tensor(committed), torch.tensor([len(reqs) if num_real is None else num_real]),
+        num_positions, case.req_to_token, case.device_row_of_loc, case.buffer_of_req, case.slot_rows, D,
+    )
+
+
+def test_bind_verify_slots_binds_offloaded_requests_only():
+    case = Case()
+    before = case.device_row_of_loc.clone()
+    _bind(case, reqs=[0, 1], committed=[40, 40], num_positions=3)
+    assert case.device_row_of_loc[1040:1043].tolist() == [61, 62, 63]
+    changed = torch.nonzero(case.device_row_of_loc != before).reshape(-1).tolist()
+    assert changed == [1040, 1041, 1042], "resident requests keep their page rows"
+    padded = Case()
+    _bind(padded, reqs=[0], committed=[40], num_positions=3, num_real=0)
+    assert torch.equal(padded.device_row_of_loc, before)
+
+
+def _commit(case, reqs, committed, accept_lens, num_positions, layers=None, num_real=None):
+    device_layers, host_layers = layers or ([case.device], [case.host])
+    reference.commit_accepted(
+        torch.tensor(reqs), torch.tensor(committed), torch.tensor(accept_lens),
+        torch.tensor([len(reqs) if num_real is None else num_real]), num_positions, case.req_to_token,
+        case.device_row_of_loc, case.buffer_of_req, case.slot_rows, D, device_layers, host_layers,
+    )
+
+
+def test_commit_backs_up_exactly_the_accepted_tokens_and_moves_the_newest_to_slot_d():
+    case = Case()
+    _bind(case, reqs=[0, 1], committed=[40, 40], num_positions=3)
+    device_layers = [torch.arange(400 * ITEM).remainder(241).to(torch.uint8).reshape(400, ITEM) + layer
+                     for layer in range(2)]
+    host_layers = [torch.full((3001, ITEM), 0xCD, dtype=torch.uint8) for _ in range(2)]
+    originals = [layer.clone() for layer in device_layers]
+    _commit(case, reqs=[0, 1], committed=[40, 40], accept_lens=[2, 3], num_positions=3,
+            layers=(device_layers, host_layers))
+    for layer, (device, host) in enumerate(zip(device_layers, host_layers)):
+        assert torch.equal(host[1040], originals[layer][61]) and torch.equal(host[1041], originals[layer][62])
+        assert torch.equal(host[[2040, 2041, 2042]], originals[layer][[340, 341, 342]])
+        written = torch.nonzero((host != 0xCD).any(dim=1)).reshape(-1).tolist()
+        assert written == [1040, 1041, 2040, 2041, 2042], "a rejected position's host row is never written"
+        assert torch.equal(device[60], originals[layer][62]), "the newest accepted token moves to slot D"
+        changed = torch.nonzero((device != originals[layer]).any(dim=1)).reshape(-1).tolist()
+        assert changed == [60]
+
+
+def test_commit_of_nothing_changes_nothing():
+    case = Case()
+    _bind(case, reqs=[0], committed=[40], num_positions=3)
+    device, host = case.device.clone(), case.host.clone()
+    _commit(case, reqs=[0, 1], committed=[40, 40], accept_lens=[0, 2], num_positions=3, num_real=1)
+    assert torch.equal(case.device, device) and torch.equal(case.host, host)
+
+
+def test_commit_refuses_an_accept_length_beyond_the_verify_positions():
+    case = Case()
+    with pytest.raises(ValueError, match="accept length 4"):
+        _commit(case, reqs=[0], committed=[40], accept_lens=[4], num_positions=3)
+
+
+# ------------------------------------------------------------------------------------ random verify steps
+class SpecModel:
+    """Two requests (slot 0 offloaded, slot 1 resident) over ``layers`` layers, run through random verify
+    steps: bind, the forward's KV writes, the swap-in of every layer, random acceptance, commit. Every
+    KV value ever written is unique, so a row read for the wrong token or version cannot match."""
+
+    buffer_size, page, top_k, context = 16, 8, 4, 512
+    layers = 2
+
+    def __init__(self, seed: int, num_positions: int):
+        self.rng = random.Random(seed)
+        self.T = num_positions
+        self.next_value = 1
+        n_locs = 4000
+        self.req_to_token = torch.zeros((2, self.context), dtype=torch.int32)
+        self.req_to_token[0] = torch.arange(1000, 1000 + self.context, dtype=torch.int32)
+        self.req_to_token[1] = torch.arange(2000, 2000 + self.context, dtype=torch.int32)
+        self.device_row_of_loc = torch.zeros(n_locs + 1, dtype=torch.int32)
+        self.device_row_of_loc[-1] = -1
+        self.device_row_of_loc[2000:2000 + self.context] = torch.arange(100, 100 + self.context, dtype=torch.int32)
+        self.buffer_of_req = torch.tensor([0, -1], dtype=torch.int32)
+        self.slot_rows = torch.arange(20, 20 + self.buffer_size + self.page, dtype=torch.int32).reshape(1, -1)
+        self.slot_tokens = torch.full((self.layers, 1, self.buffer_size), -1, dtype=torch.int32)
+        self.stamps = torch.zeros((self.layers, 1, self.buffer_size), dtype=torch.int32)
+        self.token_slot = torch.full((self.layers, 1, self.context + 1), -1, dtype=torch.int16)
+        self.device = [torch.full((700, ITEM), POISON, dtype=torch.uint8) for _ in range(self.layers)]
+        self.host = [torch.full((n_locs, ITEM), POISON, dtype=torch.uint8) for _ in range(self.layers)]
+        self.counters = [torch.zeros(2, dtype=torch.int64) for _ in range(self.layers)]
+        self.committed = [30, 30]
+        # truth[layer][request][position]: the accepted KV of each committed position
+        self.truth = [[{}, {}] for _ in range(self.layers)]
+        for request in (0, 1):
+            for position in range(30):
+                for layer in range(self.layers):
+                    self.truth[layer][request][position] = self.value()
+                    loc = int(self.req_to_token[request, position])
+                    self.host[layer][loc] = self.truth[layer][request][position]
+                    if request == 1:
+                        self.device[layer][int(self.device_row_of_loc[loc])] = self.truth[layer][request][position]
+        # the offloaded request's buffer: slot D holds position 29, some LRU slots hold history
+        for layer in range(self.layers):
+            self.device[layer][int(self.slot_rows[0, self.buffer_size])] = self.truth[layer][0][29]
+            for slot, token in enumerate(self.rng.sample(range(29), 6)):
+                self.slot_tokens[layer, 0, slot] = token
+                self.token_slot[layer, 0, token] = slot
+                self.stamps[layer, 0, slot] = self.rng.randrange(30)
+                self.device[layer][int(self.slot_rows[0, slot])] = self.truth[layer][0][token]
+
+    def value(self) -> torch.Tensor:
+        self.next_value += 1
+        return torch.tensor(list(self.next_value.to_bytes(8, "little")) * (ITEM // 8), dtype=torch.uint8)
+
+    def tables(self, layer):
+        return SwapInTables(
+            self.req_to_token, self.device_row_of_loc, self.buffer_of_req, self.slot_rows, self.slot_tokens[layer],
+            self.stamps[layer], self.token_slot[layer], self.host[layer], self.device[layer],
+        )
+
+    def step(self):
+        reqs, committed = torch.tensor([0, 1]), torch.tensor(self.committed)
+        real = torch.tensor([2], dtype=torch.int32)
+        reference.bind_verify_slots(reqs, committed, real, self.T, self.req_to_token, self.device_row_of_loc,
+                                    self.buffer_of_req, self.slot_rows, self.buffer_size)
+        written = [[{}, {}] for _ in range(self.layers)]  # what this verify forward writes, per position
+        for request in (0, 1):
+            for j in range(self.T):
+                loc = int(self.req_to_token[request, self.committed[request] + j])
+                position = self.committed[request] + j
+                for layer in range(self.layers):
+                    written[layer][request][position] = self.value()
+                    self.device[layer][int(self.device_row_of_loc[loc])] = written[layer][request][position]
+        for layer in range(self.layers):
+            top_k = torch.tensor([[[self.entry(request, j) for _ in range(self.top_k)] for j in range(self.T)]
+                                  for request in (0, 1)], dtype=torch.int32)
+            before_tokens = self.slot_tokens[layer].clone()
+            before_lru = self.device[layer][self.slot_rows[0, : self.buffer_size].long()].clone()
+            before_counters = self.counters[layer].clone()
+            out = reference.swap_in_positions(top_k, committed, reqs, real, self.tables(layer),
+                                              counters=self.counters[layer])
+            self.check_rows(layer, top_k, out, written)
+            self.check_counts(layer, top_k[0], before_tokens, before_lru, before_counters)
+        accept = [self.rng.randint(0, self.T) for _ in (0, 1)]
+        reference.commit_accepted(reqs, committed, torch.tensor(accept), real, self.T, self.req_to_token,
+                                  self.device_row_of_loc, self.buffer_of_req, self.slot_rows, self.buffer_size,
+                                  self.device, self.host)
+        for request in (0, 1):
+            for position in range(self.committed[request], self.committed[request] + accept[request]):
+                for layer in range(self.layers):
+                    self.truth[layer][request][position] = written[layer][request][position]
+            self.committed[request] += accept[request]
+        self.check_host_and_slot_d()
+
+    def entry(self, request, j):
+        """A random top-k entry of query position j: history, newest accepted, verify token, or padding."""
+        s = self.committed[request]
+        kind = self.rng.random()
+        if kind < 0.55:
+            return self.rng.randrange(max(s - 1, 1))
+        if kind < 0.65:
+            return s - 1
+        if kind < 0.85:
+            return s + self.rng.randint(0, j)
+        return self.rng.choice([-1, s + j + 1 + self.rng.randrange(3)])
+
+    def check_rows(self, layer, top_k, out, written):
+        for request in (0, 1):
+            s = self.committed[request]
+            for j in range(self.T):
+                for k in range(self.top_k):
+                    token = int(top_k[request, j, k])
+                    row = int(out[request, j, k])
+                    if token < 0 or token > s + j:
+                        assert row == -1
+                        continue
+                    expected = self.truth[layer][request][token] if token < s else written[layer][request][token]
+                    assert torch.equal(self.device[layer][row], expected), (layer, request, j, token)
+
+    def check_counts(self, layer, offloaded_top_k, before_tokens, before_lru, before_counters):
+        s = self.committed[0]
+        history = {int(t) for t in offloaded_top_k.reshape(-1) if 0 <= int(t) < s - 1}
+        lookups = sum(1 for t in offloaded_top_k.reshape(-1) if 0 <= int(t) < s - 1)
+        misses = len(history - set(before_tokens.reshape(-1).tolist()))
+        assert (self.counters[layer] - before_counters).tolist() == [lookups, misses]
+        after_lru = self.device[layer][self.slot_rows[0, : self.buffer_size].long()]
+        assert int((after_lru != before_lru).any(dim=1).sum()) == misses, "each distinct miss is copied once"
+
+    def check_host_and_slot_d(self):
+        for request in (0, 1):
+            s = self.committed[request]
+            locs = self.req_to_token[request].long()
+            for layer in range(self.layers):
+                for position in range(s):
+                    assert torch.equal(self.host[layer][int(locs[position])], self.truth[layer][request][position])
+                never_committed = self.host[layer][locs[s:]]
+                assert bool((never_committed == POISON).all()), "a rejected token's KV reached its host row"
+        for layer in range(self.layers):
+            slot_d = self.device[layer][int(self.slot_rows[0, self.buffer_size])]
+            assert torch.equal(slot_d, self.truth[layer][0][self.committed[0] - 1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_verify_steps_with_random_accept_lengths(seed):
+    model = SpecModel(seed, num_positions=1 + seed % 4)
+    for _ in range(40):
+        model.step()
+    assert model.committed[0] > 30 or model.T == 1
