@@ -1,1 +1,2 @@
-"""Simulators and case builders shared by the tests, the demo and the benchmarks (not used when serving)."""
+"""Simulators, case builders and the top-k workload model (``workload.py``) shared by the tests, the
+demo and the benchmarks (not used when serving)."""

@@ -4,12 +4,30 @@ Used by the demo and by the lifecycle property tests. Every KV row the "model" w
 identity (request uid, position, layer), so any row read back through the swap-in op can be
 checked against the token it should hold.
 
+Top-k selection: by default a stress model for correctness (``_select``: most of the last step's
+choice, fresh random picks, the newest token, in random order, sometimes with a duplicate entry and
+-1 padding, so the swap-in's collapsing of duplicates and padding is exercised on every run). With
+``workload`` (testing/workload.py) the indexer is that model instead: distinct positions with a
+named, calibrated locality, a pure function of (workload seed, request uid, layer, original prompt
+length, seq_len), so two servers with different policies see identical top-k streams.
+
 Progress: a step with nothing to decode still lets time pass for the copies in flight (on the CPU
 an event completes a number of steps after it was recorded, and a real copy completes while the
 scheduler idles), a request with no output ends when its prefill is collected, and a request that
 could not run even on an idle server is rejected (as SGLang rejects it) instead of waiting forever.
 :meth:`SimulatedServer.run_until_idle` drives everything to its end and raises
 :class:`SimulationStalled` if that takes longer than :meth:`SimulatedServer.progress_bound`.
+
+Speculative decoding (optional, :class:`SpeculativeMode`; docs/speculative.md): every step is a
+target-verify of ``T`` positions per request instead of one decode token. The scheduler allocates
+each request's reserve (logical locations only, SGLang's ``alloc_for_spec_decode``), the coordinator
+prepares the verify, the "model" writes the KV of all ``T`` positions (the real token's for the
+positions the step will accept, a rejected draft's otherwise: bytes marked so that a host row holding
+them is caught), every layer's multi-position swap-in is checked, then the commit; accept lengths are
+random in ``[0, T]`` or scripted, and the host learns them one verify late by default (SGLang's overlap
+scheduler). The draft (NextN) layer is modelled as SGLang 0.5.22+ keeps it: a dense KV pool over the
+logical locations that the draft forwards write (the prompt after prefill, the draft positions, then the
+draft extend over the verify positions); the coordinator never sees it.
 """
 
 from __future__ import annotations
@@ -17,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import random
+from typing import Callable
 
 import torch
 
@@ -28,8 +47,11 @@ from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 from hisparse_sglang.memory.host_pool import HostKVPool
 from hisparse_sglang.ops import reference
 from hisparse_sglang.streams import StreamSet
+from hisparse_sglang.testing.workload import TopKWorkload
 
-__all__ = ["SimulatedServer", "SimulationStalled", "StepReport", "token_rows"]
+__all__ = [
+    "SimulatedServer", "SimulationStalled", "SpeculativeMode", "StepReport", "rejected_token_rows", "token_rows",
+]
 
 _WORD = 4
 
@@ -47,6 +69,42 @@ def token_rows(uid: int, positions: torch.Tensor, layer_id: int, item_bytes: int
     return values.to(torch.int32).view(torch.uint8).reshape(-1, item_bytes)
 
 
+def rejected_token_rows(uid: int, positions: torch.Tensor, layer_id: int, item_bytes: int, verify_id: int) -> torch.Tensor:
+    """The KV bytes a verify forward writes for ``positions`` holding draft tokens it will reject.
+
+    Word 0 is ``-uid`` (no real token's row has a negative first word: :func:`token_rows` puts the uid
+    there), so a host row that ever holds these bytes is caught; word 3 is the verify's id, so the
+    rejected KV of another verify never matches either."""
+    words = item_bytes // _WORD
+    values = token_rows(uid, positions, layer_id, item_bytes).view(torch.int32).reshape(-1, words).clone()
+    values[:, 0] = -uid
+    values[:, 3] = verify_id
+    return values.view(torch.uint8).reshape(-1, item_bytes)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeMode:
+    """Speculative decoding for :class:`SimulatedServer`: every step verifies ``T`` positions per request.
+
+    Attributes:
+        num_draft_tokens: ``T``, verify positions per request (``1 <= T <= page_size - 1``).
+        host_lag: the scheduler learns a verify's accept lengths one verify late (SGLang's overlap
+            scheduler): the committed length ``c`` it hands the coordinator, its reserve and its finish
+            decisions trail the device's ``s`` by one step. False: ``c == s``.
+        accept: scripted accept lengths, ``accept(uid, verify_index) -> a`` in ``[0, T]``
+            (``verify_index`` counts the request's verifies since it was last admitted). None: random,
+            uniform in ``[0, T]``, but never 0 twice in a row for one request, so every request ends.
+    """
+
+    num_draft_tokens: int
+    host_lag: bool = True
+    accept: Callable[[int, int], int] | None = None
+
+
 @dataclasses.dataclass
 class _SimRequest:
     uid: int
@@ -54,7 +112,15 @@ class _SimRequest:
     seq_len: int  # tokens with KV
     target_len: int
     state: str  # "staging" or "decoding"
-    selection: list[torch.Tensor]  # per-layer persistent top-k interest set
+    selection: list[torch.Tensor]  # per-layer persistent top-k interest set (stress model only)
+    origin_len: int = 0  # prompt length when first submitted (a retracted request keeps it)
+    # Speculative mode only: seq_len is the device's committed length s; the scheduler knows host_len
+    # (c, one verify late with host_lag) and allocated_len (kv_allocated_len, the reserve included).
+    host_len: int = 0
+    allocated_len: int = 0
+    prepared_len: int = 0  # the c of its last prepare (the coordinator's seq_len)
+    verifies: int = 0
+    last_accept: int = -1
 
 
 class SimulationStalled(AssertionError):
@@ -85,8 +151,11 @@ class SimulatedServer:
         device_pages: device KV pool pages (page 0 included).
         max_reqs: request slots.
         max_context: context capacity per slot.
-        seed: drives the top-k selection.
-        drift: share of a layer's selection replaced each step (the rest repeats: locality).
+        seed: drives the top-k selection of the stress model.
+        drift: stress model: share of a layer's selection replaced each step (the rest repeats).
+        workload: a top-k workload model (testing/workload.py) to select with instead of the stress
+            model; its ``top_k`` must be the config's. None (default) keeps the stress model, which
+            the lifecycle tests rely on for duplicates, padding and shuffled entries.
         cpu_event_delay_steps: steps before a CPU copy reports completion (exercises in-flight states).
         verify: check every returned row against the token it must hold.
         ops: the op module (reference by default).
@@ -97,6 +166,8 @@ class SimulatedServer:
         agree, rank_check: as :class:`Coordinator`.
         collective: called where a TP model's forward has a collective: after each layer's swap-in
             and at the end of a prefill (the ranks' forwards advance in lockstep through them).
+        speculative: run verify steps instead of decode steps (:class:`SpeculativeMode`); None (the
+            default) decodes one token per step. Not with ``workload`` or a shared host pool.
     """
 
     def __init__(
@@ -118,7 +189,18 @@ class SimulatedServer:
         agree=None,
         rank_check=None,
         collective=None,
+        workload: TopKWorkload | None = None,
+        speculative: SpeculativeMode | None = None,
     ) -> None:
+        if speculative is not None and (workload is not None or (host_pool is not None and host_pool.shared)):
+            raise ValueError("speculative mode models the stress top-k only, on a private host pool: pass no workload "
+                             "and no shared host pool.")
+        if workload is not None and workload.params.top_k != config.top_k:
+            raise ValueError(
+                f"workload top_k ({workload.params.top_k}) must equal the config's top_k ({config.top_k}); "
+                f"build the workload with top_k={config.top_k}."
+            )
+        self.workload = workload
         self.config = config
         self.layer_num = layer_num
         self.item_bytes = item_bytes
@@ -173,18 +255,47 @@ class SimulatedServer:
         self.waiting: collections.deque[tuple[int, int, int]] = collections.deque()  # uid, prompt, output
         self.last_rows: list[torch.Tensor] = []  # swap-in output of each layer in the last step
         self._next_uid = 1
+        self._origin_len: dict[int, int] = {}  # uid -> prompt length when first admitted
+        self.speculative = speculative
+        if speculative is not None:
+            # The draft layer's KV: dense on the GPU over every logical location (docs/speculative.md 2.6 A).
+            self.draft_layer = torch.zeros((host_pages * config.page_size, item_bytes), dtype=torch.uint8, device=device)
+            self.draft_layer_id = layer_num  # its token_rows identity, distinct from every target layer
+            self._verify_id = 0
 
     # ------------------------------------------------------------------ scheduler-facing
     def fits_when_idle(self, prompt_len: int, output_len: int) -> bool:
         """Whether the request could run on an otherwise idle server: its prefill on the GPU, its
         whole length in the host pool and the context of a request slot."""
         pages = self.allocator.device_rows.capacity_pages
-        return (
+        fits = (
             1 <= prompt_len
             and prompt_len + output_len <= self.max_context
             and -(-prompt_len // self.page_size) <= pages
             and -(-(prompt_len + output_len) // self.page_size) <= self.allocator.logical.capacity_pages
         )
+        if not fits or self.speculative is None or output_len <= 0:
+            return fits
+        # Speculation: the largest reserve (its logical pages), and the largest a request that cannot be
+        # demoted (c - 1 < D) holds resident, must fit too.
+        reserve = self._largest_reserve(prompt_len, output_len)
+        target = prompt_len + output_len
+        resident_peak = max(prompt_len, self._reserve_for(min(target - 1, self.config.device_buffer_size)))
+        return (
+            reserve <= self.max_context
+            and -(-reserve // self.page_size) <= self.allocator.logical.capacity_pages
+            and -(-resident_peak // self.page_size) <= pages
+        )
+
+    def _reserve_for(self, committed: int) -> int:
+        """The allocated length SGLang reserves for a committed length (the 2T double buffer, whole pages)."""
+        return _round_up(committed + 2 * self.speculative.num_draft_tokens, self.page_size)
+
+    def _largest_reserve(self, prompt_len: int, output_len: int) -> int:
+        """The largest allocated length a request reaches (the scheduler's c stays below its target)."""
+        if self.speculative is None or output_len <= 0:
+            return prompt_len + output_len
+        return max(prompt_len, self._reserve_for(prompt_len + output_len - 1))
 
     def submit(self, prompt_len: int, output_len: int) -> int:
         """Queue a request (admitted by :meth:`admit_waiting`); returns its uid. A request that could
@@ -211,7 +322,7 @@ class SimulatedServer:
             raise ValueError(f"prompt_len {prompt_len} + output_len {output_len} exceeds max_context {self.max_context}.")
         if not self.free_slots:
             return None
-        total_pages = -(-(prompt_len + output_len) // self.page_size)
+        total_pages = -(-self._largest_reserve(prompt_len, output_len) // self.page_size)
         prompt_pages = -(-prompt_len // self.page_size)
         if self.allocator.logical.free_pages < total_pages:
             return None
@@ -239,14 +350,62 @@ class SimulatedServer:
             start = end
         self.collective()  # the prefill forward's last collective: every rank has written its KV
         self.coordinator.admit_prefilled(slot, prompt_len)
+        selection = [] if self.workload is not None else [
+            self._initial_selection(prompt_len) for _ in range(self.layer_num)
+        ]
+        origin_len = self._origin_len.setdefault(uid, prompt_len)
         self.requests[uid] = _SimRequest(
-            uid, slot, prompt_len, prompt_len + output_len, "staging", [self._initial_selection(prompt_len) for _ in range(self.layer_num)]
+            uid, slot, prompt_len, prompt_len + output_len, "staging", selection, origin_len,
+            host_len=prompt_len, allocated_len=prompt_len, prepared_len=prompt_len,
         )
+        if self.speculative is not None:
+            self._write_draft(uid, slot, torch.arange(prompt_len))  # the draft extend after prefill
         self.admitted.add(uid)
         return uid
 
+    def admit_transferred(self, prompt_len: int, output_len: int, uid: int | None = None) -> int | None:
+        """PD disaggregation's decode side (speculative mode only): the prefill instance wrote the
+        prompt's KV into the host pool and its draft KV into the draft pool, at logical locations; the
+        coordinator admits the request directly (``admit_direct``: resident when it fits a buffer, else
+        offloaded with an empty buffer). None if it could never run, or slots or memory are short now."""
+        if self.speculative is None:
+            raise ValueError("admit_transferred models PD admission in speculative mode only.")
+        if not self.free_slots or not self.fits_when_idle(prompt_len, output_len):
+            return None
+        if self.allocator.logical.free_pages < -(-self._largest_reserve(prompt_len, output_len) // self.page_size):
+            return None
+        pages = self.coordinator.direct_admission_pages(prompt_len)
+        if self.allocator.device_rows.free_pages + self.coordinator.reclaimable_pages() < pages:
+            return None
+        if uid is None:
+            uid = self._next_uid
+            self._next_uid += 1
+        slot = self.free_slots.pop()
+        locs = self.allocator.alloc_extend(
+            torch.tensor([0]), torch.tensor([prompt_len]), torch.tensor([-1], device=self.device), with_device_rows=False
+        )
+        self.req_to_token[slot, :prompt_len] = locs.to(torch.int32)
+        positions = torch.arange(prompt_len)
+        for layer_id, layer in enumerate(self.host_pool.layers):
+            layer[locs.cpu()] = token_rows(uid, positions, layer_id, self.item_bytes)
+        self._write_draft(uid, slot, positions)
+        self.coordinator.admit_direct(slot, prompt_len)
+        self._origin_len.setdefault(uid, prompt_len)
+        self.requests[uid] = _SimRequest(
+            uid, slot, prompt_len, prompt_len + output_len, "decoding",
+            [self._initial_selection(prompt_len) for _ in range(self.layer_num)], self._origin_len[uid],
+            host_len=prompt_len, allocated_len=prompt_len, prepared_len=prompt_len,
+        )
+        self.admitted.add(uid)
+        if output_len <= 0:
+            self.finish(uid)
+        return uid
+
     def step(self) -> StepReport:
-        """One scheduler iteration: collect staged requests, decode one token for every request."""
+        """One scheduler iteration: collect staged requests, decode one token for every request (in
+        speculative mode: verify ``T`` positions of every request)."""
+        if self.speculative is not None:
+            return self._verify_step()
         for slot in self.coordinator.collect_ready():
             request = self._by_slot(slot)
             request.state = "decoding"
@@ -285,7 +444,7 @@ class SimulatedServer:
         self.coordinator.num_real_reqs.fill_(len(batch))
         self.last_rows = []
         for layer_id in range(self.layer_num):
-            top_k = torch.stack([self._select(r, layer_id) for r in batch]).to(torch.int32)
+            top_k = self._select_batch(batch, seq_lens, layer_id)
             rows = self.coordinator.swap_in(slots, seq_lens.to(self.device), top_k.to(self.device), layer_id)
             self.collective()  # the layer's all-reduce, after its attention
             self.last_rows.append(rows.cpu().clone())
@@ -300,17 +459,20 @@ class SimulatedServer:
     def finish(self, uid: int) -> None:
         request = self.requests.pop(uid)
         self._release(request)
+        self._origin_len.pop(uid, None)
         self.finished.append(uid)
 
     def abort(self, uid: int) -> None:
         self._release(self.requests.pop(uid))
+        self._origin_len.pop(uid, None)
         self.aborted.append(uid)
 
     def retract(self, uid: int) -> None:
         """Give a request's memory back; it comes back later as a longer prefill of the same tokens."""
         request = self.requests.pop(uid)
         self._release(request)
-        self.retracted.append((uid, request.seq_len, request.target_len - request.seq_len))
+        # (A verify whose results the scheduler has not seen yet may have taken a request past its target.)
+        self.retracted.append((uid, request.seq_len, max(request.target_len - request.seq_len, 0)))
 
     def readmit_retracted(self) -> None:
         """Prefill retracted requests again (their KV is recomputed from the same tokens). One whose
@@ -319,6 +481,7 @@ class SimulatedServer:
         for uid, prompt_len, output_len in self.retracted:
             if not self.fits_when_idle(prompt_len, output_len):
                 self.rejected[uid] = "outgrew the GPU pool"
+                self._origin_len.pop(uid, None)
             elif self.add_request(prompt_len, output_len, uid=uid) is None:
                 kept.append((uid, prompt_len, output_len))
         self.retracted = kept
@@ -334,9 +497,13 @@ class SimulatedServer:
         waiting one is prefilled the step after the server empties). Hence (tokens to decode +
         2 x requests + 1) x (delay + 3).
         """
-        tokens = sum(r.target_len - r.seq_len for r in self.requests.values())
+        tokens = sum(max(r.target_len - r.seq_len, 0) for r in self.requests.values())
         tokens += sum(output for _, _, output in self.retracted) + sum(output for _, _, output in self.waiting)
         count = len(self.requests) + len(self.retracted) + len(self.waiting)
+        if self.speculative is not None:
+            # A request gains at least one token every second verify (random accepts never give 0
+            # twice in a row), and the scheduler sees its end one verify late.
+            return (2 * tokens + 3 * count + 1) * (self.streams.cpu_event_delay_steps + 3)
         return (tokens + 2 * count + 1) * (self.streams.cpu_event_delay_steps + 3)
 
     def run_until_idle(self, check=None, max_steps: int | None = None) -> int:
@@ -376,6 +543,9 @@ class SimulatedServer:
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
         """Raise AssertionError if any ownership or content invariant is broken."""
+        if self.speculative is not None:
+            self._check_speculative_invariants()
+            return
         coordinator = self.coordinator
         page = self.page_size
         owned_rows: list[torch.Tensor] = []
@@ -431,7 +601,8 @@ class SimulatedServer:
     # ------------------------------------------------------------------ internals
     def _release(self, request: _SimRequest) -> None:
         self.coordinator.finish(request.slot)
-        locs = self.req_to_token[request.slot, : request.seq_len]
+        held = request.seq_len if self.speculative is None else request.allocated_len
+        locs = self.req_to_token[request.slot, :held]
         self.allocator.free(locs)
         self.req_to_token[request.slot] = 0
         self.free_slots.append(request.slot)
@@ -448,6 +619,14 @@ class SimulatedServer:
         assert bool((rows > 0).all()), "the model writes KV to an unmapped location"
         for layer_id, layer in enumerate(self.device_layers):
             layer[rows] = token_rows(uid, positions.cpu(), layer_id, self.item_bytes).to(self.device)
+
+    def _select_batch(self, batch: list[_SimRequest], seq_lens: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """One layer's top-k of the batch: int32 ``[B, top_k]``."""
+        if self.workload is None:
+            return torch.stack([self._select(r, layer_id) for r in batch]).to(torch.int32)
+        uids = torch.tensor([r.uid for r in batch], dtype=torch.int64)
+        origins = torch.tensor([r.origin_len for r in batch], dtype=torch.int64)
+        return self.workload.topk(uids, origins, seq_lens, layer_id).to(torch.int32)
 
     def _initial_selection(self, seq_len: int) -> torch.Tensor:
         count = min(self.config.top_k, seq_len)
@@ -499,6 +678,271 @@ class SimulatedServer:
             got = self.device_layers[layer_id][rows].cpu()
             want = token_rows(request.uid, held.cpu(), layer_id, self.item_bytes)
             assert torch.equal(got, want), f"request {request.uid} layer {layer_id}: a buffer slot holds the wrong KV"
+
+    # ------------------------------------------------------------------ speculative mode
+    def _verify_step(self) -> StepReport:
+        """One scheduler iteration with speculative decoding: collect staged requests, then allocate
+        every request's reserve, prepare, draft, verify (every layer's swap-in checked), commit."""
+        num_positions = self.speculative.num_draft_tokens
+        for slot in self.coordinator.collect_ready():
+            request = self._by_slot(slot)
+            request.state = "decoding"
+            if request.seq_len >= request.target_len:
+                self.finish(request.uid)
+        batch = sorted((r for r in self.requests.values() if r.state == "decoding"), key=lambda r: r.slot)
+        lookups_before, misses_before = self.coordinator.swap_counters.tolist()
+
+        def reserve(r: _SimRequest) -> int:
+            return max(r.allocated_len, self._reserve_for(r.host_len))
+
+        def logical_pages_needed(requests: list[_SimRequest]) -> int:
+            page = self.page_size
+            return sum(-(-reserve(r) // page) - -(-r.allocated_len // page) for r in requests)
+
+        # Like SGLang's check_decode_mem: retract the longest request while the reserves do not fit
+        # (logical pages for every request, device pages for resident ones).
+        while batch and (
+            logical_pages_needed(batch) > self.allocator.logical.free_pages
+            or not self.coordinator.can_verify([r.slot for r in batch], [reserve(r) for r in batch])
+        ):
+            victim = max(batch, key=lambda r: r.seq_len)
+            self.retract(victim.uid)
+            batch.remove(victim)
+        if not batch:
+            return self._idle(lookups_before, misses_before)
+
+        # alloc_for_spec_decode: logical locations only, continuing each request's last page.
+        growing = [r for r in batch if reserve(r) > r.allocated_len]
+        if growing:
+            last_loc = torch.stack([self.req_to_token[r.slot, r.allocated_len - 1] for r in growing]).to(torch.int64)
+            locs = self.allocator.alloc_extend(
+                torch.tensor([r.allocated_len for r in growing]), torch.tensor([reserve(r) for r in growing]),
+                last_loc, with_device_rows=False,
+            )
+            assert locs is not None, "the logical pages were checked above"
+            start = 0
+            for r in growing:
+                end = start + reserve(r) - r.allocated_len
+                self.req_to_token[r.slot, r.allocated_len : reserve(r)] = locs[start:end].to(torch.int32)
+                r.allocated_len, start = reserve(r), end
+
+        slots = torch.tensor([r.slot for r in batch], dtype=torch.int64, device=self.device)
+        seq_lens = torch.tensor([r.seq_len for r in batch], dtype=torch.int64, device=self.device)
+        self.coordinator.prepare_verify(
+            [r.slot for r in batch], [r.host_len for r in batch], [r.allocated_len for r in batch], slots, seq_lens,
+            num_positions,
+        )
+        for r in batch:
+            r.prepared_len = r.host_len
+        self._verify_id += 1
+        accepts = [self._accept_length(r) for r in batch]
+        offsets = torch.arange(num_positions)
+        for r, accepted in zip(batch, accepts):
+            positions = r.seq_len + offsets
+            # The draft forwards (S = T - 1 of them) write the draft layer at s .. s + S - 1.
+            self._write_draft(r.uid, r.slot, positions[: num_positions - 1], r.seq_len + accepted)
+            # The target verify writes every verify position through the location -> row table.
+            rows = self.allocator.translate(self.req_to_token[r.slot, positions.to(self.device)]).to(torch.int64)
+            assert bool((rows > 0).all()), "the verify writes KV to an unmapped location"
+            for layer_id, layer in enumerate(self.device_layers):
+                layer[rows] = self._verify_kv(r.uid, positions, layer_id, r.seq_len + accepted).to(self.device)
+
+        self.coordinator.num_real_reqs.fill_(len(batch))
+        self.last_rows = []
+        for layer_id in range(self.layer_num):
+            top_k = torch.stack([self._select_verify(r, layer_id) for r in batch]).to(torch.int32)
+            expected_counts = self._expected_verify_counts(batch, top_k, layer_id) if self.verify else None
+            counters_before = self.coordinator.swap_counters.tolist()
+            rows = self.coordinator.swap_in_verify(slots, seq_lens, top_k.to(self.device), layer_id)
+            self.collective()
+            self.last_rows.append(rows.cpu().clone())
+            if self.verify:
+                self._verify_position_rows(batch, top_k, rows.cpu(), layer_id, accepts)
+                counts = [after - before for after, before in zip(self.coordinator.swap_counters.tolist(), counters_before)]
+                assert counts == expected_counts, (
+                    f"layer {layer_id}: (lookups, misses) {counts}, expected {expected_counts}: every history entry of "
+                    f"every position is looked up, each distinct missed token copied once"
+                )
+        self.coordinator.commit_verify(slots, seq_lens, torch.tensor(accepts, dtype=torch.int64, device=self.device))
+
+        for r, accepted in zip(batch, accepts):
+            # The draft extend runs the draft layer over the verify positions.
+            self._write_draft(r.uid, r.slot, r.seq_len + offsets, r.seq_len + accepted)
+            before = r.seq_len
+            r.seq_len += accepted
+            r.host_len = before if self.speculative.host_lag else r.seq_len
+        for r in batch:
+            if r.host_len >= r.target_len:
+                self.finish(r.uid)
+        return self._report(len(batch), lookups_before, misses_before)
+
+    def _accept_length(self, request: _SimRequest) -> int:
+        mode = self.speculative
+        if mode.accept is not None:
+            accepted = int(mode.accept(request.uid, request.verifies))
+            if not 0 <= accepted <= mode.num_draft_tokens:
+                raise ValueError(f"scripted accept length {accepted} outside [0, {mode.num_draft_tokens}].")
+        else:
+            accepted = self.rng.randint(1 if request.last_accept == 0 else 0, mode.num_draft_tokens)
+        request.verifies += 1
+        request.last_accept = accepted
+        return accepted
+
+    def _verify_kv(self, uid: int, positions: torch.Tensor, layer_id: int, accepted_end: int) -> torch.Tensor:
+        """What this verify wrote at ``positions``: the real token's KV below ``accepted_end``
+        (``s + a``), a rejected draft's from there on."""
+        kv = token_rows(uid, positions, layer_id, self.item_bytes)
+        rejected = positions >= accepted_end
+        if bool(rejected.any()):
+            kv[rejected] = rejected_token_rows(uid, positions[rejected], layer_id, self.item_bytes, self._verify_id)
+        return kv
+
+    def _write_draft(self, uid: int, slot: int, positions: torch.Tensor, accepted_end: int | None = None) -> None:
+        """The draft layer's KV of ``positions``, at their logical locations in the dense draft pool."""
+        if positions.numel() == 0:
+            return
+        locs = self.req_to_token[slot, positions.to(self.device)].to(torch.int64)
+        end = int(positions.max()) + 1 if accepted_end is None else accepted_end
+        self.draft_layer[locs] = self._verify_kv(uid, positions, self.draft_layer_id, end).to(self.device)
+
+    def _select_verify(self, request: _SimRequest, layer_id: int) -> torch.Tensor:
+        """One layer's top-k of every verify position of a request: int64 ``[T, K]``. Entries are history
+        (drawn from at most ``T * K`` positions below ``s - 1``, most of them repeated from the last step
+        and across positions), the newest committed token, verify tokens within the causal range, tokens
+        past it (must come back -1) and padding."""
+        num_positions, top_k = self.speculative.num_draft_tokens, self.config.top_k
+        committed = request.seq_len
+        history = self._verify_history(request, layer_id, num_positions * top_k)
+        out = torch.full((num_positions, top_k), -1, dtype=torch.int64)
+        rng = self.rng
+        for j in range(num_positions):
+            for k in range(top_k):
+                kind = rng.random()
+                if kind < 0.55 and history:
+                    out[j, k] = history[rng.randrange(len(history))]
+                elif kind < 0.65:
+                    out[j, k] = committed - 1
+                elif kind < 0.82:
+                    out[j, k] = committed + rng.randint(0, j)
+                elif kind < 0.9:
+                    out[j, k] = committed + j + 1 + rng.randrange(num_positions)
+        return out
+
+    def _verify_history(self, request: _SimRequest, layer_id: int, count: int) -> list[int]:
+        limit = request.seq_len - 1  # history: positions below the newest committed token
+        if limit <= 0:
+            return []
+        previous = request.selection[layer_id]
+        previous = previous[previous < limit]
+        keep = previous[torch.rand(previous.numel(), generator=self.torch_rng) >= self.drift]
+        fresh = torch.randint(0, limit, (min(count, limit),), generator=self.torch_rng)
+        selection = _first_occurrences(torch.cat([keep, fresh]))[: min(count, limit)]
+        request.selection[layer_id] = selection
+        return selection.tolist()
+
+    def _expected_verify_counts(self, batch: list[_SimRequest], top_k: torch.Tensor, layer_id: int) -> list[int]:
+        """(lookups, misses) one layer's swap-in must count: the history entries of every position of the
+        offloaded requests, and their distinct history tokens no LRU slot holds (each copied once)."""
+        lookups = misses = 0
+        for b, request in enumerate(batch):
+            if self.coordinator.requests[request.slot].mode != OFFLOADED:
+                continue
+            tokens = top_k[b].reshape(-1).tolist()
+            history = [t for t in tokens if 0 <= t < request.seq_len - 1]
+            held = set(self.buffers.slot_tokens[layer_id, self.buffers.buffer_of(request.slot)].tolist())
+            lookups += len(history)
+            misses += len(set(history) - held)
+        return [lookups, misses]
+
+    def _verify_position_rows(
+        self, batch: list[_SimRequest], top_k: torch.Tensor, rows: torch.Tensor, layer_id: int, accepts: list[int]
+    ) -> None:
+        num_positions = top_k.shape[1]
+        for b, request in enumerate(batch):
+            committed = request.seq_len
+            tokens = top_k[b].to(torch.int64)
+            limit = committed + torch.arange(num_positions).reshape(-1, 1)
+            valid = (tokens >= 0) & (tokens <= limit)
+            assert bool((rows[b][~valid] == -1).all()), "padding or a token past its position's causal range did not map to -1"
+            wanted = tokens[valid]
+            got = self.device_layers[layer_id][rows[b][valid].to(device=self.device, dtype=torch.int64)].cpu()
+            want = self._verify_kv(request.uid, wanted, layer_id, committed + accepts[b])
+            if not torch.equal(got, want):
+                bad = int(torch.nonzero((got != want).any(dim=1))[0])
+                raise AssertionError(
+                    f"request {request.uid} layer {layer_id} (s = {committed}): a verify position's top-k entry for "
+                    f"position {int(wanted[bad])} reads row {int(rows[b][valid][bad])} holding the wrong KV"
+                )
+
+    def _check_speculative_invariants(self) -> None:
+        coordinator = self.coordinator
+        page = self.page_size
+        owned_rows: list[torch.Tensor] = []
+        logical_pages = 0
+        offloaded = 0
+        for request in self.requests.values():
+            record = coordinator.requests[request.slot]
+            assert record.seq_len == request.prepared_len <= request.host_len <= request.seq_len, (
+                record.seq_len, request.prepared_len, request.host_len, request.seq_len
+            )
+            assert record.allocated_len == request.allocated_len, (record.allocated_len, request.allocated_len)
+            held, committed = request.allocated_len, request.seq_len
+            locs = self.req_to_token[request.slot, :held].to(torch.int64)
+            assert torch.unique(locs).numel() == locs.numel(), "a logical location is used twice by one request"
+            logical_pages += -(-held // page)
+            rows = self.allocator.translate(locs).to(torch.int64)
+            if record.mode == RESIDENT:
+                assert bool((rows > 0).all()), f"resident request {request.uid} has unmapped locations"
+                assert bool((rows % page == locs % page).all()), "resident rows lost their page alignment"
+                owned_rows.append(self.allocator.device_rows.page_rows(torch.unique(rows // page)))
+                for layer_id, layer in enumerate(self.device_layers):
+                    got = layer[rows[:committed]].cpu()
+                    assert torch.equal(got, token_rows(request.uid, torch.arange(committed), layer_id, self.item_bytes)), (
+                        f"resident request {request.uid} layer {layer_id}: a committed token's device row is wrong"
+                    )
+            else:
+                offloaded += 1
+                buffer_id = self.buffers.buffer_of(request.slot)
+                assert buffer_id >= 0
+                slot_rows = self.buffers.slot_rows[buffer_id].to(torch.int64)
+                owned_rows.append(slot_rows)
+                mapped = rows[rows > 0]
+                assert bool(torch.isin(mapped, slot_rows).all()), "an offloaded request's location maps to a foreign row"
+                # Slot D is refreshed at the next prepare after a demotion or a PD admission (stale), and
+                # at the first verify of any offloaded request.
+                if record.spec is not None and not record.spec.slot_d_stale:
+                    newest_row = int(slot_rows[self.config.device_buffer_size])
+                    for layer_id, layer in enumerate(self.device_layers):
+                        want = token_rows(request.uid, torch.tensor([committed - 1]), layer_id, self.item_bytes)
+                        assert torch.equal(layer[newest_row : newest_row + 1].cpu(), want), (
+                            f"request {request.uid} layer {layer_id}: slot D does not hold the newest committed token"
+                        )
+                self._check_buffer(request, buffer_id)
+                if record.promotion is not None:
+                    owned_rows.append(self.allocator.device_rows.page_rows(record.promotion.pages))
+            # Every committed token is on its host row (the prefill's by staging or PD, each accepted
+            # one by its commit), in every layer; the draft layer's too.
+            for layer_id, layer in enumerate(self.host_pool.layers):
+                want = token_rows(request.uid, torch.arange(committed), layer_id, self.item_bytes)
+                assert torch.equal(layer[locs[:committed].cpu()], want), (
+                    f"host rows of request {request.uid} layer {layer_id} are wrong"
+                )
+            want = token_rows(request.uid, torch.arange(committed), self.draft_layer_id, self.item_bytes)
+            assert torch.equal(self.draft_layer[locs[:committed]].cpu(), want), f"draft KV of request {request.uid} is wrong"
+        for layer_id, layer in enumerate(self.host_pool.layers):
+            marked = torch.nonzero(layer.view(torch.int32)[:, 0] < 0).reshape(-1)
+            assert marked.numel() == 0, (
+                f"host row {int(marked[0])} of layer {layer_id} holds a rejected draft token's KV"
+            )
+        assert self.allocator.logical.used_pages == logical_pages, (
+            f"host rows leaked: {self.allocator.logical.used_pages} pages allocated, {logical_pages} held"
+        )
+        all_rows = torch.cat(owned_rows) if owned_rows else torch.empty(0, dtype=torch.int64)
+        assert torch.unique(all_rows).numel() == all_rows.numel(), "a device row is owned twice"
+        assert all_rows.numel() == self.allocator.device_rows.used_pages * page, (
+            f"device rows leaked: {self.allocator.device_rows.used_pages * page} allocated, {all_rows.numel()} owned"
+        )
+        assert self.buffers.used_buffers == offloaded, "device buffers leaked"
 
     def _idle(self, lookups_before: int, misses_before: int) -> StepReport:
         """A step with nothing to decode: time passes for the copies in flight (a CPU event completes

@@ -13,8 +13,9 @@ live request had then. A rank whose peer died checks that snapshot against the p
 consistent: nothing a live request owns was overwritten) and reports.
 
 Used by tests/test_shared_host_pool.py; the entry points run in spawned processes and talk to the
-test through a multiprocessing queue: ``("progress", rank, step, pid, segment)``, ``("done", rank,
-summary)``, ``("failed", rank, summary)`` or ``("error", rank, text)``.
+test, each through a multiprocessing queue of its own (RankProcesses says why): ``("progress", rank,
+step, pid, segment)``, ``("done", rank, summary)``, ``("failed", rank, summary)`` or ``("error", rank,
+text)``.
 """
 
 from __future__ import annotations
@@ -318,17 +319,33 @@ def segment_users(name: str) -> set[int]:
 
 
 class RankProcesses:
-    """Spawned ranks and their event queue; every process still alive is killed on exit."""
+    """Spawned ranks, each with an event queue of its own; every process still alive is killed on exit.
+
+    One queue per process, not one for all: the writers of a ``multiprocessing.Queue`` share one lock,
+    which a process's feeder thread holds while it writes an event into the pipe (and while it waits for
+    its interpreter lock after the write). A rank SIGKILLed in that window left the lock taken for good:
+    every other process's events stayed in its feeder thread, so the test saw no survivor report, and the
+    survivors hung at exit flushing their queue (docs/shared-host-pool.md, "Known problems"). With a
+    queue per process, a killed process can only lose its own events.
+    """
 
     def __init__(self, spec: RankSpec, hold: bool = False) -> None:
         self.context = multiprocessing.get_context("spawn")
         self.spec = spec
-        self.events = self.context.Queue()
         self.holds = [self.context.Queue() if hold else None for _ in range(spec.world)]
-        self.processes = [
-            self.context.Process(target=run_rank, args=(rank, spec, self.events, self.holds[rank]), daemon=True)
-            for rank in range(spec.world)
-        ]
+        self.processes: list = []
+        self.queues: list = []
+        self._next_queue = 0  # where the next read starts: every process's events are read in turn
+        for rank in range(spec.world):
+            self._add(run_rank, (rank, spec), (self.holds[rank],))
+
+    def _add(self, target, before: tuple, after: tuple = ()):
+        """A process running ``target(*before, events, *after)`` with a new event queue (not started)."""
+        events = self.context.Queue()
+        process = self.context.Process(target=target, args=(*before, events, *after), daemon=True)
+        self.queues.append(events)
+        self.processes.append(process)
+        return process
 
     def __enter__(self) -> "RankProcesses":
         for process in self.processes:
@@ -342,23 +359,36 @@ class RankProcesses:
             process.join(10)
 
     def spawn(self, target, *args):
-        process = self.context.Process(target=target, args=args, daemon=True)
-        self.processes.append(process)
+        """Start ``target(*args, events)`` in a new process with an event queue of its own."""
+        process = self._add(target, args)
         process.start()
         return process
 
     def next(self, kinds: set[str], deadline: float) -> tuple:
-        """The next event of one of ``kinds`` (progress events of other kinds are skipped); an "error"
-        event fails the test with the rank's traceback."""
+        """The next event of one of ``kinds`` from any process (events of other kinds are skipped); an
+        "error" event fails the test with the process's traceback."""
         while True:
+            event = self._read_one()
+            if event is not None:
+                if event[0] == "error":
+                    raise AssertionError(f"rank {event[1]} failed:\n{event[2]}")
+                if event[0] in kinds:
+                    return event
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"no {sorted(kinds)} event before the deadline")
+            if event is None:
+                time.sleep(0.01)
+
+    def _read_one(self):
+        """The next event of any process, their queues read in turn; None while every queue is empty."""
+        for _ in range(len(self.queues)):
+            events = self.queues[self._next_queue]
+            self._next_queue = (self._next_queue + 1) % len(self.queues)
             try:
-                event = self.events.get(timeout=max(deadline - time.monotonic(), 0.1))
+                return events.get_nowait()
             except queue.Empty:
-                raise AssertionError(f"no {sorted(kinds)} event before the deadline") from None
-            if event[0] == "error":
-                raise AssertionError(f"rank {event[1]} failed:\n{event[2]}")
-            if event[0] in kinds:
-                return event
+                continue
+        return None
 
     def collect(self, kind: str, count: int, deadline: float) -> dict[int, object]:
         found = {}
