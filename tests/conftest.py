@@ -4,7 +4,12 @@
 * ``sglang``: an SGLang release in the supported range importable (``compat.SUPPORTED_SGLANG``;
   .ci/run installs each end of the range in turn).
 * ``mooncake``: the Mooncake transfer engine importable (installed by .ci/run).
-* ``slow``: long tests; skipped unless HISPARSE_RUN_SLOW=1.
+* ``slow``: a test too long for the default command; skipped unless HISPARSE_RUN_SLOW=1. A test marked
+  slow runs neither under the README's ``python -m pytest -q`` nor in .ci/run, so a doc citing it must
+  say that it is not checked there. None is marked now: the two that were run by default since
+  2026-11-25, the writer's SIGKILL in tests/test_shared_host_pool.py (8-42 s on the loaded 2-core
+  machine, once its cause of missed deadlines was found: docs/shared-host-pool.md, "Known problems") and
+  the three nvcc builds of tests/test_bench_cli.py (53 s; skipped where nvcc is missing).
 * ``e2e``: serves a real model; needs a GPU and HISPARSE_E2E=1 (see docs/gpu-e2e.md).
 """
 

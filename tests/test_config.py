@@ -114,6 +114,79 @@ def test_malformed_config_names_value_and_fix(text, model_topk, fragments):
         assert fragment in message, f"{fragment!r} not in {message!r}"
 
 
+# top_k values the swap-in kernel cannot take (json text): the first message states the whole limit
+# and a fix; following the fix parses. The largest top_k on sm_90 (4096) and its largest buffer (5760
+# at page_size 64) are checked by the parses below, not taken from the code under test.
+TOO_LARGE_TOP_K = [
+    '{"top_k": 16352}',  # above the binding's 8192 too: once told "<= 8192", then "<= 4096"
+    '{"top_k": 8192}',
+    '{"top_k": 4097}',  # once ended with "HiSparse cannot serve this top_k", with no value to set
+    '{"top_k": 4097, "device_buffer_size": 8192}',
+    '{"top_k": 5000, "device_buffer_size": 4096}',  # not "device_buffer_size (4096) must be >= top_k (5000)"
+    '{"top_k": 20000, "page_size": 256, "swap_in_block_size": 256}',
+    '{"top_k": 1%s}' % ("0" * 20),
+]
+
+
+def suggested(message: str) -> tuple[int, int]:
+    """The top_k and device_buffer_size the message tells the user to set at most."""
+    import re
+
+    found = re.search(
+        r"Set top_k <= (\d+) and remove device_buffer_size \(its default fits\) or set it <= (\d+)", message
+    )
+    assert found, message
+    return int(found.group(1)), int(found.group(2))
+
+
+@pytest.mark.parametrize("text", TOO_LARGE_TOP_K, ids=[t[:48] for t in TOO_LARGE_TOP_K])
+def test_a_top_k_the_kernel_cannot_take_gets_one_message_whose_fix_parses(text):
+    import json
+
+    with pytest.raises(HiSparseConfigError) as info:
+        HiSparseConfig.from_json(text)
+    message = str(info.value)
+    assert message.startswith("top_k (") and "is more than the swap-in kernel takes" in message, message
+    assert "<= 8192" not in message, message  # the binding's limit is not the one that binds
+    assert len(message) <= 500 and message.isascii(), message
+    values = json.loads(text)
+    page_size, threads = values.get("page_size", 64), values.get("swap_in_block_size", 1024)
+    assert f"page_size {page_size} and swap_in_block_size {threads}" in message
+    top_k, buffer = suggested(message)
+    assert top_k == 4096, message
+    # The fix works: the largest top_k with its default buffer and with the largest buffer named ...
+    fixed = {**values, "top_k": top_k}
+    fixed.pop("device_buffer_size", None)
+    assert HiSparseConfig.from_json(json.dumps(fixed)).top_k == top_k
+    assert HiSparseConfig.from_json(json.dumps({**fixed, "device_buffer_size": buffer})).device_buffer_size == buffer
+    # ... and both are the largest: one more of either is refused.
+    for larger in ({**fixed, "top_k": top_k + 1}, {**fixed, "device_buffer_size": buffer + page_size}):
+        with pytest.raises(HiSparseConfigError):
+            HiSparseConfig.from_json(json.dumps(larger))
+
+
+def test_a_top_k_too_large_for_the_buffer_set_names_what_that_buffer_takes():
+    with pytest.raises(HiSparseConfigError) as info:
+        HiSparseConfig.from_json('{"top_k": 4097, "device_buffer_size": 8192}')
+    assert "with device_buffer_size 8192, top_k <= 2048." in str(info.value), str(info.value)
+    assert HiSparseConfig.from_json('{"top_k": 2048, "device_buffer_size": 8192}').top_k == 2048
+    with pytest.raises(HiSparseConfigError, match=r"device_buffer_size \(8192\) is too large"):
+        HiSparseConfig.from_json('{"top_k": 2112, "device_buffer_size": 8192}')
+
+
+@pytest.mark.parametrize("text", ["{}", '{"top_k": 4097}', '{"top_k": 2048}', '{"top_k": 2048, "page_size": 128}'])
+def test_a_model_index_topk_the_kernel_cannot_take_says_the_model_cannot_be_served(text):
+    """top_k must equal the model's index_topk: "set top_k <= 4096" would be no fix, nor would
+    "set it to 4097" when the user's top_k differs from the model's."""
+    with pytest.raises(HiSparseConfigError) as info:
+        HiSparseConfig.from_json(text, model_index_topk=4097)
+    message = str(info.value)
+    assert message.startswith("top_k 4097 (the model's index_topk) is more than the swap-in kernel takes"), message
+    assert "top_k <= 4096" in message and "serve it without HiSparse" in message, message
+    assert "Set top_k" not in message and "set it to 4097" not in message, message
+    assert HiSparseConfig.from_json("{}", model_index_topk=4096).top_k == 4096
+
+
 def test_config_error_is_a_value_error():
     assert issubclass(HiSparseConfigError, ValueError)
 
@@ -132,7 +205,7 @@ def test_direct_construction_validates_too():
 
 # Hostile inputs: (json text, the key the message must name, a fragment of its fix).
 HOSTILE = [
-    ('{"top_k": 1%s}' % ("0" * 400), "top_k", "[1, 8192]"),
+    ('{"top_k": 1%s}' % ("0" * 400), "top_k", "[1, 4096]"),
     ('{"pd_quarantine_s": 1%s}' % ("0" * 400), "pd_quarantine_s", "[0, 3600]"),
     ('{"promote_free_fraction": 1%s}' % ("0" * 400), "promote_free_fraction", "[0, 1)"),
     ('{"host_to_device_ratio": %s}' % ("9" * 5000), "host_to_device_ratio", "[1, 1024]"),
@@ -155,8 +228,8 @@ HOSTILE = [
     ('{"TOP_K": 2048}', "TOP_K", "Did you mean 'top_k'"),
     ('{"top-k": 2048}', "top-k", "Did you mean 'top_k'"),
     ('{"top_k": 2048, "device_buffer_size": 4096, "top_k": 2048}', "top_k", "keep one"),
-    ('{"top_k": 2048.5}', "top_k", "[1, 8192]"),
-    ('{"top_k": 1e300}', "top_k", "[1, 8192]"),
+    ('{"top_k": 2048.5}', "top_k", "[1, 4096]"),
+    ('{"top_k": 1e300}', "top_k", "[1, 4096]"),
     ('{"top_k": "2048"}', "top_k", "without quotes"),
     ('{"resident_first": 0}', "resident_first", "true or false"),
     ('{"share_host_pool_across_tp": "%s"}' % ("\u00e9" * 300_000), "share_host_pool_across_tp", "write false"),

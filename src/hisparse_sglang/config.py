@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import unicodedata
 from typing import Any
 
 from hisparse_sglang.errors import HiSparseConfigError
-from hisparse_sglang.ops.swap_in_limits import (
+from hisparse_sglang.ops.swap_in_plan import (
     MAX_DEVICE_BUFFER_SIZE,
     MAX_TOP_K,
+    SM90_SHARED_MEMORY_PER_BLOCK,
     SWAP_IN_BLOCK_SIZES,
     check_swap_in_fits,
+    check_top_k_fits,
     largest_device_buffer_size,
+    largest_top_k,
     shared_memory_per_block,
 )
 
@@ -48,7 +52,7 @@ class HiSparseConfig:
             model's ``index_topk`` when the model declares one.
         device_buffer_size: LRU slots per request in the GPU buffer of an offloaded request;
             a multiple of ``page_size`` and at least ``top_k``; the swap-in kernel's shared memory
-            bounds it from above (``ops/swap_in_limits.py``).
+            bounds it from above (``ops/swap_in_plan.py``).
         host_to_device_ratio: the host pool (and SGLang's logical token space) holds this many
             times the device KV pool's tokens.
         page_size: tokens per KV page; SGLang's DSA backend requires 64.
@@ -124,23 +128,27 @@ class HiSparseConfig:
                 raise HiSparseConfigError(_unknown_key_message(key, known))
         origins: dict[str, str] = {}
         if model_index_topk is not None:
-            _check_int("model index_topk", model_index_topk, 1, MAX_TOP_K, "check index_topk in the model's config.json")
+            # Only its type and sign here: what the kernel takes is checked with the other values.
+            _check_int("model index_topk", model_index_topk, 1, math.inf, "check index_topk in the model's config.json")
         kwargs = {name: _coerce(name, value) for name, value in values.items()}
-        if "top_k" in kwargs and model_index_topk is not None and kwargs["top_k"] != model_index_topk:
-            raise HiSparseConfigError(
-                f"top_k ({kwargs['top_k']}) differs from the model's index_topk ({model_index_topk}); "
-                f"the indexer always selects index_topk tokens. Remove top_k or set it to {model_index_topk}."
-            )
-        if "top_k" not in kwargs and model_index_topk is not None:
+        if model_index_topk is not None:
+            if "top_k" in kwargs and kwargs["top_k"] != model_index_topk:
+                # Telling the user to write the model's value is no fix if the kernel cannot take it.
+                _check_model_top_k_fits(model_index_topk, kwargs)
+                raise HiSparseConfigError(
+                    f"top_k ({kwargs['top_k']}) differs from the model's index_topk ({model_index_topk}); "
+                    f"the indexer always selects index_topk tokens. Remove top_k or set it to {model_index_topk}."
+                )
             kwargs["top_k"] = model_index_topk
+            # Equal to the model's or taken from it: top_k is not the user's to lower.
             origins["top_k"] = "the model's index_topk"
         kwargs.setdefault("top_k", DEFAULT_TOP_K)
         kwargs.setdefault("page_size", DEFAULT_PAGE_SIZE)
         if "device_buffer_size" not in kwargs:
+            origins["device_buffer_size"] = "its default, 2 x top_k rounded up to a page"
             default = _default_buffer_size(kwargs)
             if default is not None:
                 kwargs["device_buffer_size"] = default
-                origins["device_buffer_size"] = "its default, 2 x top_k rounded up to a page"
         _validate({**_defaults(), **kwargs}, origins)
         return cls(**kwargs)
 
@@ -163,9 +171,11 @@ _KINDS = {
     "pd_quarantine_s": "float",
     "share_host_pool_across_tp": "bool",
 }
-# Integer keys: (minimum, maximum, what to do), the one statement of each range.
+# Integer keys: (minimum, maximum, what to do), the one statement of each range. top_k has no
+# maximum here: what the swap-in kernel takes depends on page_size and swap_in_block_size, and
+# check_top_k_fits states it, with the fix, in one message.
 _INT_RANGES = {
-    "top_k": (1, MAX_TOP_K, "remove top_k: it defaults to the model's index_topk"),
+    "top_k": (1, None, "remove top_k: it defaults to the model's index_topk"),
     "device_buffer_size": (1, MAX_DEVICE_BUFFER_SIZE, "2 x top_k (4096 for top_k 2048) is a good choice"),
     "host_to_device_ratio": (1, 1024, "size it from host RAM (README.md, Configuration)"),
     "page_size": (1, 4096, "remove page_size: SGLang's DSA backend uses 64"),
@@ -185,6 +195,27 @@ _FLOAT_RANGES = {
     "promote_free_fraction": "a share of the device pool in [0, 1) (0.25 is the default)",
     "pd_quarantine_s": "seconds in [0, 3600] (60 is the default)",
 }
+
+
+def _check_model_top_k_fits(model_index_topk: int, kwargs: dict[str, Any]) -> None:
+    """The kernel's verdict on the model's index_topk, with the user's page_size and
+    swap_in_block_size where they are valid (their own checks report them otherwise)."""
+    page_size = kwargs.get("page_size", DEFAULT_PAGE_SIZE)
+    threads = kwargs.get("swap_in_block_size")
+    if not (_is_int(page_size) and 1 <= page_size <= 4096):
+        page_size = DEFAULT_PAGE_SIZE
+    check_top_k_fits(
+        model_index_topk, page_size, threads if threads in SWAP_IN_BLOCK_SIZES else None,
+        top_k_origin="the model's index_topk",
+    )
+
+
+@functools.cache
+def _sm90_top_k_limit() -> int:
+    """The largest top_k the swap-in kernel takes on sm_90 with the default page size and block
+    size (4096): the top of top_k's range in messages about its type (the value's own check,
+    ``check_top_k_fits``, uses the page and block sizes in force)."""
+    return largest_top_k(DEFAULT_PAGE_SIZE, None, SM90_SHARED_MEMORY_PER_BLOCK)
 
 
 def _defaults() -> dict[str, Any]:
@@ -433,6 +464,8 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def _range_text(name: str) -> str:
+    if name == "top_k":
+        return f"an integer in [1, {_sm90_top_k_limit()}] (the swap-in kernel's limit on an H100/H200)"
     if name in _INT_RANGES:
         minimum, maximum, _ = _INT_RANGES[name]
         return f"an integer in [{minimum}, {maximum}]"
@@ -444,7 +477,7 @@ def _origin_note(name: str, origin: str | None) -> str:
     return f" ({name} is {origin})" if origin else ""
 
 
-def _check_int(name: str, value: Any, minimum: int, maximum: int, fix: str, origin: str | None = None) -> None:
+def _check_int(name: str, value: Any, minimum: int, maximum: float, fix: str, origin: str | None = None) -> None:
     shown_name = f"{name} ({_shown(value)}){_origin_note(name, origin)}"
     if not _is_int(value):
         raise HiSparseConfigError(f"{name} must be an integer, got {_shown(value)}; {fix}.")
@@ -480,16 +513,25 @@ def _validate(values: dict[str, Any], origins: dict[str, str]) -> None:
         minimum, maximum, fix = _INT_RANGES[name]
         _check_int(name, values[name], minimum, maximum, extra_fix or fix, origins.get(name))
 
-    check("top_k")
+    top_k_minimum, _, top_k_fix = _INT_RANGES["top_k"]
+    # No upper bound here: check_top_k_fits states the kernel's whole limit in one message.
+    _check_int("top_k", values["top_k"], top_k_minimum, math.inf, top_k_fix, origins.get("top_k"))
     check("page_size")
     page_size = values["page_size"]
     if page_size & (page_size - 1):
         raise HiSparseConfigError(
             f"page_size ({page_size}) must be a power of two; remove page_size (SGLang's DSA backend uses 64)."
         )
+    threads = values["swap_in_block_size"]
+    if threads is not None and threads not in SWAP_IN_BLOCK_SIZES:
+        raise HiSparseConfigError(
+            f"swap_in_block_size ({_shown(threads)}) must be one of {SWAP_IN_BLOCK_SIZES} or null (automatic)."
+        )
     top_k = values["top_k"]
     top_k_origin = origins.get("top_k")
     buffer = values["device_buffer_size"]
+    user_buffer = None if "device_buffer_size" in origins or not _is_int(buffer) else buffer
+    check_top_k_fits(top_k, page_size, threads, user_buffer, top_k_origin=top_k_origin)
     check("device_buffer_size")
     if buffer < top_k:
         raise HiSparseConfigError(
@@ -501,11 +543,6 @@ def _validate(values: dict[str, Any], origins: dict[str, str]) -> None:
         raise HiSparseConfigError(
             f"device_buffer_size ({buffer}){_origin_note('device_buffer_size', origins.get('device_buffer_size'))} "
             f"must be a multiple of page_size ({page_size}); use {_round_up(buffer, page_size)}."
-        )
-    threads = values["swap_in_block_size"]
-    if threads is not None and threads not in SWAP_IN_BLOCK_SIZES:
-        raise HiSparseConfigError(
-            f"swap_in_block_size ({_shown(threads)}) must be one of {SWAP_IN_BLOCK_SIZES} or null (automatic)."
         )
     check_swap_in_fits(top_k, buffer, page_size, threads, top_k_origin=top_k_origin)
     check("host_to_device_ratio")

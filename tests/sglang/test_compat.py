@@ -2,6 +2,7 @@
 the published --hisparse-config, and the coordinator calls newer releases make."""
 
 import array
+import pathlib
 import types
 
 import pytest
@@ -67,6 +68,14 @@ def test_hisparse_config_is_read_where_the_release_keeps_it(published):
 
     text = '{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 6}'
     args = published(hisparse_config=text)
+    # The model (its index_topk is top_k's default and check), where SGLang memoizes its ModelConfig on the
+    # record: model_config_of from 0.5.19, get_model_config() before.
+    from sglang.srt.configs.model_config import ModelConfig
+
+    tiny_dsv32 = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "models" / "tiny-dsv32"
+    model_config = ModelConfig(str(tiny_dsv32))
+    setattr(args, "_model_config" if hasattr(type(args), "resolve_once") else "model_config", model_config)
+    assert compat.model_config() is model_config and compat.model_config(args) is model_config
     assert compat.hisparse_config_json(args) == text
     assert compat.hisparse_config_json() == text  # parse_hisparse_config() without arguments (0.5.19+)
     for config in (_parse_hisparse_config(args), _parse_hisparse_config()):

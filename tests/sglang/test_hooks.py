@@ -5,10 +5,13 @@ DP controller) and the main process of an SGLang outside the supported range."""
 import json
 import multiprocessing
 import os
+import pathlib
 import pkgutil
 import subprocess
 import sys
 import textwrap
+import traceback
+import types
 
 import pytest
 from packaging.specifiers import SpecifierSet
@@ -165,9 +168,8 @@ MAIN_PROCESS = textwrap.dedent(
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
     load_plugins()
-    model_config = types.SimpleNamespace(
-        hf_config=types.SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048)
-    )
+    hf_config = types.SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048)
+    model_config = types.SimpleNamespace(hf_config=hf_config, hf_text_config=hf_config)
     view = types.SimpleNamespace(
         enable_hisparse=True, disable_radix_cache=True, kv_cache_dtype="bfloat16", hisparse_config='{"top_k": 1}',
         get_model_config=lambda: model_config, _model_config=model_config,
@@ -211,3 +213,115 @@ def test_the_main_process_registers_validation_hooks_only():
     assert report["raised"][0] == "HiSparseConfigError"  # our validation ran (top_k 1 < page size)
     assert report["errors"] == []
     assert not report["model_runner_imported"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# One --hisparse-config for every reader, with the model's index_topk
+
+TINY_DSV32 = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "models" / "tiny-dsv32" / "config.json"
+# No top_k: it is the model's index_topk (512). A buffer of 1024 is valid only with that top_k (the default
+# 2048 would need at least 2048 slots), and its default would be 1024 rather than 2048's 4096.
+CONFIG_WITHOUT_TOP_K = '{"device_buffer_size": 1024, "host_to_device_ratio": 4}'
+
+
+def tiny_model_with_index_topk(directory: pathlib.Path, index_topk: int) -> str:
+    """The tiny DeepSeek-V3.2 of benchmarks/models with another index_topk."""
+    config = json.loads(TINY_DSV32.read_text())
+    config["index_topk"] = index_topk
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def _readers_in_a_scheduler_like_process(conn, model_path: str, text: str) -> None:
+    """A spawned child, like an SGLang scheduler: SGLang's process setup (published server args, gloo
+    parallel state of one rank), the plugin loaded by load_plugins(), then the readers of
+    --hisparse-config in SGLang's order: parse_hisparse_config as the installed release calls it (its
+    KV-pool sizing), the pool and allocator built with its host_to_device_ratio, and the model runner's
+    maybe_init_hisparse_coordinator."""
+    try:
+        import inspect
+
+        import torch
+        from pd_decode_harness import init_single_rank_scheduler
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.distributed import parallel_state
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.server_args import ServerArgs
+
+        server_args = ServerArgs(model_path="dummy", device="cpu", host="127.0.0.1", page_size=64, hisparse_config=text)
+        init_single_rank_scheduler(server_args)
+        # The model: SGLang memoizes its ModelConfig on the server-args record (model_config_of from 0.5.19,
+        # get_model_config() before). Resolving the record against a DSA model would query a GPU.
+        model_config = ModelConfig(model_path)
+        setattr(server_args, "_model_config" if hasattr(ServerArgs, "resolve_once") else "model_config", model_config)
+        os.environ["SGLANG_PLUGINS"] = "hisparse"
+        from sglang.srt.mem_cache.sparsity import factory
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+        takes_server_args = bool(inspect.signature(factory.parse_hisparse_config).parameters)  # up to 0.5.18
+        sparse = [factory.parse_hisparse_config(server_args) if takes_server_args else factory.parse_hisparse_config()
+                  for _ in range(2)]
+        from hisparse_sglang.integration.sglang.allocator import HiSparseTokenAllocator
+        from hisparse_sglang.integration.sglang.pool import HiSparseDevicePool
+
+        ratio = sparse[0].host_to_device_ratio
+        pool = HiSparseDevicePool(
+            size=64 * 40, page_size=64, kv_lora_rank=512, dtype=torch.bfloat16, qk_rope_head_dim=64, layer_num=2,
+            device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=576, host_to_device_ratio=ratio,
+        )
+        allocator = HiSparseTokenAllocator(
+            64 * 40, page_size=64, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False,
+            host_to_device_ratio=ratio,
+        )
+        tp_group = parallel_state.get_tp_group()
+        model_runner = types.SimpleNamespace(
+            enable_hisparse=True, server_args=server_args, model_config=model_config, device="cpu",
+            token_to_kv_pool_allocator=allocator, tp_group=tp_group, attention_tp_group=tp_group,
+            req_to_token_pool=ReqToTokenPool(size=4, max_context_len=4096, device="cpu", enable_memory_saver=False),
+        )
+        ModelRunner.maybe_init_hisparse_coordinator(model_runner)
+        started = pool.runtime.config
+        from hisparse_sglang.integration.sglang.validation import hisparse_config
+
+        fields = ("top_k", "device_buffer_size", "host_to_device_ratio", "swap_in_block_size", "page_size")
+        report = {
+            "sparse_configs": [{name: getattr(config, name) for name in fields} for config in sparse],
+            "coordinator": {name: getattr(started, name) for name in fields},
+            "coordinator_top_k": model_runner.hisparse_coordinator.top_k,
+            "one_object": hisparse_config(server_args if takes_server_args else None) is started,
+        }
+    except BaseException:
+        report = {"error": traceback.format_exc()}
+    conn.send(report)
+    conn.close()
+    os._exit(0)
+
+
+def test_sglang_and_the_coordinator_read_one_config_with_the_models_index_topk(tmp_path):
+    """With a model whose index_topk is not 2048 and no top_k set, SGLang's SparseConfig (its KV-pool
+    sizing) and the coordinator get the same values, from one object: once, SGLang's parsed without the
+    model (top_k 2048, which this buffer cannot hold: the scheduler failed after validation passed)."""
+    model_path = tiny_model_with_index_topk(tmp_path / "tiny-dsv32-topk512", 512)
+    context = multiprocessing.get_context("spawn")
+    parent, child_conn = context.Pipe()
+    child = context.Process(
+        target=_readers_in_a_scheduler_like_process, args=(child_conn, model_path, CONFIG_WITHOUT_TOP_K)
+    )
+    child.start()
+    try:
+        assert parent.poll(600), "the scheduler-like process sent nothing within 600 s"
+        report = parent.recv()
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    assert "error" not in report, report.get("error")
+    expected = {"top_k": 512, "device_buffer_size": 1024, "host_to_device_ratio": 4, "swap_in_block_size": None,
+                "page_size": 64}
+    assert report["coordinator"] == expected and report["coordinator_top_k"] == 512
+    # SparseConfig's swap_in_block_size is never null: SGLang's field is an int (the op's default, 1024)
+    assert report["sparse_configs"] == [{**expected, "swap_in_block_size": 1024}] * 2
+    assert report["one_object"]

@@ -28,8 +28,9 @@ def server_args(architecture="DeepseekV32ForCausalLM", index_topk=2048, hf_confi
     values.update(overrides)
     args = types.SimpleNamespace(**values)
     # How SGLang's validate_hisparse reaches the model: get_model_config() up to 0.5.18; from 0.5.19
-    # model_config_of(), which hands back a ModelConfig a fixture stored on the record.
-    model_config = types.SimpleNamespace(hf_config=hf_config)
+    # model_config_of(), which hands back a ModelConfig a fixture stored on the record. A text-only
+    # model's hf_text_config is its hf_config.
+    model_config = types.SimpleNamespace(hf_config=hf_config, hf_text_config=hf_config)
     args.get_model_config = lambda: model_config
     args._model_config = model_config
     return args
@@ -121,26 +122,71 @@ def test_tiny_models_parse_with_sglang_and_are_accepted(name):
                          dsa_decode_backend="flashmla_kv", dsa_prefill_backend="flashmla_kv"))
 
 
-# Every architecture some supported release classifies as DSA (docs/sglang-versions.md), and others.
-ARCHITECTURES = [
-    "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV3ForCausalLMNextN", "MistralLarge3ForCausalLM",
-    "PixtralForConditionalGeneration", "GlmMoeDsaForCausalLM", "GlmMoeDsaForCausalLMNextN",
-    "LongcatFlashForCausalLM", "LongcatFlashForCausalLMNextN", "Dots3NoteForCausalLM", "Dots3NoteForCausalLMNextN",
-    "Glm5NextForConditionalGeneration", "Glm5NextForConditionalGenerationNextN", "HYV4ForCausalLM",
-    "HYV4ForCausalLMNextN", "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM",
-]
+def test_validation_and_sglangs_sparse_config_take_top_k_from_a_model_whose_index_topk_is_not_2048(tmp_path):
+    """No top_k in --hisparse-config: validation (main process) and the SparseConfig SGLang sizes its
+    pools by both use the model's index_topk, 512, and its default buffer (1024, not 2048's 4096)."""
+    import json
 
+    from sglang.srt.configs.model_config import ModelConfig
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_a_model_is_accepted_exactly_when_the_installed_release_serves_it_as_dsa(architecture):
-    from sglang.srt.configs.model_config import is_deepseek_dsa
+    from hisparse_sglang.integration.sglang import compat
+    from hisparse_sglang.integration.sglang.hooks import _parse_hisparse_config
+    from hisparse_sglang.integration.sglang.validation import validate_server_args
 
-    args = server_args(architecture=architecture)
-    if is_deepseek_dsa(args.get_model_config().hf_config):
+    config = json.loads((TINY_MODELS / "tiny-dsv32" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "index_topk": 512}))
+    model_config = ModelConfig(str(tmp_path))
+    assert model_config.hf_text_config.index_topk == 512
+    for text, buffer in (('{"host_to_device_ratio": 4}', 1024), ('{"device_buffer_size": 512}', 512)):
+        args = server_args(hf_config=model_config.hf_config, hisparse_config=text)
         validate(args)
+        settings, model = compat.validation_inputs(args)
+        validated = validate_server_args(
+            settings, model, kv_cache_dtype="bfloat16", **compat.model_kind(model.hf_config)
+        )
+        sparse = _parse_hisparse_config(args)
+        assert (validated.top_k, validated.device_buffer_size) == (512, buffer)
+        assert (sparse.top_k, sparse.device_buffer_size) == (512, buffer)
+    with pytest.raises(HiSparseConfigError, match=r"differs from the model's index_topk \(512\)"):
+        _parse_hisparse_config(server_args(hf_config=model_config.hf_config, hisparse_config='{"top_k": 2048}'))
+
+
+# Each architecture and the first supported release that serves it as DeepSeek Sparse Attention (read in
+# the wheels' is_deepseek_dsa; docs/sglang-versions.md, "Models"), or None for none of them. With an
+# index_topk, validation accepts the model exactly from that release on.
+DSA_FROM = {
+    "DeepseekV3ForCausalLM": "0.5.17", "DeepseekV32ForCausalLM": "0.5.17", "DeepseekV3ForCausalLMNextN": "0.5.17",
+    "MistralLarge3ForCausalLM": "0.5.17", "PixtralForConditionalGeneration": "0.5.17",
+    "GlmMoeDsaForCausalLM": "0.5.17", "GlmMoeDsaForCausalLMNextN": "0.5.17", "LongcatFlashForCausalLM": "0.5.17",
+    "LongcatFlashForCausalLMNextN": "0.5.17",
+    "Dots3NoteForCausalLM": "0.5.19", "Dots3NoteForCausalLMNextN": "0.5.19",
+    "Glm5NextForConditionalGeneration": "0.5.20", "Glm5NextForConditionalGenerationNextN": "0.5.20",
+    "HYV4ForCausalLM": "0.5.20", "HYV4ForCausalLMNextN": "0.5.20",
+    "DeepseekV2ForCausalLM": None, "Glm4MoeForCausalLM": None, "LlamaForCausalLM": None, "Qwen3ForCausalLM": None,
+}
+
+
+def installed_release():
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(Version(version("sglang")).base_version)
+
+
+@pytest.mark.parametrize("architecture,dsa_from", DSA_FROM.items())
+def test_a_model_is_accepted_exactly_from_the_release_that_serves_it_as_dsa(architecture, dsa_from):
+    from packaging.version import Version
+
+    accepted = dsa_from is not None and installed_release() >= Version(dsa_from)
+    if accepted:
+        validate(server_args(architecture=architecture))
     else:
         with pytest.raises(UnsupportedSetupError, match=f"{architecture} is not one"):
-            validate(args)
+            validate(server_args(architecture=architecture))
+    # Without an index_topk no release serves it as DSA.
+    with pytest.raises(UnsupportedSetupError, match=f"{architecture} is not one"):
+        validate(server_args(hf_config=types.SimpleNamespace(architectures=[architecture])))
 
 
 def test_dsa_models_with_kda_layers_or_pooled_index_keys_are_refused_by_name():

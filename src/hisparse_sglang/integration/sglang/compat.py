@@ -161,18 +161,39 @@ def hisparse_config_json(server_args=None) -> str | None:
 
 def validation_inputs(server_args):
     """What ``validate_hisparse(server_args)`` reads: the resolved server-argument view and the
-    model's Hugging Face config.
-
-    SGLang passes its resolution view; up to 0.5.18 the view reaches the model through
-    ``get_model_config()``, from 0.5.19 through ``model_override_base.model_config_of``.
-    """
+    model's ``ModelConfig`` (:func:`model_config`)."""
     try:
-        from sglang.srt.arg_groups.model_override_base import model_config_of, resolved_view
+        from sglang.srt.arg_groups.model_override_base import resolved_view
     except ImportError:  # 0.5.17, 0.5.18
         from sglang.srt.arg_groups.overrides import resolved_view
+    return resolved_view(server_args), model_config(server_args)
 
-        return resolved_view(server_args), server_args.get_model_config().hf_config
-    return resolved_view(server_args), model_config_of(server_args).hf_config
+
+def model_config(server_args=None):
+    """SGLang's ``ModelConfig`` of the server being started, built on first use and memoized by SGLang
+    on its server-argument record: ``get_model_config()`` up to 0.5.18, ``model_override_base.model_config_of``
+    from 0.5.19 (which also takes a view).
+
+    Args:
+        server_args: the record or view SGLang passed; None: this process's published record
+            (``get_server_args()``; from 0.5.19 ``parse_hisparse_config()`` takes no argument).
+    """
+    if server_args is None:
+        from sglang.srt.runtime_context import get_server_args
+
+        server_args = get_server_args()
+    try:
+        from sglang.srt.arg_groups.model_override_base import model_config_of
+    except ImportError:  # 0.5.17, 0.5.18
+        return server_args.get_model_config()
+    return model_config_of(server_args)
+
+
+def model_index_topk(model_config) -> int | None:
+    """The tokens a DSA model's indexer selects per layer and step (``index_topk``), read where SGLang's
+    model runner reads it: the text config of ``model_config`` (the model's own config, or the language
+    model's inside a multimodal one). None: the model declares none."""
+    return getattr(model_config.hf_text_config, "index_topk", None)
 
 
 def model_kind(hf_config) -> dict[str, bool | int]:

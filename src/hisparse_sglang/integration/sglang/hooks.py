@@ -45,8 +45,10 @@ def _validate_hisparse(server_args) -> None:
         return
     from hisparse_sglang.integration.sglang.validation import validate_server_args
 
-    settings, hf_config = compat.validation_inputs(server_args)
-    validate_server_args(settings, hf_config, kv_cache_dtype=str(settings.kv_cache_dtype), **compat.model_kind(hf_config))
+    settings, model_config = compat.validation_inputs(server_args)
+    validate_server_args(
+        settings, model_config, kv_cache_dtype=str(settings.kv_cache_dtype), **compat.model_kind(model_config.hf_config)
+    )
 
 
 def _refuse_unsupported_sglang(server_args) -> None:
@@ -57,17 +59,19 @@ def _refuse_unsupported_sglang(server_args) -> None:
 
 
 def _parse_hisparse_config(server_args=None):
-    """REPLACE parse_hisparse_config: SGLang's SparseConfig, filled from our validated config."""
+    """REPLACE parse_hisparse_config: SGLang's SparseConfig, filled from the process's one validated
+    config (the model's index_topk included: the coordinator starts from the same object)."""
     from sglang.srt.mem_cache.sparsity.core.sparse_coordinator import SparseConfig
 
-    from hisparse_sglang.config import HiSparseConfig
+    from hisparse_sglang.integration.sglang.validation import hisparse_config
+    from hisparse_sglang.ops.swap_in_plan import DEFAULT_THREADS
 
-    config = HiSparseConfig.from_json(compat.hisparse_config_json(server_args))
+    config = hisparse_config(server_args)
     return SparseConfig(
         top_k=config.top_k,
         device_buffer_size=config.device_buffer_size,
         host_to_device_ratio=config.host_to_device_ratio,
-        swap_in_block_size=config.swap_in_block_size or 1024,
+        swap_in_block_size=config.swap_in_block_size or DEFAULT_THREADS,
         page_size=config.page_size,
     )
 
@@ -91,7 +95,7 @@ def _maybe_init_hisparse_coordinator(self) -> None:
     if getattr(self, "is_draft_worker", False):
         raise UnsupportedSetupError("HiSparse does not support speculative decoding (a draft worker was created).")
     from hisparse_sglang.integration.sglang.runtime import runtime_of
-    from hisparse_sglang.integration.sglang.validation import config_from_server_args
+    from hisparse_sglang.integration.sglang.validation import hisparse_config
 
     runtime = runtime_of(self.token_to_kv_pool_allocator)
     if runtime is None:
@@ -99,8 +103,7 @@ def _maybe_init_hisparse_coordinator(self) -> None:
             f"HiSparse expected its own KV allocator but SGLang built {type(self.token_to_kv_pool_allocator).__name__}; "
             f"the hisparse-sglang hooks did not apply (see the HookRegistry log lines)."
         )
-    index_topk = getattr(self.model_config.hf_text_config, "index_topk", None)
-    config = config_from_server_args(self.server_args, model_index_topk=index_topk)
+    config = hisparse_config(self.server_args, self.model_config)
     self.hisparse_coordinator = runtime.start(
         config, self.req_to_token_pool, self.device, tp_group=compat.coordinator_cpu_group(self),
         dp_attention=compat.attention_dp_size() > 1,
@@ -367,7 +370,8 @@ HOOKS: tuple[HookSpec, ...] = (
     ),
     HookSpec(
         "sglang.srt.mem_cache.sparsity.factory.parse_hisparse_config", "REPLACE", lambda: _parse_hisparse_config,
-        why="one strict parser for --hisparse-config (SGLang's accepts unknown keys and unchecked ratios)",
+        why="one strict parse of --hisparse-config, with the model's index_topk, for SGLang and the coordinator "
+        "(SGLang's accepts unknown keys and unchecked ratios, and takes top_k 2048 whatever the model's index_topk)",
         upstream="config parsing delegated to the sparse backend",
         scheduler_only=False,
     ),

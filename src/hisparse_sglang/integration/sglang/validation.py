@@ -10,23 +10,59 @@ host-pool retraction backup (0.5.18+). Each message names the feature and the wa
 
 from __future__ import annotations
 
+import functools
+
 from hisparse_sglang.config import HiSparseConfig, parse_config_text
 from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
+from hisparse_sglang.integration.sglang import compat
 
-__all__ = ["validate_server_args", "config_from_server_args", "ALLOWED_BACKENDS"]
+__all__ = ["validate_server_args", "hisparse_config", "config_from_server_args", "ALLOWED_BACKENDS"]
 
 # KV cache dtype -> DSA backends whose decode path calls the swap-in (SGLang 0.5.17, CUDA).
 ALLOWED_BACKENDS = {"bfloat16": ("flashmla_sparse",), "fp8_e4m3": ("flashmla_kv",)}
 DSA_PAGE_SIZE = 64
 
 
+def hisparse_config(server_args=None, model_config=None) -> HiSparseConfig:
+    """The HiSparseConfig every reader of ``--hisparse-config`` gets: startup validation (main
+    process), SGLang's ``parse_hisparse_config`` (the SparseConfig its KV-pool sizing reads, in each
+    scheduler) and the coordinator's start (scheduler). All of them see the model's ``index_topk``
+    (the default and the required value of top_k), so SGLang's view and the coordinator's cannot
+    disagree, and within a process they get the same object (:func:`config_from_server_args`).
+
+    Args:
+        server_args: SGLang's server-argument record or view; None: this process's published
+            settings (from 0.5.19 ``parse_hisparse_config()`` takes no argument).
+        model_config: SGLang's ``ModelConfig`` where the caller holds it (the model runner's);
+            None: the one SGLang memoizes on the server arguments (``compat.model_config``).
+
+    Raises:
+        HiSparseConfigError: --hisparse-config is invalid for this model and --page-size.
+    """
+    if model_config is None:
+        model_config = compat.model_config(server_args)
+    return config_from_server_args(server_args, model_index_topk=compat.model_index_topk(model_config))
+
+
 def config_from_server_args(server_args, model_index_topk: int | None = None) -> HiSparseConfig:
-    """HiSparseConfig from ``--hisparse-config``, its page size checked against SGLang's
-    ``--page-size`` (raises HiSparseConfigError naming whichever of the two the user set)."""
-    values = parse_config_text(getattr(server_args, "hisparse_config", None))
-    config = HiSparseConfig.from_dict(values, model_index_topk=model_index_topk)
-    _check_page_size(config.page_size, "page_size" in values, getattr(server_args, "page_size", None))
+    """HiSparseConfig from ``--hisparse-config`` (where the installed release keeps it) and the
+    model's ``index_topk``, its page size checked against SGLang's ``--page-size`` when
+    ``server_args`` is given (raises HiSparseConfigError naming whichever of the two the user set)."""
+    config, page_size_set = _parsed(compat.hisparse_config_json(server_args), model_index_topk)
+    if server_args is not None:
+        _check_page_size(config.page_size, page_size_set, getattr(server_args, "page_size", None))
     return config
+
+
+# SGLang asks for its SparseConfig several times while it sizes a scheduler's KV pools, then the
+# coordinator starts: the text is parsed once per process and every reader gets that one frozen
+# object. The result is a function of the two arguments alone (no state to go stale); an invalid
+# text raises each time, since errors are not cached.
+@functools.lru_cache(maxsize=4)
+def _parsed(text: str | None, model_index_topk: int | None) -> tuple[HiSparseConfig, bool]:
+    """(the config, whether the text sets page_size)."""
+    values = parse_config_text(text)
+    return HiSparseConfig.from_dict(values, model_index_topk=model_index_topk), "page_size" in values
 
 
 def _check_page_size(config_page_size: int, set_in_config: bool, server_page_size: int | None) -> None:
@@ -63,7 +99,7 @@ _IN_TREE = (
 
 def validate_server_args(
     args,
-    hf_config,
+    model_config,
     kv_cache_dtype: str,
     dsa: bool,
     dsv4: bool = False,
@@ -75,7 +111,7 @@ def validate_server_args(
 
     Args:
         args: SGLang's ServerArgs (or its resolved view).
-        hf_config: the model's Hugging Face config.
+        model_config: SGLang's ``ModelConfig`` of the model (``compat.model_config``).
         kv_cache_dtype: the resolved KV cache dtype ("bfloat16", "fp8_e4m3", ...).
         dsa, dsv4, minimax_sparse, kda_hybrid, index_kpool: SGLang's model classification
             (``compat.model_kind``).
@@ -84,7 +120,7 @@ def validate_server_args(
         UnsupportedSetupError: the model, a flag or a backend cannot run HiSparse.
         HiSparseConfigError: --hisparse-config is invalid.
     """
-    _check_model(hf_config, dsa, dsv4, minimax_sparse, kda_hybrid, index_kpool)
+    _check_model(model_config.hf_config, dsa, dsv4, minimax_sparse, kda_hybrid, index_kpool)
     if not getattr(args, "disable_radix_cache", False):
         raise UnsupportedSetupError("--enable-hisparse requires --disable-radix-cache; add it to the command line.")
     if getattr(args, "disaggregation_mode", "null") == "prefill":
@@ -127,7 +163,7 @@ def validate_server_args(
             raise UnsupportedSetupError(
                 f"hisparse-sglang with a {dtype} KV cache needs {flag} {' or '.join(allowed)}, got {backend!r}."
             )
-    return config_from_server_args(args, model_index_topk=getattr(hf_config, "index_topk", None))
+    return hisparse_config(args, model_config)
 
 
 def _check_model(hf_config, dsa: bool, dsv4: bool, minimax_sparse: bool, kda_hybrid: bool, index_kpool: int) -> None:
