@@ -3,7 +3,8 @@
 #   1. builds the kernels: the production build, the three test variants (HISPARSE_TEST_LATE_COPIERS_NS,
 #      HISPARSE_TEST_LATE_ARRIVALS_NS, HISPARSE_TEST_LATE_PLANNER_NS) and the production build of HEAD's csrc/
 #      (the table's "against"), in parallel;
-#   2. tests/gpu/test_swap_in.py, test_swap_in_variant.py, test_swap_in_progress.py (the hog tests need CuPy);
+#   2. tests/gpu/test_swap_in.py, test_swap_in_variant.py, test_swap_in_progress.py (the hog tests need CuPy),
+#      test_swap_in_positions.py (the verify step's kernels);
 #   3. compute-sanitizer memcheck and racecheck on tests/gpu/sanitize_swap_in.py (production and both variants);
 #   4. bench_swap_in.py table --against <HEAD's csrc>: 1152-B rows, bs 1 8 32 64 128, 0 5 20 100 % misses, 3 rounds
 #      (20 of the 50 cells of the full table; TABLE_ARGS replaces these options);
@@ -80,9 +81,9 @@ echo "builds: $([ $failed -eq 0 ] && echo ok || echo FAILED) in $((SECONDS - beg
 [ $failed -eq 0 ] || { tail -30 "$OUT"/build_*.log; exit 1; }
 
 # 2. The swap-in tests.
-step "swap-in tests" 300 "$OUT/gpu_tests_swap_in.log" \
+step "swap-in tests" 480 "$OUT/gpu_tests_swap_in.log" \
   python3 -m pytest -q -rs --durations=10 tests/gpu/test_swap_in.py tests/gpu/test_swap_in_variant.py \
-  tests/gpu/test_swap_in_progress.py
+  tests/gpu/test_swap_in_progress.py tests/gpu/test_swap_in_positions.py
 tail -3 "$OUT/gpu_tests_swap_in.log"
 
 # 3. compute-sanitizer (the variants are built: nothing compiles under the sanitizer).
@@ -106,7 +107,8 @@ fi
 # 5. The other GPU tests (OTHER_TESTS=0 leaves them to another call).
 [ "${OTHER_TESTS:-1}" = 0 ] || step "other GPU tests" 300 "$OUT/gpu_tests_other.log" \
   python3 -m pytest -q -rs --durations=10 tests/gpu --ignore=tests/gpu/test_swap_in.py \
-  --ignore=tests/gpu/test_swap_in_variant.py --ignore=tests/gpu/test_swap_in_progress.py
+  --ignore=tests/gpu/test_swap_in_variant.py --ignore=tests/gpu/test_swap_in_progress.py \
+  --ignore=tests/gpu/test_swap_in_positions.py
 [ "${OTHER_TESTS:-1}" = 0 ] || tail -3 "$OUT/gpu_tests_other.log"
 
 echo "total: $((SECONDS - STARTED)) s" | tee -a "$SUMMARY"

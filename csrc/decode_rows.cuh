@@ -1,4 +1,4 @@
-// Per-step row bookkeeping of a decode batch.
+// Per-step row bookkeeping of a decode batch, and of a speculative verify step.
 //
 // * bind_rows (host plan, one thread per entry): binds the new token of an offloaded request to
 //   its buffer's slot D, and maps every location of the logical page a resident request starts
@@ -6,19 +6,33 @@
 // * backup_newest (no host plan; CUDA-graph capturable): copies each request's newest token of
 //   one layer from its device row to its host row (= its logical location), right after the
 //   forward wrote it. One warp per batch row.
+// * bind_verify_slots (no host plan; one thread per batch row and verify position): before a
+//   target-verify forward, maps the locations of positions s .. s + T - 1 of every offloaded request
+//   to its buffer's verify slots D + kVerifySlotBase + j.
+// * commit_accepted (no host plan; one warp per batch row, verify position and layer, plus one per
+//   batch row and layer for slot D): after acceptance, copies the accepted positions s .. s + a - 1
+//   of every layer from device to host, and an offloaded request's newest accepted token from its
+//   verify slot into slot D. The shape is fixed ([B, T + 1] x layers), the accept lengths are read on
+//   the device.
 //
-// Reference twins: ops/reference.py::bind_rows and ::backup_newest.
+// The verify kernels read s (seq_lens) and a (accept_lens) on the device: no host synchronization, and
+// a CUDA graph may capture them.
+//
+// Reference twins: ops/reference.py::bind_rows, ::backup_newest, ::bind_verify_slots, ::commit_accepted.
 #pragma once
 
 #include <cstdint>
 
-#include "primitives.cuh"  // load_index, kWarpSize
+#include "primitives.cuh"      // load_index, kWarpSize
+#include "swap_in_config.h"    // kVerifySlotBase
 
 namespace hisparse {
 
-// Launch of both kernels: kDecodeRowThreads per block; backup_newest gives each batch row one warp.
+// Launch of every kernel here: kDecodeRowThreads per block; backup_newest gives each batch row one warp,
+// commit_accepted each row copy (a batch row, a position or slot D, a layer) one warp.
 constexpr int kDecodeRowThreads = 128;
 constexpr int kBackupNewestRowsPerBlock = kDecodeRowThreads / kWarpSize;
+constexpr int kCommitCopiesPerBlock = kDecodeRowThreads / kWarpSize;
 
 // Bind kind besides a page ordinal (>= 0: the new token starts a page, mapped to new_pages[ordinal]).
 constexpr int64_t kBindBufferSlot = -2;  // offloaded: its buffer's slot D
@@ -50,6 +64,48 @@ struct BackupNewestParams {
   int64_t batch;
   int64_t row_words;
   int fence_system;  // other processes read host_kv: make the stores visible system-wide before exiting
+};
+
+struct BindVerifySlotsParams {
+  const void* req_pool_indices;  // [B] int32 or int64
+  const void* seq_lens;  // [B] int32 or int64: s, the committed length
+  int req_pool_indices_is_64;
+  int seq_lens_is_64;
+  const int32_t* num_real_reqs;  // [1]: rows >= this are left alone
+  const int32_t* req_to_token;  // [R, C]
+  int64_t req_to_token_stride;
+  int64_t context;  // C: positions at or past it have no location (skipped)
+  int32_t* device_row_of_loc;  // [N + 1], written
+  const int32_t* buffer_of_req;  // [R]: -1 resident (left alone)
+  const int32_t* slot_rows;  // [NB, D + page]
+  int64_t slot_rows_stride;
+  int64_t buffer_size;  // D
+  int64_t batch;
+  int64_t num_positions;  // T
+};
+
+struct CommitAcceptedParams {
+  const void* req_pool_indices;  // [B] int32 or int64
+  const void* seq_lens;  // [B] int32 or int64: s before this verify
+  const void* accept_lens;  // [B] int32 or int64: a, accepted positions
+  int req_pool_indices_is_64;
+  int seq_lens_is_64;
+  int accept_lens_is_64;
+  const int32_t* num_real_reqs;  // [1]: rows >= this are skipped
+  const int32_t* req_to_token;  // [R, C]
+  int64_t req_to_token_stride;
+  int64_t context;  // C
+  const int32_t* device_row_of_loc;  // [N + 1]
+  const int32_t* buffer_of_req;  // [R]
+  const int32_t* slot_rows;  // [NB, D + page]
+  int64_t slot_rows_stride;
+  int64_t buffer_size;  // D
+  const uint64_t* device_layers;  // [L] base addresses of the device KV of each layer
+  const uint64_t* host_layers;  // [L] base addresses of the pinned host KV of each layer
+  int64_t layers;
+  int64_t row_words;  // 16-byte words per row
+  int64_t batch;
+  int64_t num_positions;  // T
 };
 
 // New locations are distinct and a fresh page's locations belong to its request alone, so the
@@ -89,6 +145,67 @@ __global__ void backup_newest_kernel(const BackupNewestParams p) {
   // this thread, hence before the kernel completes and the collective starts
   // (docs/shared-host-pool.md, "Ordering").
   if (p.fence_system) __threadfence_system();
+}
+
+// Thread (b, j): the location of position s + j of batch row b's request, if offloaded, maps to verify
+// slot D + kVerifySlotBase + j of its buffer. Requests in a batch are distinct, so no two threads write
+// the same map entry.
+__global__ void bind_verify_slots_kernel(const BindVerifySlotsParams p) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= p.batch * p.num_positions) return;
+  const int64_t b = i / p.num_positions;
+  const int64_t j = i - b * p.num_positions;
+  if (b >= int64_t(*p.num_real_reqs)) return;
+  const int64_t slot = load_index(p.req_pool_indices, p.req_pool_indices_is_64, b);
+  const int32_t buffer = p.buffer_of_req[slot];
+  if (buffer < 0) return;
+  const int64_t position = load_index(p.seq_lens, p.seq_lens_is_64, b) + j;
+  if (position < 0 || position >= p.context) return;  // no location (a precondition of the reference)
+  const int64_t loc = p.req_to_token[slot * p.req_to_token_stride + position];
+  if (loc < 0) return;  // not allocated (the reference's precondition)
+  p.device_row_of_loc[loc] = p.slot_rows[int64_t(buffer) * p.slot_rows_stride + p.buffer_size + kVerifySlotBase + j];
+}
+
+// Warp w of the grid is copy (b, j, layer) with w = (b * (T + 1) + j) * L + layer: for j < a, the row of
+// position s + j goes from its device row (device_row_of_loc of its location) to its host row (the
+// location); j == T copies an offloaded request's verify slot D + kVerifySlotBase + a - 1 into slot D.
+// Rejected positions (j >= a), a == 0 and rows >= num_real_reqs copy nothing; so does an accept length
+// outside [0, T], which the reference refuses (the kernel cannot raise: a precondition here). The rows
+// read (the accepted positions' device rows, the verify slots) are never the rows written (host rows,
+// slot D), so the copies do not depend on one another.
+__global__ void commit_accepted_kernel(const CommitAcceptedParams p) {
+  const int64_t warps_per_block = blockDim.x / kWarpSize;
+  const int64_t w = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / kWarpSize;
+  const int64_t copies_per_row = (p.num_positions + 1) * p.layers;
+  if (w >= p.batch * copies_per_row) return;
+  const int64_t b = w / copies_per_row;
+  const int64_t rest = w - b * copies_per_row;
+  const int64_t j = rest / p.layers;
+  const int64_t layer = rest - j * p.layers;
+  if (b >= int64_t(*p.num_real_reqs)) return;
+  const int64_t accepted = load_index(p.accept_lens, p.accept_lens_is_64, b);
+  if (accepted < 1 || accepted > p.num_positions || (j < p.num_positions && j >= accepted)) return;
+  const int64_t slot = load_index(p.req_pool_indices, p.req_pool_indices_is_64, b);
+  const uint4* src;
+  uint4* dst;
+  uint4* device_kv = reinterpret_cast<uint4*>(p.device_layers[layer]);
+  if (j < p.num_positions) {
+    const int64_t position = load_index(p.seq_lens, p.seq_lens_is_64, b) + j;
+    if (position < 0 || position >= p.context) return;
+    const int64_t loc = p.req_to_token[slot * p.req_to_token_stride + position];
+    if (loc < 0) return;  // not allocated (the reference's precondition)
+    const int64_t device_row = p.device_row_of_loc[loc];
+    if (device_row < 0) return;  // an unbound location (the reference's precondition)
+    src = device_kv + device_row * p.row_words;
+    dst = reinterpret_cast<uint4*>(p.host_layers[layer]) + loc * p.row_words;
+  } else {
+    const int32_t buffer = p.buffer_of_req[slot];
+    if (buffer < 0) return;
+    const int32_t* rows = p.slot_rows + int64_t(buffer) * p.slot_rows_stride + p.buffer_size;
+    src = device_kv + int64_t(rows[kVerifySlotBase + accepted - 1]) * p.row_words;
+    dst = device_kv + int64_t(rows[0]) * p.row_words;
+  }
+  for (int64_t word = threadIdx.x % kWarpSize; word < p.row_words; word += kWarpSize) dst[word] = src[word];
 }
 
 }  // namespace hisparse

@@ -31,6 +31,18 @@
 // grid is co-resident (docs/kernels.md, "Forward progress"). The last CTA of an offloaded row to
 // finish resets the row's flag, counter word and claim words, so the kernel can be replayed in a CUDA
 // graph without host involvement.
+//
+// swap_in_positions (swap_in_positions_kernel; reference.py::swap_in_positions): one target-verify
+// forward asks for T query positions per request. The batch row is the request and its entries are the
+// T x K entries of its positions (top_k [B, T, K], each row's T x K entries contiguous; position_width =
+// K); entry i belongs to query position j = i / K, whose causal limit is s + j (s = seq_lens[b], the
+// committed length). The same planner and copiers run on the row with length s: history entries
+// (t < s - 1) of every position are looked up, deduplicated and copied together, in position-major
+// order, exactly as swap_in serves one row of them; the newest accepted token (t == s - 1) maps to slot
+// D and a verify token t in [s, s + j] to slot D + kVerifySlotBase + (t - s), both in the hit path; a
+// resident request translates every entry up to its position's limit. The shared-memory plan is sized
+// by the T x K entries (ops/swap_in_plan.py::swap_in_positions_plan). Both kernels share one body,
+// specialised at compile time (POSITIONS), so swap_in's code is the one-position kernel's as before.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -107,6 +119,9 @@ struct SwapInParams {
   int buffer_size;                   // D <= kMaxBufferSize
   int splits;                        // CTAs per batch row, in [1, kMaxSplits]
   SwapInSmemPlan plan;
+  // swap_in_positions only (num_top_k is then T x K): entries per query position, K. Last, so the
+  // fields swap_in reads keep their offsets.
+  int position_width;
 };
 
 // Phase timestamps for diagnostics (`benchmarks/bench_swap_in.py trace` builds with -DHISPARSE_TRACE):
@@ -404,7 +419,9 @@ __device__ __forceinline__ bool copier(const SwapInParams& p, int b, int c, int 
 // The planner CTA (part 0) of an offloaded request; see the file comment. Looks every entry up,
 // and if any missed: ranks the misses, selects the least recently used slots not hit, updates the
 // tables, writes the missed entries' outputs and copies the rows of the misses no copier claimed.
-template <int THREADS>
+// POSITIONS (swap_in_positions): K counts the entries of every query position, and a verify token
+// takes its verify slot's row in the hit path.
+template <int THREADS, bool POSITIONS>
 __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int D, int32_t* out, const int32_t* top_k,
                                         const int32_t (&first_batch)[kBatch], const int32_t* positions_to_loc,
                                         int32_t buffer, int32_t now, int32_t newest, int16_t* token_slot,
@@ -466,8 +483,18 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) slot[u] = (t[u] >= 0 && t[u] < newest) ? token_slot[t[u]] : -1;
       int32_t row[kBatch];
+      if constexpr (POSITIONS) {
+        // A verify token t in [s, s + j] of query position j = i / position_width: its verify slot's row,
+        // loaded with the hits' rows (now = s, newest = s - 1).
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) row[u] = slot[u] >= 0 ? slot_rows[slot[u]] : -1;
+        for (int u = 0; u < kBatch; ++u) {
+          const bool verify = t[u] > newest && t[u] - now <= (base + u * THREADS) / p.position_width;
+          row[u] = slot[u] >= 0 ? slot_rows[slot[u]] : (verify ? slot_rows[D + kVerifySlotBase + (t[u] - now)] : -1);
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) row[u] = slot[u] >= 0 ? slot_rows[slot[u]] : -1;
+      }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int i = base + u * THREADS;
@@ -485,14 +512,15 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
           }
         }
         entry_state[i] = state;
-        // Outputs of padding, the newest token and hits; hits stamp their slot.
+        // Outputs of padding, the newest token and hits (and of verify tokens, whose row[u] is their
+        // slot's); hits stamp their slot.
         if (state >= 0) {
           out[i] = row[u];
           stamps[state] = now;
         } else if (state == kNewest) {
           out[i] = newest_row;
         } else if (state == kDone) {
-          out[i] = -1;
+          out[i] = POSITIONS ? row[u] : -1;
         }
       }
     }
@@ -736,8 +764,9 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
   HISPARSE_DUMP("plan");
 }
 
-template <int THREADS>
-__global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) {
+// One CTA of either kernel (the file comment): its batch row, its part, its role.
+template <int THREADS, bool POSITIONS>
+__device__ __forceinline__ void swap_in_cta(const SwapInParams& p) {
   static_assert(THREADS % kWarpSize == 0 && THREADS <= 1024, "block size");
   // Every byte of shared memory is in the host's plan (none is declared statically here).
   extern __shared__ __align__(16) uint8_t smem[];
@@ -784,8 +813,17 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
         int32_t t[kBatch];
         int32_t loc[kBatch];
         load_top_k_batch<THREADS>(t, top_k, first_batch, base == tid, 0, base, K);
+        if constexpr (POSITIONS) {
+          // Entry i of query position j = i / position_width is valid up to its causal limit s + j.
 #pragma unroll
-        for (int u = 0; u < kBatch; ++u) loc[u] = (t[u] >= 0 && t[u] < seq_len) ? positions_to_loc[t[u]] : -1;
+          for (int u = 0; u < kBatch; ++u) {
+            const int64_t limit = seq_len + (base + u * THREADS) / p.position_width;
+            loc[u] = (t[u] >= 0 && t[u] <= limit) ? positions_to_loc[t[u]] : -1;
+          }
+        } else {
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) loc[u] = (t[u] >= 0 && t[u] < seq_len) ? positions_to_loc[t[u]] : -1;
+        }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
           if (base + u * THREADS < K) out[base + u * THREADS] = loc[u] >= 0 ? p.device_row_of_loc[loc[u]] : -1;
@@ -806,8 +844,19 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
     return;
   }
 
-  planner<THREADS>(p, b, K, D, out, top_k, first_batch, positions_to_loc, buffer, now, newest, token_slot, smem,
-                   warp_sums, selection);
+  planner<THREADS, POSITIONS>(p, b, K, D, out, top_k, first_batch, positions_to_loc, buffer, now, newest, token_slot,
+                              smem, warp_sums, selection);
+}
+
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) {
+  swap_in_cta<THREADS, false>(p);
+}
+
+// num_top_k = T x K entries per batch row (a request), position_width = K.
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) swap_in_positions_kernel(const SwapInParams p) {
+  swap_in_cta<THREADS, true>(p);
 }
 
 }  // namespace hisparse

@@ -99,17 +99,28 @@ int current_device(const char* op) {
 
 constexpr int kMaxDevices = 64;
 
+// The swap-in kernel of a block size: swap_in's (one query position per batch row) or swap_in_positions'.
+template <int THREADS, bool POSITIONS>
+constexpr void (*swap_in_kernel_of())(const hisparse::SwapInParams) {
+  if constexpr (POSITIONS) {
+    return hisparse::swap_in_positions_kernel<THREADS>;
+  } else {
+    return hisparse::swap_in_kernel<THREADS>;
+  }
+}
+
 // Raises (never lowers) the kernel's dynamic shared-memory limit on the current device; the one
-// place that sets it. The host checked the plan against the device already (ops/swap_in_plan.py);
-// if CUDA still refuses, the message says what was asked and what the device allows.
-template <int THREADS>
+// place that sets it (per kernel). The host checked the plan against the device already
+// (ops/swap_in_plan.py); if CUDA still refuses, the message says what was asked and what the device allows.
+template <int THREADS, bool POSITIONS>
 void ensure_smem(size_t smem, const char* op, const hisparse::SwapInSmemPlan& plan) {
   static size_t configured[kMaxDevices] = {};
   const int device = current_device(op);
   require(device >= 0 && device < kMaxDevices, op, "device index " + std::to_string(device) + " is out of range");
   if (smem <= 48 * 1024 || smem <= configured[device]) return;
   const cudaError_t status =
-      cudaFuncSetAttribute(hisparse::swap_in_kernel<THREADS>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+      cudaFuncSetAttribute(swap_in_kernel_of<THREADS, POSITIONS>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           int(smem));
   if (status != cudaSuccess) {
     cudaGetLastError();
     int optin = 0;
@@ -156,25 +167,26 @@ hisparse::SwapInSmemPlan plan_of(const TensorView& plan, const char* op) {
   return result;
 }
 
-template <int THREADS>
-void launch_swap_in(const hisparse::SwapInParams& params, cudaStream_t stream) {
+template <int THREADS, bool POSITIONS>
+void launch_swap_in(const hisparse::SwapInParams& params, cudaStream_t stream, const char* op) {
   const size_t smem = static_cast<size_t>(params.plan.total_bytes);
-  ensure_smem<THREADS>(smem, "swap_in", params.plan);
+  ensure_smem<THREADS, POSITIONS>(smem, op, params.plan);
   const int grid = params.batch * params.splits;
   clear_stale_error();
-  hisparse::swap_in_kernel<THREADS><<<grid, THREADS, smem, stream>>>(params);
+  swap_in_kernel_of<THREADS, POSITIONS>()<<<grid, THREADS, smem, stream>>>(params);
   std::ostringstream what;
-  what << "swap_in launch (grid " << grid << " x " << THREADS << " threads, " << smem << " B shared memory)";
-  check_cuda(cudaGetLastError(), "swap_in", what.str());
+  what << op << " launch (grid " << grid << " x " << THREADS << " threads, " << smem << " B shared memory)";
+  check_cuda(cudaGetLastError(), op, what.str());
 }
 
-template <int THREADS>
-int64_t occupancy(const hisparse::SwapInSmemPlan& plan) {
+template <int THREADS, bool POSITIONS>
+int64_t occupancy(const hisparse::SwapInSmemPlan& plan, const char* op) {
   int blocks = 0;
   const size_t smem = static_cast<size_t>(plan.total_bytes);
-  ensure_smem<THREADS>(smem, "swap_in_occupancy", plan);
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, hisparse::swap_in_kernel<THREADS>, THREADS, smem),
-             "swap_in_occupancy", "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  ensure_smem<THREADS, POSITIONS>(smem, op, plan);
+  check_cuda(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, swap_in_kernel_of<THREADS, POSITIONS>(), THREADS, smem),
+      op, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   return blocks;
 }
 
@@ -183,19 +195,34 @@ void require_threads(int64_t threads, const char* op) {
           "threads must be 256, 512 or 1024; got " + std::to_string(threads));
 }
 
-}  // namespace
+template <bool POSITIONS>
+void launch_swap_in_threads(const hisparse::SwapInParams& params, int64_t threads, int64_t stream, const char* op) {
+  const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
+  switch (threads) {
+    case 256: launch_swap_in<256, POSITIONS>(params, cuda_stream, op); break;
+    case 512: launch_swap_in<512, POSITIONS>(params, cuda_stream, op); break;
+    default: launch_swap_in<1024, POSITIONS>(params, cuda_stream, op); break;
+  }
+}
 
-// Device rows of one layer's top-k tokens; see ops/reference.py::swap_in for the semantics.
-void hisparse_swap_in(
-    TensorView top_k, TensorView seq_lens, TensorView req_pool_indices, TensorView num_real_reqs,
-    TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
-    TensorView slot_tokens, TensorView slot_stamps, TensorView token_slot, TensorView host_kv, TensorView device_kv, TensorView out,
-    TensorView counters, TensorView sync, TensorView plan, int64_t splits, int64_t threads, int64_t stream) {
-  constexpr const char* op = "swap_in";
-  require_tensor(top_k.ndim() == 2 && is_int(top_k, 32) && on_cuda(top_k) && top_k.stride(1) == 1, op, "top_k",
-                 "int32 [batch, top_k] on CUDA, rows contiguous", top_k);
-  const int64_t batch = top_k.size(0);
-  const int64_t K = top_k.size(1);
+// How a swap-in entry point's batch row reads in messages: its entries ("top_k (2048)" or
+// "num_draft_tokens x top_k (2 x 2048 = 4096)") and the Python function that plans them.
+struct SwapInRowText {
+  std::string entries;
+  const char* plan_call;
+};
+
+// The checks and kernel parameters the two swap-in entry points share: everything but the shapes of
+// top_k and out, which the caller checked (`batch` rows of `entries` contiguous int32 entries each,
+// rows top_k_stride / out_stride apart, `position_width` entries per query position).
+hisparse::SwapInParams swap_in_params(
+    const char* op, const SwapInRowText& text, int64_t batch, int64_t entries, int64_t position_width,
+    const TensorView& top_k, int64_t top_k_stride, const TensorView& seq_lens, const TensorView& req_pool_indices,
+    const TensorView& num_real_reqs, const TensorView& req_to_token, const TensorView& device_row_of_loc,
+    const TensorView& buffer_of_req, const TensorView& slot_rows, const TensorView& slot_tokens,
+    const TensorView& slot_stamps, const TensorView& token_slot, const TensorView& host_kv,
+    const TensorView& device_kv, const TensorView& out, int64_t out_stride, const TensorView& counters,
+    const TensorView& sync, const TensorView& plan, int64_t splits, int64_t threads) {
   require_tensor(seq_lens.ndim() == 1 && seq_lens.size(0) == batch && (is_int(seq_lens, 32) || is_int(seq_lens, 64)) &&
                      on_cuda(seq_lens),
                  op, "seq_lens", "int32/int64 [batch] on CUDA", seq_lens);
@@ -229,12 +256,9 @@ void hisparse_swap_in(
           "slot_rows, slot_tokens, slot_stamps and token_slot must have one row per buffer; got " +
               std::to_string(slot_rows.size(0)) + ", " + std::to_string(slot_tokens.size(0)) + ", " +
               std::to_string(slot_stamps.size(0)) + ", " + std::to_string(token_slot.size(0)));
-  require(K <= D && D <= hisparse::kMaxBufferSize, op,
-          "top_k (" + std::to_string(K) + ") must be <= device_buffer_size (" + std::to_string(D) + ") <= " +
+  require(entries <= D && D <= hisparse::kMaxBufferSize, op,
+          text.entries + " must be <= device_buffer_size (" + std::to_string(D) + ") <= " +
               std::to_string(hisparse::kMaxBufferSize));
-  require_tensor(out.ndim() == 2 && is_int(out, 32) && out.size(0) == batch && out.size(1) == K && out.stride(1) == 1 &&
-                     on_cuda(out),
-                 op, "out", "int32 [batch, top_k] on CUDA like top_k", out);
   require_tensor(host_accessible(host_kv), op, "host_kv", "pinned host memory", host_kv);
   require_tensor(on_cuda(device_kv), op, "device_kv", "on CUDA", device_kv);
   const int64_t row_bytes = row_bytes_of(device_kv, op, "device_kv");
@@ -256,16 +280,15 @@ void hisparse_swap_in(
                  op, "sync", sync_shape.c_str(), sync);
   require_threads(threads, op);
   const hisparse::SwapInSmemPlan smem_plan = plan_of(plan, op);
-  require((int64_t(1) << smem_plan.hash_bits) >= 2 * K, op,
-          "plan hash_bits " + std::to_string(smem_plan.hash_bits) + " is too small for top_k " + std::to_string(K) +
-              "; compute the plan with swap_in_plan.swap_in_plan(top_k, device_buffer_size, threads)");
-  if (batch == 0) return;
+  require((int64_t(1) << smem_plan.hash_bits) >= 2 * entries, op,
+          "plan hash_bits " + std::to_string(smem_plan.hash_bits) + " is too small for " + text.entries +
+              "; compute the plan with " + text.plan_call);
 
   const int64_t capacity = sync.numel() / kCounters;
   int32_t* sync_data = data_of<int32_t>(sync);
   hisparse::SwapInParams p{};
   p.top_k_positions = data_of<int32_t>(top_k);
-  p.top_k_stride = top_k.stride(0);
+  p.top_k_stride = top_k_stride;
   p.seq_lens = data_of<void>(seq_lens);
   p.seq_lens_is_64 = is_int(seq_lens, 64);
   p.req_pool_indices = data_of<void>(req_pool_indices);
@@ -287,36 +310,104 @@ void hisparse_swap_in(
   p.device_kv = data_of<uint8_t>(device_kv);
   p.row_bytes = row_bytes;
   p.out = data_of<int32_t>(out);
-  p.out_stride = out.stride(0);
+  p.out_stride = out_stride;
   p.counters = counters.numel() ? reinterpret_cast<unsigned long long*>(data_of<int64_t>(counters)) : nullptr;
   p.flags = sync_data;
   p.row_counts = sync_data + capacity;
   // 8-byte aligned: the workspace's base is, and 2 * capacity int32 come before.
   p.claims = reinterpret_cast<unsigned long long*>(sync_data + 2 * capacity);
   p.batch = static_cast<int>(batch);
-  p.num_top_k = static_cast<int>(K);
+  p.num_top_k = static_cast<int>(entries);
   p.buffer_size = static_cast<int>(D);
   p.splits = static_cast<int>(splits);
   p.plan = smem_plan;
-
-  const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
-  switch (threads) {
-    case 256: launch_swap_in<256>(p, cuda_stream); break;
-    case 512: launch_swap_in<512>(p, cuda_stream); break;
-    default: launch_swap_in<1024>(p, cuda_stream); break;
-  }
+  p.position_width = static_cast<int>(position_width);
+  return p;
 }
 
-// Resident swap_in CTAs per multiprocessor for a block size and shared-memory plan.
-int64_t hisparse_swap_in_occupancy(int64_t threads, TensorView plan) {
-  constexpr const char* op = "swap_in_occupancy";
+}  // namespace
+
+// Device rows of one layer's top-k tokens; see ops/reference.py::swap_in for the semantics.
+void hisparse_swap_in(
+    TensorView top_k, TensorView seq_lens, TensorView req_pool_indices, TensorView num_real_reqs,
+    TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
+    TensorView slot_tokens, TensorView slot_stamps, TensorView token_slot, TensorView host_kv, TensorView device_kv, TensorView out,
+    TensorView counters, TensorView sync, TensorView plan, int64_t splits, int64_t threads, int64_t stream) {
+  constexpr const char* op = "swap_in";
+  require_tensor(top_k.ndim() == 2 && is_int(top_k, 32) && on_cuda(top_k) && top_k.stride(1) == 1, op, "top_k",
+                 "int32 [batch, top_k] on CUDA, rows contiguous", top_k);
+  const int64_t batch = top_k.size(0);
+  const int64_t K = top_k.size(1);
+  require_tensor(out.ndim() == 2 && is_int(out, 32) && out.size(0) == batch && out.size(1) == K && out.stride(1) == 1 &&
+                     on_cuda(out),
+                 op, "out", "int32 [batch, top_k] on CUDA like top_k", out);
+  const SwapInRowText text{"top_k (" + std::to_string(K) + ")",
+                           "swap_in_plan.swap_in_plan(top_k, device_buffer_size, threads)"};
+  const hisparse::SwapInParams p = swap_in_params(
+      op, text, batch, K, K, top_k, top_k.stride(0), seq_lens, req_pool_indices, num_real_reqs, req_to_token,
+      device_row_of_loc, buffer_of_req, slot_rows, slot_tokens, slot_stamps, token_slot, host_kv, device_kv, out,
+      out.stride(0), counters, sync, plan, splits, threads);
+  if (batch == 0) return;
+  launch_swap_in_threads<false>(p, threads, stream, op);
+}
+
+// Device rows of one layer's top-k tokens of every verify position (top_k [batch, T, K]); see
+// ops/reference.py::swap_in_positions for the semantics. seq_lens is s, the committed length.
+void hisparse_swap_in_positions(
+    TensorView top_k, TensorView seq_lens, TensorView req_pool_indices, TensorView num_real_reqs,
+    TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
+    TensorView slot_tokens, TensorView slot_stamps, TensorView token_slot, TensorView host_kv, TensorView device_kv, TensorView out,
+    TensorView counters, TensorView sync, TensorView plan, int64_t splits, int64_t threads, int64_t stream) {
+  constexpr const char* op = "swap_in_positions";
+  // A batch row's T x K entries are read as one row: each position's K entries contiguous, positions adjacent.
+  require_tensor(top_k.ndim() == 3 && is_int(top_k, 32) && on_cuda(top_k) && top_k.stride(2) == 1 &&
+                     top_k.stride(1) == top_k.size(2) && top_k.size(1) >= 1 && top_k.size(2) >= 1,
+                 op, "top_k", "int32 [batch, T, K] on CUDA, each row's T x K entries contiguous", top_k);
+  const int64_t batch = top_k.size(0);
+  const int64_t T = top_k.size(1);
+  const int64_t K = top_k.size(2);
+  require_tensor(out.ndim() == 3 && is_int(out, 32) && out.size(0) == batch && out.size(1) == T && out.size(2) == K &&
+                     out.stride(2) == 1 && out.stride(1) == K && on_cuda(out),
+                 op, "out", "int32 [batch, T, K] on CUDA like top_k, each row's T x K entries contiguous", out);
+  const int64_t D = slot_tokens.ndim() == 2 ? slot_tokens.size(1) : 0;
+  const int64_t verify_slots = slot_rows.ndim() == 2 ? slot_rows.size(1) - D - hisparse::kVerifySlotBase : 0;
+  require(slot_rows.ndim() == 2 && (slot_rows.size(0) == 0 || T <= verify_slots), op,
+          std::to_string(T) + " verify positions per request, but a buffer's reserved page holds " +
+              std::to_string(verify_slots) + " (page size - 1)");
+  const SwapInRowText text{
+      "num_draft_tokens x top_k (" + std::to_string(T) + " x " + std::to_string(K) + " = " + std::to_string(T * K) + ")",
+      "swap_in_plan.swap_in_positions_plan(num_positions, top_k, device_buffer_size, threads)"};
+  const hisparse::SwapInParams p = swap_in_params(
+      op, text, batch, T * K, K, top_k, top_k.stride(0), seq_lens, req_pool_indices, num_real_reqs, req_to_token,
+      device_row_of_loc, buffer_of_req, slot_rows, slot_tokens, slot_stamps, token_slot, host_kv, device_kv, out,
+      out.stride(0), counters, sync, plan, splits, threads);
+  if (batch == 0) return;
+  launch_swap_in_threads<true>(p, threads, stream, op);
+}
+
+namespace {
+
+template <bool POSITIONS>
+int64_t occupancy_threads(int64_t threads, const TensorView& plan, const char* op) {
   require_threads(threads, op);
   const hisparse::SwapInSmemPlan smem_plan = plan_of(plan, op);
   switch (threads) {
-    case 256: return occupancy<256>(smem_plan);
-    case 512: return occupancy<512>(smem_plan);
-    default: return occupancy<1024>(smem_plan);
+    case 256: return occupancy<256, POSITIONS>(smem_plan, op);
+    case 512: return occupancy<512, POSITIONS>(smem_plan, op);
+    default: return occupancy<1024, POSITIONS>(smem_plan, op);
   }
+}
+
+}  // namespace
+
+// Resident swap_in CTAs per multiprocessor for a block size and shared-memory plan.
+int64_t hisparse_swap_in_occupancy(int64_t threads, TensorView plan) {
+  return occupancy_threads<false>(threads, plan, "swap_in_occupancy");
+}
+
+// The same for swap_in_positions' kernel (its plan: swap_in_plan.swap_in_positions_plan).
+int64_t hisparse_swap_in_positions_occupancy(int64_t threads, TensorView plan) {
+  return occupancy_threads<true>(threads, plan, "swap_in_positions_occupancy");
 }
 
 // For every layer l: dst_layers[l][dst_rows[i]] = src_layers[l][src_rows[i]] (any direction).
@@ -488,8 +579,135 @@ void hisparse_bind_rows(
                      std::to_string(count) + " entries");
 }
 
+namespace {
+
+// What bind_verify_slots and commit_accepted both check: the batch's index tensors, the tables, and
+// that T verify positions fit the reserved page of a buffer. Returns the batch size.
+int64_t check_verify_batch(const char* op, const TensorView& req_pool_indices, const TensorView& seq_lens,
+                           const TensorView& num_real_reqs, int64_t num_positions, const TensorView& req_to_token,
+                           const TensorView& device_row_of_loc, const TensorView& buffer_of_req,
+                           const TensorView& slot_rows, int64_t buffer_size) {
+  require_tensor(on_cuda(req_pool_indices) && req_pool_indices.ndim() == 1 && is_index(req_pool_indices) &&
+                     (req_pool_indices.size(0) == 0 || req_pool_indices.stride(0) == 1),
+                 op, "req_pool_indices", "a contiguous int32/int64 [B] tensor on CUDA", req_pool_indices);
+  const int64_t batch = req_pool_indices.size(0);
+  require_tensor(on_cuda(seq_lens) && seq_lens.ndim() == 1 && seq_lens.size(0) == batch && is_index(seq_lens) &&
+                     (batch == 0 || seq_lens.stride(0) == 1),
+                 op, "seq_lens", "a contiguous int32/int64 [B] tensor on CUDA, B as req_pool_indices", seq_lens);
+  require_tensor(on_cuda(num_real_reqs) && num_real_reqs.numel() == 1 && is_int(num_real_reqs, 32), op,
+                 "num_real_reqs", "an int32 [1] tensor on CUDA", num_real_reqs);
+  require_tensor(on_cuda(req_to_token) && req_to_token.ndim() == 2 && is_int(req_to_token, 32) &&
+                     req_to_token.stride(1) == 1,
+                 op, "req_to_token", "int32 [R, C] on CUDA, rows contiguous", req_to_token);
+  require_tensor(on_cuda(device_row_of_loc) && device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32), op,
+                 "device_row_of_loc", "int32 [N + 1] on CUDA", device_row_of_loc);
+  require_tensor(on_cuda(buffer_of_req) && buffer_of_req.ndim() == 1 && is_int(buffer_of_req, 32), op, "buffer_of_req",
+                 "int32 [R] on CUDA", buffer_of_req);
+  require(buffer_size >= 0, op, "buffer_size must be >= 0; got " + std::to_string(buffer_size));
+  require_tensor(on_cuda(slot_rows) && slot_rows.ndim() == 2 && is_int(slot_rows, 32) && slot_rows.stride(1) == 1 &&
+                     slot_rows.size(1) > buffer_size,
+                 op, "slot_rows", "int32 [NB, D + page] on CUDA with D = buffer_size", slot_rows);
+  const int64_t verify_slots = slot_rows.size(1) - buffer_size - hisparse::kVerifySlotBase;
+  require(num_positions >= 1 && num_positions <= verify_slots, op,
+          std::to_string(num_positions) + " verify positions per request, but a buffer's reserved page holds " +
+              std::to_string(verify_slots) + " (page size - 1)");
+  return batch;
+}
+
+}  // namespace
+
+// Before a target-verify forward: the locations of positions s .. s + T - 1 of every real offloaded
+// batch row map to its buffer's verify slots (ops/reference.py::bind_verify_slots).
+void hisparse_bind_verify_slots(
+    TensorView req_pool_indices, TensorView seq_lens, TensorView num_real_reqs, int64_t num_positions,
+    TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
+    int64_t buffer_size, int64_t stream) {
+  constexpr const char* op = "bind_verify_slots";
+  const int64_t batch = check_verify_batch(op, req_pool_indices, seq_lens, num_real_reqs, num_positions, req_to_token,
+                                           device_row_of_loc, buffer_of_req, slot_rows, buffer_size);
+  if (batch == 0) return;
+  hisparse::BindVerifySlotsParams p{};
+  p.req_pool_indices = data_of<void>(req_pool_indices);
+  p.seq_lens = data_of<void>(seq_lens);
+  p.req_pool_indices_is_64 = is_int(req_pool_indices, 64);
+  p.seq_lens_is_64 = is_int(seq_lens, 64);
+  p.num_real_reqs = data_of<int32_t>(num_real_reqs);
+  p.req_to_token = data_of<int32_t>(req_to_token);
+  p.req_to_token_stride = req_to_token.stride(0);
+  p.context = req_to_token.size(1);
+  p.device_row_of_loc = data_of<int32_t>(device_row_of_loc);
+  p.buffer_of_req = data_of<int32_t>(buffer_of_req);
+  p.slot_rows = data_of<int32_t>(slot_rows);
+  p.slot_rows_stride = slot_rows.stride(0);
+  p.buffer_size = buffer_size;
+  p.batch = batch;
+  p.num_positions = num_positions;
+  const int64_t threads = batch * num_positions;
+  launch_decode_rows(hisparse::bind_verify_slots_kernel, p, (threads + kDecodeRowThreads - 1) / kDecodeRowThreads,
+                     stream, op, std::to_string(batch) + " batch rows x " + std::to_string(num_positions) + " positions");
+}
+
+// After acceptance: every layer's rows of the accepted positions s .. s + a - 1 go device -> host, and
+// an offloaded row's newest accepted token goes from its verify slot into slot D of every layer
+// (ops/reference.py::commit_accepted). The layers are tables of base addresses (uint64 [L] on CUDA, as
+// copy_rows takes them): device KV and pinned host KV, rows of row_bytes.
+void hisparse_commit_accepted(
+    TensorView req_pool_indices, TensorView seq_lens, TensorView accept_lens, TensorView num_real_reqs,
+    int64_t num_positions, TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req,
+    TensorView slot_rows, int64_t buffer_size, TensorView device_layers, TensorView host_layers, int64_t row_bytes,
+    int64_t stream) {
+  constexpr const char* op = "commit_accepted";
+  const int64_t batch = check_verify_batch(op, req_pool_indices, seq_lens, num_real_reqs, num_positions, req_to_token,
+                                           device_row_of_loc, buffer_of_req, slot_rows, buffer_size);
+  require_tensor(on_cuda(accept_lens) && accept_lens.ndim() == 1 && accept_lens.size(0) == batch &&
+                     is_index(accept_lens) && (batch == 0 || accept_lens.stride(0) == 1),
+                 op, "accept_lens", "a contiguous int32/int64 [B] tensor on CUDA, B as req_pool_indices", accept_lens);
+  require_tensor(on_cuda(device_layers) && is_uint(device_layers, 64) && device_layers.ndim() == 1, op,
+                 "device_layers", "uint64 [L] on CUDA", device_layers);
+  require_tensor(on_cuda(host_layers) && is_uint(host_layers, 64) && host_layers.ndim() == 1 &&
+                     host_layers.numel() == device_layers.numel(),
+                 op, "host_layers", "uint64 [L] on CUDA like device_layers", host_layers);
+  require(row_bytes > 0 && row_bytes % 16 == 0, op,
+          "row_bytes must be a positive multiple of 16; got " + std::to_string(row_bytes));
+  const int64_t layers = device_layers.numel();
+  if (batch == 0 || layers == 0) return;
+  hisparse::CommitAcceptedParams p{};
+  p.req_pool_indices = data_of<void>(req_pool_indices);
+  p.seq_lens = data_of<void>(seq_lens);
+  p.accept_lens = data_of<void>(accept_lens);
+  p.req_pool_indices_is_64 = is_int(req_pool_indices, 64);
+  p.seq_lens_is_64 = is_int(seq_lens, 64);
+  p.accept_lens_is_64 = is_int(accept_lens, 64);
+  p.num_real_reqs = data_of<int32_t>(num_real_reqs);
+  p.req_to_token = data_of<int32_t>(req_to_token);
+  p.req_to_token_stride = req_to_token.stride(0);
+  p.context = req_to_token.size(1);
+  p.device_row_of_loc = data_of<int32_t>(device_row_of_loc);
+  p.buffer_of_req = data_of<int32_t>(buffer_of_req);
+  p.slot_rows = data_of<int32_t>(slot_rows);
+  p.slot_rows_stride = slot_rows.stride(0);
+  p.buffer_size = buffer_size;
+  p.device_layers = data_of<uint64_t>(device_layers);
+  p.host_layers = data_of<uint64_t>(host_layers);
+  p.layers = layers;
+  p.row_words = row_bytes / 16;
+  p.batch = batch;
+  p.num_positions = num_positions;
+  const int64_t copies = batch * (num_positions + 1) * layers;
+  require(copies <= int64_t(INT32_MAX) * hisparse::kCommitCopiesPerBlock, op,
+          std::to_string(copies) + " row copies exceed the grid limit");
+  launch_decode_rows(hisparse::commit_accepted_kernel, p,
+                     (copies + hisparse::kCommitCopiesPerBlock - 1) / hisparse::kCommitCopiesPerBlock, stream, op,
+                     std::to_string(batch) + " batch rows x " + std::to_string(num_positions + 1) + " copies x " +
+                         std::to_string(layers) + " layers");
+}
+
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in, hisparse_swap_in);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in_occupancy, hisparse_swap_in_occupancy);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in_positions, hisparse_swap_in_positions);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in_positions_occupancy, hisparse_swap_in_positions_occupancy);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(copy_rows, hisparse_copy_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(backup_newest, hisparse_backup_newest);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bind_rows, hisparse_bind_rows);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bind_verify_slots, hisparse_bind_verify_slots);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(commit_accepted, hisparse_commit_accepted);

@@ -1,4 +1,5 @@
-// Named constants of the swap-in kernel (swap_in.cuh) and of its launch (swap_in_binding.cu). Values
+// Named constants of the swap-in kernel (swap_in.cuh) and of its launch (swap_in_binding.cu), and the
+// buffer layout of a verify step that the multi-position swap-in shares with decode_rows.cuh. Values
 // that Python also knows are marked with the name it uses there; tests/test_swap_in_plan.py checks
 // that the two agree. The constants of the other ops live with them: the warp size and the row-copy
 // pieces in primitives.cuh, copy_rows' launch in copy_rows.cuh, the decode-row launch in
@@ -20,6 +21,10 @@ constexpr int32_t kEmptyKey = -1;
 constexpr int32_t kNoFirst = 0x7fffffff;  // no entry yet: atomicMin takes the first
 constexpr int kMaxHashBits = 15;          // hash indices are int16 (ops/swap_in_plan.MAX_TOP_K = 1 << (15 - 2))
 constexpr int kMaxBufferSize = 32767;     // slot ids are int16 (ops/swap_in_plan.MAX_DEVICE_BUFFER_SIZE)
+
+// Speculative decoding (docs/speculative.md 2.2): verify position j of an offloaded request lives in
+// buffer slot D + kVerifySlotBase + j; slot D keeps the newest accepted token (ops/reference.VERIFY_SLOT_BASE).
+constexpr int kVerifySlotBase = 1;
 
 // LRU ages: now - stamp, capped, chosen by two histogram passes (the high bits, then the low bits
 // inside the bucket of the youngest victim).

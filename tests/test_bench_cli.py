@@ -231,6 +231,30 @@ def test_against_is_an_option_of_table_and_sweep(bench):
     assert bench.cli.parse(["table"]).against is None
 
 
+def test_positions_are_an_option_of_table_and_sweep(bench):
+    for name in ("table", "sweep"):
+        args = bench.cli.parse([name, "--positions", "2", "4", "--overlap", "0.8"])
+        assert (args.positions, args.overlap) == ([2, 4], 0.8)
+    assert (bench.cli.parse([]).positions, bench.cli.parse([]).overlap) == ([], 0.9)
+
+
+def test_positions_add_the_verify_table_and_the_ratio_to_each_line(bench):
+    positions = {"2": {"us": 120.0, "rounds_us": [120.0, 121.0], "missed_rows": 3500, "splits": 9, "overlap": 0.9}}
+    record = synthetic_record(ours_us=80.0, positions=positions)
+    line = bench.report.format_row(record)
+    assert "| T=2 120.0 us = 1.50 x one position (splits 9, 3500 misses)" in line and line.endswith("clock 1980 MHz")
+    table = bench.report.markdown([record, synthetic_record()], "GPU", 55.0, {1152: 51.3}, 2, "2026-11-26")
+    after = table.split("Verify positions (`--positions`", 1)[1].splitlines()
+    assert "repeats a share 0.9 of its entries" in after[0]
+    assert after[2:] == [
+        "| row B | batch | miss % | T | one position µs | T positions µs | T / one | misses (one) | misses (T) "
+        "| splits |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        "| 1152 | 8 | 20 | 2 | 80.0 | 120.0 | 1.50 | 3279 | 3500 | 9 |",
+    ]
+    assert bench.report.positions_markdown([synthetic_record()]) == ""
+
+
 def test_results_keep_their_file_names(bench, tmp_path):
     name = bench.report.result_name("NVIDIA H100 80GB HBM3", "2026-11-23", "_sweep")
     assert name == "swap_in_NVIDIA_H100_80GB_HBM3_2026-11-23_sweep"

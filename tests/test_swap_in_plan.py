@@ -3,15 +3,18 @@
 import pytest
 
 from hisparse_sglang.config import HiSparseConfig
-from hisparse_sglang.errors import HiSparseConfigError
+from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
 from hisparse_sglang.ops.swap_in_plan import (
     PLAN_FIELDS,
     SM90_SHARED_MEMORY_PER_BLOCK,
     SWAP_IN_BLOCK_SIZES,
     check_swap_in_fits,
+    check_swap_in_positions_fits,
     largest_device_buffer_size,
+    largest_num_positions,
     largest_top_k,
     swap_in_plan,
+    swap_in_positions_plan,
 )
 
 # What each region of the planner must hold (elements, bytes each), independent of the plan's code.
@@ -151,3 +154,56 @@ def test_the_kernel_header_and_python_agree_on_shared_constants():
     assert (k["kLooked"], k["kFinished"], k["kPlannerStarted"]) == (1, 1 << bits, 1 << 30) and 2 * bits < 30
     plan = swap_in_plan(2048, 4096)
     assert plan.offsets["fine"] - plan.offsets["coarse"] == 4 * k["kCoarseBuckets"]
+    # A verify position's buffer slot (swap_in_positions, bind_verify_slots, commit_accepted).
+    assert k["kVerifySlotBase"] == reference.VERIFY_SLOT_BASE
+
+
+# --- swap_in_positions: the T verify positions of a request as one row of T x top_k entries -----------
+
+def test_the_positions_plan_is_the_plan_of_the_union_of_the_positions():
+    for positions, top_k, buffer_size in [(1, 2048, 4096), (2, 2048, 4096), (4, 1024, 4096), (3, 100, 512)]:
+        assert swap_in_positions_plan(positions, top_k, buffer_size, 512) == swap_in_plan(positions * top_k,
+                                                                                        buffer_size, 512)
+    # docs/speculative.md 2.9: T = 2 of top_k 2048 with D = 4096 fits sm_90's 227 KiB; T = 3, 4 do not.
+    assert swap_in_positions_plan(2, 2048, 4096).total_bytes == 215_424 <= SM90_SHARED_MEMORY_PER_BLOCK
+    assert swap_in_positions_plan(3, 2048, 6144).total_bytes == 387_712 > SM90_SHARED_MEMORY_PER_BLOCK
+    assert swap_in_positions_plan(4, 2048, 8192).total_bytes == 428_928 > SM90_SHARED_MEMORY_PER_BLOCK
+
+
+def test_the_most_verify_positions_that_fit():
+    limit = SM90_SHARED_MEMORY_PER_BLOCK
+    for threads in SWAP_IN_BLOCK_SIZES:
+        assert [largest_num_positions(k, 64, threads, limit) for k in (4096, 2048, 1024, 512)] == [1, 2, 4, 8]
+    assert largest_num_positions(2048, 64, 1024, limit, buffer_size=4096) == 2
+    assert largest_num_positions(2048, 64, 1024, limit, buffer_size=4095) == 1  # 2 x 2048 > the buffer
+    assert largest_num_positions(2048, 64, 1024, limit, buffer_size=5824) == 1  # 4096 entries: buffer too large
+    assert largest_num_positions(2048, 64, 1024, 101_376) == 0
+    for top_k in (2048, 1024, 700):
+        most = largest_num_positions(top_k, 64, 1024, limit)
+        check_swap_in_positions_fits(most, top_k, -(-most * top_k // 64) * 64, 64, 1024)  # the most fits
+        with pytest.raises(UnsupportedSetupError):
+            check_swap_in_positions_fits(most + 1, top_k, 8192, 64, 1024)
+
+
+def test_positions_beyond_the_plan_are_refused_naming_the_values_and_the_fix():
+    with pytest.raises(UnsupportedSetupError) as info:
+        check_swap_in_positions_fits(3, 2048, 6144, 64, 1024)
+    message = str(info.value)
+    for fragment in ("3 verify positions", "num_draft_tokens x top_k (3 x 2048 = 6144)", "387,712 B", "232,448 B",
+                     "num_draft_tokens <= 2", "--speculative-num-draft-tokens <= 2", "--speculative-num-steps <= 1"):
+        assert fragment in message, message
+    with pytest.raises(UnsupportedSetupError, match="NVIDIA L40S.*it takes no verify position"):
+        check_swap_in_positions_fits(1, 2048, 4096, 64, 1024, limit=101_376, device_name="NVIDIA L40S")
+
+
+def test_a_buffer_below_the_union_or_beyond_the_plan_blames_device_buffer_size():
+    with pytest.raises(HiSparseConfigError) as info:
+        check_swap_in_positions_fits(2, 2048, 4032, 64, 1024)
+    assert "device_buffer_size (4032) must be at least num_draft_tokens x top_k (2 x 2048 = 4096)" in str(info.value)
+    assert "device_buffer_size >= 4096" in str(info.value)
+    with pytest.raises(HiSparseConfigError) as info:
+        check_swap_in_positions_fits(2, 2048, 8192, 64, 1024)
+    assert "device_buffer_size (8192) is too large for swap_in_positions" in str(info.value)
+    assert "256,896 B" in str(info.value) and "device_buffer_size <= 5760" in str(info.value)
+    assert check_swap_in_positions_fits(2, 2048, 5760, 64, 1024).total_bytes <= SM90_SHARED_MEMORY_PER_BLOCK
+    assert check_swap_in_positions_fits(4, 1024, 4096, 64, 256) == swap_in_plan(4096, 4096, 256)

@@ -3,19 +3,22 @@ in SGLang's, with the calls that run, reset and check both kernels on it.
 
 The shape is the one every swap-in benchmark uses (top_k 2048, device buffer 4096, seq_len 8192,
 page 64); the inputs come from ``hisparse_sglang.testing.cases.make_case``, so a cell holds exactly
-what the GPU tests check bit for bit.
+what the GPU tests check bit for bit. :class:`PositionsCell` is the same cell verifying ``T`` positions
+per request (``swap_in_positions``; ``make_positions_case``): its position 0 is the cell's top-k row.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hisparse_sglang.ops.reference import VERIFY_SLOT_BASE
 from hisparse_sglang.ops.swap_in import DEFAULT_THREADS, CudaOps
-from hisparse_sglang.testing.cases import make_case
+from hisparse_sglang.testing.cases import make_case, make_positions_case
 from swap_in import baseline
 
 __all__ = [
-    "TOP_K", "BUFFER", "PAGE", "SEQ_LEN", "SGLANG_BLOCK_SIZE", "Cell", "cell_seed", "load_sglang", "unique_first",
+    "TOP_K", "BUFFER", "PAGE", "SEQ_LEN", "SGLANG_BLOCK_SIZE", "Cell", "PositionsCell", "cell_seed", "load_sglang",
+    "unique_first",
 ]
 
 TOP_K = 2048
@@ -169,3 +172,69 @@ class Cell:
         want = self.gpu.host_kv[host_rows[~newest].cpu()]
         if not torch.equal(got, want):
             raise AssertionError("a swap-in returned a row with the wrong KV")
+
+
+class PositionsCell:
+    """The (batch, miss rate, row size) cell verifying ``num_positions`` positions per request at once
+    (one layer of a target-verify forward, ``swap_in_positions``), with the cell's seed: position 0 of
+    each request is :class:`Cell`'s top-k row, position ``j`` keeps a share ``overlap`` of its entries and
+    replaces the rest with history tokens (misses at the cell's miss rate) and names the verify tokens
+    ``s .. s + j`` (``make_positions_case``). The committed length ``s`` is the cell's ``seq_len``.
+    """
+
+    def __init__(self, num_positions: int, batch: int, miss_rate: float, row_bytes: int, seed: int, host_cache: dict,
+                 overlap: float, module=None):
+        case = make_positions_case(
+            batch, num_positions, TOP_K, BUFFER, row_bytes, page_size=PAGE, miss_rate=miss_rate, overlap=overlap,
+            seq_len=SEQ_LEN, newest_fraction=0.0, newest_count=1, seed=seed, extra_slots=0,
+            host_kv=host_cache.get((batch, row_bytes)),
+        )
+        self.num_positions = num_positions
+        self.ops = CudaOps(module=module)
+        self.misses = case.expected_misses
+        self.gpu = case.clone(device="cuda")
+        pinned = host_cache.get(("pinned", batch, row_bytes))
+        if pinned is None:
+            pinned = case.host_kv.pin_memory()
+            host_cache[("pinned", batch, row_bytes)] = pinned
+        self.gpu.host_kv = pinned
+        self.saved = [t.clone() for t in (self.gpu.slot_tokens, self.gpu.slot_stamps, self.gpu.token_slot)]
+        self.out = torch.empty((batch, num_positions, TOP_K), dtype=torch.int32, device="cuda")
+        self.counters = torch.zeros(2, dtype=torch.int64, device="cuda")
+
+    def default_splits(self, threads: int = DEFAULT_THREADS) -> int:
+        return self.ops.choose_splits(self.gpu.top_k.shape[0], TOP_K, BUFFER, threads, num_positions=self.num_positions)
+
+    def reset(self) -> None:
+        for table, saved in zip((self.gpu.slot_tokens, self.gpu.slot_stamps, self.gpu.token_slot), self.saved):
+            table.copy_(saved)
+
+    def run(self) -> None:
+        """``swap_in_positions`` on this cell with the hit/miss counters, as the coordinator calls it."""
+        self.ops.swap_in_positions(*self.gpu.args(), out=self.out, counters=self.counters)
+
+    def verify(self) -> None:
+        """After a call from the saved state: every history entry's row holds its token's host bytes, every
+        verify token's row is its verify slot's, and the call copied exactly the cell's misses."""
+        self.counters.zero_()
+        self.reset()
+        self.run()
+        torch.cuda.synchronize()
+        if int(self.counters[1]) != self.misses:
+            raise AssertionError(
+                f"swap_in_positions copied {int(self.counters[1])} rows, the cell has {self.misses} misses"
+            )
+        top_k = self.gpu.top_k.to(torch.int64)
+        committed = self.gpu.seq_lens.to(torch.int64).reshape(-1, 1, 1)
+        slots = self.gpu.req_pool_indices.to(torch.int64).reshape(-1, 1, 1).expand_as(top_k)
+        history = (top_k >= 0) & (top_k < committed - 1)
+        rows = self.out[history].to(torch.int64)
+        host_rows = self.gpu.req_to_token[slots[history], top_k[history]].to(torch.int64)
+        if not torch.equal(self.gpu.device_kv[rows].cpu(), self.gpu.host_kv[host_rows.cpu()]):
+            raise AssertionError("swap_in_positions returned a row with the wrong KV")
+        limit = committed + torch.arange(self.num_positions, device=top_k.device).reshape(1, -1, 1)
+        verify = (top_k >= committed) & (top_k <= limit)
+        buffers = self.gpu.buffer_of_req[slots[verify]].to(torch.int64)
+        want = self.gpu.slot_rows[buffers, BUFFER + VERIFY_SLOT_BASE + (top_k - committed)[verify]]
+        if not torch.equal(self.out[verify], want):
+            raise AssertionError("a verify token did not map to its verify slot")

@@ -77,6 +77,12 @@ def _add_table(parser: argparse.ArgumentParser, sweep_flag: bool) -> None:
                         help="also time our kernel built from the kernel sources in DIR (e.g. an earlier commit's "
                              "csrc/), alternating with this tree's in every round: a before/after in one run")
     parser.add_argument("--tag", default="", help="suffix of the output file names")
+    parser.add_argument("--positions", type=int, nargs="*", default=[], metavar="T",
+                        help="also time swap_in_positions with T verify positions per request in every cell (e.g. "
+                             "--positions 2 4), against the one-position call of the same cell (ratio printed); a T "
+                             "the kernel cannot plan at top_k 2048 is reported and skipped")
+    parser.add_argument("--overlap", type=float, default=0.9,
+                        help="with --positions: share of position 0's top-k entries each later position repeats")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,10 @@ import re
 
 from swap_in.cells import BUFFER, SEQ_LEN, TOP_K
 
-__all__ = ["format_row", "markdown", "against_markdown", "variants_markdown", "result_name", "write_results"]
+__all__ = [
+    "format_row", "markdown", "against_markdown", "variants_markdown", "positions_markdown", "result_name",
+    "write_results",
+]
 
 _VARIANT = re.compile(r"t(\d+)s(\d+)")
 
@@ -32,6 +35,9 @@ def format_row(r: dict) -> str:
     copy = f"{r['copy_only_us']:8.1f} us ours/copy {r['ours_us'] / r['copy_only_us']:6.3f}" if "copy_only_us" in r else "       - us"
     if "against_us" in r:
         extra += f" against {r['against_us']:.1f} us ours/against {r['ours_us'] / r['against_us']:.3f}"
+    for count, p in r.get("positions", {}).items():
+        extra += (f" | T={count} {p['us']:.1f} us = {p['us'] / r['ours_us']:.2f} x one position "
+                  f"(splits {p['splits']}, {p['missed_rows']} misses)")
     extra += f" clock {r.get('sm_clock_mhz_after', '?')} MHz"
     return (f"row {r['row_bytes']:5d} bs {r['batch']:4d} miss {r['miss_percent']:5.1f}% | ours {r['ours_us']:8.1f} us "
             f"(splits {r['splits']}) | sglang {sglang} us | copy-only {copy} | floor {r['floor_us']:8.1f} us | "
@@ -75,6 +81,9 @@ def markdown(results: list, gpu: str, memcpy: float, gather: dict, rounds: int, 
     against = against_markdown(results)
     if against:
         variants = against + ("\n" + variants if variants else "")
+    positions = positions_markdown(results)
+    if positions:
+        variants = positions + ("\n" + variants if variants else "")
     return "\n".join(lines) + "\n" + (f"\n{variants}" if variants else "")
 
 
@@ -105,6 +114,34 @@ def against_markdown(results: list) -> str:
     ratios = sorted(r["ours_us"] / r["against_us"] for r in timed)
     lines += ["", f"ours / against over {len(ratios)} cells: min {ratios[0]:.3f}, median "
                   f"{ratios[len(ratios) // 2]:.3f}, max {ratios[-1]:.3f}."]
+    return "\n".join(lines) + "\n"
+
+
+def positions_markdown(results: list) -> str:
+    """The verify-position table of ``--positions``: per cell and ``T``, the one-position call and
+    ``swap_in_positions`` with ``T`` positions per request on the same requests (best round median each,
+    in the same rounds), their ratio, the union's distinct misses against the one-position call's, and the
+    split. Empty when no record has positions."""
+    timed = [r for r in results if r.get("positions")]
+    if not timed:
+        return ""
+    overlaps = sorted({p["overlap"] for r in timed for p in r["positions"].values()})
+    lines = [
+        "Verify positions (`--positions`: `swap_in_positions`, T query positions per request; position 0 is the "
+        f"cell's top-k, each later one repeats a share {', '.join(f'{o:g}' for o in overlaps)} of its entries and "
+        "names the verify tokens; µs, best round median, in the same rounds as the one-position call):",
+        "",
+        "| row B | batch | miss % | T | one position µs | T positions µs | T / one | misses (one) | misses (T) "
+        "| splits |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in timed:
+        for count, p in sorted(r["positions"].items(), key=lambda item: int(item[0])):
+            lines.append(
+                f"| {r['row_bytes']} | {r['batch']} | {r['miss_percent']:g} | {count} | {r['ours_us']:.1f} | "
+                f"{p['us']:.1f} | {p['us'] / r['ours_us']:.2f} | {r['missed_rows']} | {p['missed_rows']} | "
+                f"{p['splits']} |"
+            )
     return "\n".join(lines) + "\n"
 
 

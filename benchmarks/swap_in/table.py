@@ -9,7 +9,11 @@ included), the all-padding launch (``num_real_reqs`` = 0) and the ratios; writes
 Markdown to --out (default $OUT or benchmarks/results). ``sweep`` (or ``--sweep``) also times
 splits/threads variants of our kernel in every cell. ``--against DIR`` adds a third kernel to the
 rounds: ours built from the sources in DIR (``git archive <commit> csrc | tar -x -C DIR/..``), for a
-before/after on one GPU in one run (columns "against" and "ours / against").
+before/after on one GPU in one run (columns "against" and "ours / against"). ``--positions T ...`` adds
+``swap_in_positions`` with ``T`` verify positions per request to the rounds of every cell (the same
+requests, position 0 the cell's top-k row: ``cells.PositionsCell``) and reports its time over the
+one-position call's; a ``T`` the kernel cannot plan at this shape (``T = 3, 4`` at top_k 2048) is
+reported with the reason and skipped.
 
 SGLang's kernel comes from ``.baseline/`` (compiled from the installed sglang package by
 ``build-baseline``, never copied here); without it the table has no SGLang column.
@@ -22,11 +26,13 @@ import pathlib
 
 import torch
 
+from hisparse_sglang.errors import HiSparseError
 from hisparse_sglang.ops import jit
-from hisparse_sglang.ops.swap_in import CudaOps
+from hisparse_sglang.ops.swap_in import DEFAULT_THREADS, CudaOps
+from hisparse_sglang.ops.swap_in_plan import check_swap_in_positions_fits, shared_memory_per_block
 from swap_in import report
 from swap_in.against import adapt
-from swap_in.cells import BUFFER, SEQ_LEN, TOP_K, Cell, cell_seed, load_sglang
+from swap_in.cells import BUFFER, PAGE, SEQ_LEN, TOP_K, Cell, PositionsCell, cell_seed, load_sglang
 from swap_in.timing import gather_bandwidth, host_us, median_us, memcpy_bandwidth, sm_clock_mhz, warm_up
 
 SWEEP_THREADS = (512, 1024)
@@ -49,6 +55,24 @@ def sweep_variants(cell: Cell, default_splits: int, reps: int) -> dict[str, floa
     return variants
 
 
+def supported_positions(requested: list[int]) -> list[int]:
+    """The verify-position counts of ``--positions`` that ``swap_in_positions`` plans at the benchmark's
+    shape on this GPU, in order; prints why each other one is skipped."""
+    kept = []
+    for positions in requested:
+        try:
+            if not 1 <= positions <= PAGE - 1:
+                raise ValueError(f"T must be in [1, page size - 1 = {PAGE - 1}]")
+            check_swap_in_positions_fits(positions, TOP_K, BUFFER, PAGE, DEFAULT_THREADS,
+                                         limit=shared_memory_per_block(torch.cuda.current_device()),
+                                         device_name=torch.cuda.get_device_name())
+        except (HiSparseError, ValueError) as exc:
+            print(f"[bench] --positions {positions} skipped: {exc}", flush=True)
+        else:
+            kept.append(positions)
+    return kept
+
+
 def run(args) -> int:
     module = jit.load_module(tuple(args.define)) if args.define else None
     torch.cuda.init()
@@ -60,6 +84,7 @@ def run(args) -> int:
         baseline = {}
     against = (CudaOps(module=adapt(jit.load_module(tuple(args.define), sources=args.against))) if args.against
                else None)
+    positions = supported_positions(args.positions)
     memcpy = memcpy_bandwidth()
     gather = {row: gather_bandwidth(row, module=module) for row in args.rows}
     print(f"[bench] {properties.name}: pinned H2D memcpy {memcpy:.1f} GB/s; scattered gather "
@@ -81,6 +106,13 @@ def run(args) -> int:
                     cell.run_ours(ops=against)
                     torch.cuda.synchronize()
                     cell.verify(cell.out)
+                position_cells = [
+                    PositionsCell(count, batch, miss / 100.0, row_bytes, seed=cell_seed(batch, miss),
+                                  host_cache=host_cache, overlap=args.overlap, module=module)
+                    for count in positions
+                ]
+                for position_cell in position_cells:
+                    position_cell.verify()
                 kernel = baseline.get(row_bytes)
                 if kernel is not None:
                     cell.reset_sglang()
@@ -91,9 +123,14 @@ def run(args) -> int:
                 # burst of interference on the shared host (seen on the device machines as 3-6x
                 # slower medians of single cells) hits both or neither.
                 ours_rounds, sglang_rounds, against_rounds = [], [], []
+                position_rounds = {position_cell.num_positions: [] for position_cell in position_cells}
                 for _ in range(args.rounds):
                     warm_up()
                     ours_rounds.append(median_us(cell.run_ours, cell.reset_ours, args.reps))
+                    for position_cell in position_cells:
+                        position_rounds[position_cell.num_positions].append(
+                            median_us(position_cell.run, position_cell.reset, args.reps)
+                        )
                     if against is not None:
                         against_rounds.append(
                             median_us(lambda: cell.run_ours(ops=against), cell.reset_ours, args.reps)
@@ -127,6 +164,16 @@ def run(args) -> int:
                 if sglang_rounds:
                     record["sglang_us"] = min(sglang_rounds)
                     record["sglang_rounds_us"] = sglang_rounds
+                if position_cells:
+                    record["positions"] = {
+                        str(position_cell.num_positions): {
+                            "us": min(position_rounds[position_cell.num_positions]),
+                            "rounds_us": position_rounds[position_cell.num_positions],
+                            "missed_rows": position_cell.misses, "splits": position_cell.default_splits(),
+                            "overlap": args.overlap,
+                        }
+                        for position_cell in position_cells
+                    }
                 if args.sweep:
                     record["variants_us"] = sweep_variants(cell, record["splits"], args.reps)
                 if miss == 0:
@@ -142,7 +189,7 @@ def run(args) -> int:
                 record["sm_clock_mhz_after"] = sm_clock_mhz()
                 results.append(record)
                 print(report.format_row(record), flush=True)
-                cell = None  # free its tensors before the next cell
+                cell = position_cells = None  # free their tensors before the next cell
             torch.cuda.empty_cache()
 
     table = report.markdown(results, properties.name, memcpy, gather, args.rounds, datetime.date.today().isoformat())
@@ -151,6 +198,7 @@ def run(args) -> int:
     name = report.result_name(properties.name, stamp, args.tag)
     report.write_results(pathlib.Path(args.out), name, {
         "gpu": properties.name, "date": stamp, "torch": torch.__version__, "defines": args.define, "memcpy_gbps": memcpy,
-        "gather_gbps": gather, "against": args.against, "top_k": TOP_K, "buffer": BUFFER, "seq_len": SEQ_LEN, "results": results,
+        "gather_gbps": gather, "against": args.against, "positions": positions, "top_k": TOP_K, "buffer": BUFFER,
+        "seq_len": SEQ_LEN, "results": results,
     }, table)
     return 0

@@ -1,4 +1,6 @@
-"""One representative swap-in, copy and decode-row bookkeeping for compute-sanitizer (memcheck, racecheck); exits 1 on a mismatch.
+"""One representative swap-in, copy and decode-row bookkeeping, and one speculative verify step
+(swap_in_positions, bind_verify_slots, commit_accepted), for compute-sanitizer (memcheck, racecheck);
+exits 1 on a mismatch.
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize_swap_in.py
 
@@ -16,7 +18,7 @@ import torch
 from hisparse_sglang.ops import reference
 from hisparse_sglang.ops.jit import load_module
 from hisparse_sglang.ops.swap_in import CudaOps
-from hisparse_sglang.testing.cases import make_case
+from hisparse_sglang.testing.cases import make_case, make_positions_case
 
 VARIANTS = {
     "production": (),
@@ -26,6 +28,9 @@ VARIANTS = {
 }
 RUNS = (("production", 1), ("production", 4), ("production", 17), ("late copiers", 4), ("late arrivals", 5),
         ("late arrivals", 17), ("late planner", 5))
+# swap_in_positions: T = 2 verify positions of top_k 2048 (4096 entries per request, the largest plan).
+POSITION_RUNS = (("production", 1), ("production", 5), ("late copiers", 4), ("late arrivals", 5),
+                 ("late planner", 5))
 
 
 def main() -> int:
@@ -59,6 +64,10 @@ def main() -> int:
                 print(f"MISMATCH {name} build, splits={splits}: {what}")
                 return 1
     if not decode_rows_match(case, ops["production"]):
+        return 1
+    if not positions_match(ops):
+        return 1
+    if not verify_rows_match(case, ops["production"]):
         return 1
     print("sanitize case: outputs match the reference")
     return 0
@@ -97,6 +106,74 @@ def decode_rows_match(case, ops: CudaOps) -> bool:
         return False
     return True
 
+
+def positions_match(ops: dict) -> bool:
+    """swap_in_positions (T = 2) on 3 requests, one resident, one padded row: every build of RUNS' kinds."""
+    case = make_positions_case(
+        4, 2, 2048, 4096, 1152, miss_rate=0.3, overlap=0.7, duplicate_fraction=0.02, padding_fraction=0.01,
+        out_of_range_fraction=0.01, resident_fraction=0.34, num_real=3, seed=43,
+    )
+    expected = case.clone()
+    expected_counters = torch.zeros(2, dtype=torch.int64)
+    expected_out = reference.swap_in_positions(*expected.args(), counters=expected_counters)
+    for name, splits in POSITION_RUNS:
+        actual = case.clone(device="cuda", pin_host=True)
+        counters = torch.zeros(2, dtype=torch.int64, device="cuda")
+        out = ops[name].swap_in_positions(*actual.args(), counters=counters, splits=splits)
+        torch.cuda.synchronize()
+        for what, want, got in (
+            ("out", expected_out, out),
+            ("slot_tokens", expected.slot_tokens, actual.slot_tokens),
+            ("slot_stamps", expected.slot_stamps, actual.slot_stamps),
+            ("token_slot", expected.token_slot, actual.token_slot),
+            ("device_kv", expected.device_kv, actual.device_kv),
+            ("counters", expected_counters, counters),
+            ("launch workspace", torch.zeros_like(ops[name]._sync.cpu()), ops[name]._sync),
+        ):
+            if not torch.equal(want, got.cpu()):
+                print(f"MISMATCH swap_in_positions {name} build, splits={splits}: {what}")
+                return False
+    return True
+
+
+def verify_rows_match(case, ops: CudaOps) -> bool:
+    """bind_verify_slots then commit_accepted (T = 2, two layers) on the case's tables: every request,
+    accept lengths 0, 1 and 2."""
+    slots = case.req_pool_indices.to(torch.int64)
+    num_real = torch.tensor([slots.numel()], dtype=torch.int32)
+    buffer_size = case.slot_tokens.shape[1]
+    accept_lens = torch.arange(slots.numel(), dtype=torch.int64) % 3
+    # The resident requests' verify positions s, s + 1 get device rows of their own: rows 1, 2, ... of the
+    # first page, which the case leaves unused.
+    row_of_loc = case.device_row_of_loc.clone()
+    resident = case.buffer_of_req[slots] < 0
+    positions = case.seq_lens[resident].reshape(-1, 1) + torch.arange(2)
+    verify_locs = case.req_to_token[slots[resident].reshape(-1, 1), positions]
+    row_of_loc[verify_locs.reshape(-1).to(torch.int64)] = 1 + torch.arange(verify_locs.numel(), dtype=torch.int32)
+    device = [case.device_kv.clone() for _ in range(2)]
+    host = [case.host_kv.clone() for _ in range(2)]
+
+    want_map = row_of_loc.clone()
+    want_device = [layer.clone() for layer in device]
+    want_host = [layer.clone() for layer in host]
+    reference.bind_verify_slots(slots, case.seq_lens, num_real, 2, case.req_to_token, want_map, case.buffer_of_req,
+                                case.slot_rows, buffer_size)
+    reference.commit_accepted(slots, case.seq_lens, accept_lens, num_real, 2, case.req_to_token, want_map,
+                              case.buffer_of_req, case.slot_rows, buffer_size, want_device, want_host)
+
+    got_map = row_of_loc.cuda()
+    got_device = [layer.cuda() for layer in device]
+    got_host = [layer.pin_memory() for layer in host]
+    batch = (slots.cuda(), case.seq_lens.cuda())
+    tables = (case.req_to_token.cuda(), got_map, case.buffer_of_req.cuda(), case.slot_rows.cuda(), buffer_size)
+    ops.bind_verify_slots(*batch, num_real.cuda(), 2, *tables)
+    ops.commit_accepted(*batch, accept_lens.cuda(), num_real.cuda(), 2, *tables, got_device, got_host)
+    torch.cuda.synchronize()
+    same = torch.equal(want_map, got_map.cpu()) and all(
+        torch.equal(want, got.cpu()) for want, got in zip(want_device + want_host, got_device + got_host))
+    if not same:
+        print("MISMATCH verify rows (bind_verify_slots, commit_accepted)")
+    return same
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -389,9 +389,9 @@ class VerifySteps:
         missing = [name for name in VERIFY_OP_NAMES if not hasattr(coordinator.ops, name)]
         if missing:
             raise UnsupportedSetupError(
-                f"the coordinator's ops ({type(coordinator.ops).__name__}) have no {', '.join(missing)}: the CUDA "
-                f"twins of the verify step are not built yet (issue #24); run speculative decoding with "
-                f"ops=hisparse_sglang.ops.reference (CPU tests) only."
+                f"the coordinator's ops ({type(coordinator.ops).__name__}) have no {', '.join(missing)}: a verify "
+                f"step needs {', '.join(VERIFY_OP_NAMES)}; use hisparse_sglang.ops.swap_in.CudaOps (GPU) or "
+                f"hisparse_sglang.ops.reference (CPU)."
             )
         if coordinator.ranks_share_host_pool:
             raise UnsupportedSetupError(

@@ -1,5 +1,11 @@
 """The CUDA swap-in and row-copy ops (same signatures and semantics as ``ops.reference``).
 
+Besides the decode step's ops (``swap_in``, ``copy_rows``, ``backup_newest``, ``bind_rows``), the verify
+step of speculative decoding (``coordinator.speculative.VerifyOps``): ``swap_in_positions`` (the same
+kernel over the ``T x top_k`` entries of a request's verify positions; ``T x top_k`` must fit its
+shared-memory plan, ``swap_in_plan.check_swap_in_positions_fits``), ``bind_verify_slots`` and
+``commit_accepted``.
+
 The kernels are compiled on first use (``ops.jit``). :class:`CudaOps` launches them on one GPU and
 owns what its launches keep between calls (the swap-in workspace, the checked shared-memory plans,
 the occupancy, the layer pointer tables); the HiSparse runtime builds one per scheduler process
@@ -17,19 +23,72 @@ import torch
 from hisparse_sglang.config import DEFAULT_PAGE_SIZE
 from hisparse_sglang.errors import HiSparseError
 from hisparse_sglang.ops.jit import load_module
-from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT
+from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT, _check_verify_positions
 from hisparse_sglang.ops.swap_in_plan import (
     DEFAULT_THREADS,
     SYNC_COUNTERS_PER_ROW,
     check_swap_in_fits,
+    check_swap_in_positions_fits,
     shared_memory_per_block,
 )
 from hisparse_sglang.ops.tables import SwapInTables
 
-__all__ = ["CudaOps", "DEFAULT_THREADS", "BIND_BUFFER_SLOT", "MAX_SPLITS", "TARGET_COPIERS"]
+__all__ = [
+    "CudaOps", "DEFAULT_THREADS", "BIND_BUFFER_SLOT", "MAX_SPLITS", "TARGET_COPIERS", "verify_top_k_shape",
+    "commit_row_bytes",
+]
 
 MAX_SPLITS = 65
 TARGET_COPIERS = 64
+
+
+def verify_top_k_shape(top_k: torch.Tensor, tables: SwapInTables) -> tuple[int, int, int]:
+    """``(B, T, K)`` of ``swap_in_positions``' top-k, after the checks made before any launch.
+
+    Raises:
+        ValueError: ``top_k`` is not ``[B, T, K]`` with ``T, K >= 1``, or (with any buffer) ``T``
+            exceeds a buffer's verify slots (``P - 1``), with the reference twin's message.
+    """
+    if top_k.dim() != 3 or top_k.shape[1] < 1 or top_k.shape[2] < 1:
+        raise ValueError(
+            f"swap_in_positions: top_k must be int32 [B, T, K] (T >= 1 verify positions of K >= 1 entries per "
+            f"request); got shape {list(top_k.shape)}."
+        )
+    batch, num_positions, num_top_k = top_k.shape
+    if tables.slot_rows.shape[0]:
+        _check_verify_positions(num_positions, tables.slot_rows, tables.slot_tokens.shape[1])  # the twin's check
+    return batch, num_positions, num_top_k
+
+
+def commit_row_bytes(
+    num_positions: int,
+    slot_rows: torch.Tensor,
+    buffer_size: int,
+    device_layers: Sequence[torch.Tensor],
+    host_layers: Sequence[torch.Tensor],
+) -> int | None:
+    """The KV row size ``commit_accepted`` copies, after the checks made before any launch; None
+    when there are no layers (nothing to copy).
+
+    Raises:
+        ValueError: ``T`` exceeds a buffer's verify slots, the layer lists differ in length (both with
+            the reference twin's message), or a device and a host layer differ in row size.
+    """
+    _check_verify_positions(num_positions, slot_rows, buffer_size)
+    if len(device_layers) != len(host_layers):
+        raise ValueError(f"{len(device_layers)} device layers but {len(host_layers)} host layers.")
+    if not len(device_layers):
+        return None
+    # The layers of a LayerSet share one row layout: the first of each side stands for all.
+    device, host = device_layers[0], host_layers[0]
+    row_bytes = device.numel() // max(device.shape[0], 1) * device.element_size()
+    host_row_bytes = host.numel() // max(host.shape[0], 1) * host.element_size()
+    if row_bytes != host_row_bytes or row_bytes % 16:
+        raise ValueError(
+            f"commit_accepted: device rows of {row_bytes} B but host rows of {host_row_bytes} B; both must be the "
+            f"same multiple of 16 bytes."
+        )
+    return row_bytes
 
 
 class CudaOps:
@@ -62,7 +121,8 @@ class CudaOps:
         self._sync: torch.Tensor | None = None
         self._retired: list[torch.Tensor] = []
         self._plans: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._occupancy: dict[tuple[int, int, int], int] = {}
+        self._positions_plans: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        self._occupancy: dict[tuple[int, int, int, int | None], int] = {}
         self._multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
         self._no_counters = torch.empty(0, dtype=torch.int64, device=device)
         self._layer_pointers: dict[tuple[int, ...], torch.Tensor] = {}
@@ -82,15 +142,23 @@ class CudaOps:
         buffer_size: int | None = None,
         threads: int | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
+        *,
+        num_positions: int | None = None,
     ) -> None:
         """Allocate the swap-in workspace for batches up to ``max_batch``, check that the kernel fits
         this GPU for the shape and query its occupancy for ``threads`` per block (call before CUDA-graph
         capture; a shape that does not fit raises HiSparseConfigError naming the key and the fix, the
-        largest device_buffer_size that fits in multiples of ``page_size``)."""
+        largest device_buffer_size that fits in multiples of ``page_size``). With ``num_positions``
+        (``T``, speculative decoding) the shape checked is ``swap_in_positions``' (``T x top_k`` entries
+        per request; :meth:`positions_plan` says what it raises) instead of ``swap_in``'s."""
         self._workspace(max_batch)
         if buffer_size is not None:
-            self.launch_plan(top_k, buffer_size, threads or DEFAULT_THREADS, page_size)
-            self.choose_splits(1, top_k, buffer_size, threads or DEFAULT_THREADS)
+            threads = threads or DEFAULT_THREADS
+            if num_positions is None:
+                self.launch_plan(top_k, buffer_size, threads, page_size)
+            else:
+                self.positions_plan(num_positions, top_k, buffer_size, threads, page_size)
+            self.choose_splits(1, top_k, buffer_size, threads, num_positions=num_positions)
 
     def _workspace(self, batch: int) -> torch.Tensor:
         if self._sync is None or self._sync.numel() < SYNC_COUNTERS_PER_ROW * batch:
@@ -122,15 +190,45 @@ class CudaOps:
             plan = self._plans[key] = torch.tensor(checked.as_ints(), dtype=torch.int64)
         return plan
 
-    def resident_ctas(self, top_k: int, buffer_size: int, threads: int) -> int:
-        """How many swap-in CTAs of this shape the GPU runs at once (multiprocessors x occupancy)."""
-        key = (threads, top_k, buffer_size)
+    def positions_plan(
+        self, num_positions: int, top_k: int, buffer_size: int, threads: int, page_size: int = DEFAULT_PAGE_SIZE
+    ) -> torch.Tensor:
+        """``swap_in_positions``' shared-memory plan for ``num_positions`` (``T``) x ``top_k`` entries per
+        request (int64 CPU tensor, swap_in_plan.PLAN_FIELDS), checked once per shape against this GPU.
+
+        Raises:
+            UnsupportedSetupError: ``T x top_k`` entries fit the kernel's plan with no buffer on this GPU
+                (``swap_in_plan.largest_num_positions`` says how many positions do: 2 for top_k 2048 on
+                an H100 or H200).
+            HiSparseConfigError: device_buffer_size below ``T x top_k``, or too large for the plan.
+        """
+        key = (num_positions, top_k, buffer_size, threads)
+        plan = self._positions_plans.get(key)
+        if plan is None:
+            index = self.device.index
+            checked = check_swap_in_positions_fits(
+                num_positions, top_k, buffer_size, page_size, threads, limit=shared_memory_per_block(index),
+                device_name=torch.cuda.get_device_name(index),
+            )
+            plan = self._positions_plans[key] = torch.tensor(checked.as_ints(), dtype=torch.int64)
+        return plan
+
+    def resident_ctas(self, top_k: int, buffer_size: int, threads: int, *, num_positions: int | None = None) -> int:
+        """How many swap-in CTAs of this shape the GPU runs at once (multiprocessors x occupancy); with
+        ``num_positions``, of ``swap_in_positions``' kernel for that many positions of ``top_k`` entries."""
+        key = (threads, top_k, buffer_size, num_positions)
         if key not in self._occupancy:
-            plan = self.launch_plan(top_k, buffer_size, threads)
-            self._occupancy[key] = int(self.module.swap_in_occupancy(threads, plan))
+            if num_positions is None:
+                plan = self.launch_plan(top_k, buffer_size, threads)
+                self._occupancy[key] = int(self.module.swap_in_occupancy(threads, plan))
+            else:
+                plan = self.positions_plan(num_positions, top_k, buffer_size, threads)
+                self._occupancy[key] = int(self.module.swap_in_positions_occupancy(threads, plan))
         return max(1, self._multiprocessors * self._occupancy[key])
 
-    def choose_splits(self, batch: int, top_k: int, buffer_size: int, threads: int) -> int:
+    def choose_splits(
+        self, batch: int, top_k: int, buffer_size: int, threads: int, *, num_positions: int | None = None
+    ) -> int:
         """CTAs per request: a planner, plus copier CTAs while the batch is small and they fit.
 
         Copiers start reading a request's missed host rows at once, while its planner still chooses
@@ -144,8 +242,10 @@ class CudaOps:
         follow the order in which a request's CTAs start, and a CTA waits only for CTAs that have
         started; docs/kernels.md, "Forward progress"). A CTA that starts after its planner closed the
         claims leaves, and the planner copies that chunk itself: correct, but slower than a copier.
+        ``num_positions``: the split of ``swap_in_positions`` (the same rule, its kernel's occupancy; not
+        tuned by a sweep of its own).
         """
-        resident = self.resident_ctas(top_k, buffer_size, threads)
+        resident = self.resident_ctas(top_k, buffer_size, threads, num_positions=num_positions)
         batch = max(batch, 1)
         splits = min(MAX_SPLITS, 1 + -(-TARGET_COPIERS // batch))
         while splits > 1 and batch * splits > resident:
@@ -184,6 +284,63 @@ class CudaOps:
         if splits is None:
             splits = self.choose_splits(batch, k, buffer_size, threads)
         self.module.swap_in(
+            top_k,
+            seq_lens,
+            req_pool_indices,
+            num_real_reqs,
+            *tables.tensors(),
+            out,
+            self._no_counters if counters is None else counters,
+            self._workspace(batch),
+            plan,
+            splits,
+            threads,
+            torch.cuda.current_stream(self.device).cuda_stream,
+        )
+        return out
+
+    def swap_in_positions(
+        self,
+        top_k: torch.Tensor,
+        seq_lens: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        num_real_reqs: torch.Tensor,
+        tables: SwapInTables,
+        out: torch.Tensor | None = None,
+        counters: torch.Tensor | None = None,
+        *,
+        splits: int | None = None,
+        threads: int | None = None,
+    ) -> torch.Tensor:
+        """CUDA twin of :func:`hisparse_sglang.ops.reference.swap_in_positions` (one launch; see there
+        and ``coordinator.speculative.VerifyOps`` for shapes and rules).
+
+        The kernel is ``swap_in``'s, run on one row of ``T x K`` entries per request, so each row of
+        ``top_k`` and ``out`` must hold its ``T x K`` entries contiguously (``[B, T, K]`` views of
+        contiguous ``[B * T, K]`` tensors do). ``seq_lens`` is ``s``, the committed length.
+        Differences from the reference twin, all refused before any launch: ``T x K`` must be at
+        most ``device_buffer_size`` (the twin refuses only a request whose distinct history tokens
+        exceed it, which the kernel cannot check) and must fit the kernel's shared-memory plan
+        (:meth:`positions_plan`: ``T <= 2`` for top_k 2048 on sm_90).
+
+        Raises:
+            ValueError: ``top_k`` is not ``[B, T, K]``, or ``T`` exceeds a buffer's verify slots.
+            UnsupportedSetupError, HiSparseConfigError: :meth:`positions_plan`.
+        """
+        if top_k.device != self.device:
+            raise HiSparseError(
+                f"swap_in_positions: top_k is on {top_k.device}, but these ops launch on {self.device}."
+            )
+        batch, num_positions, k = verify_top_k_shape(top_k, tables)
+        threads = threads or DEFAULT_THREADS
+        buffer_size = tables.slot_tokens.shape[1]
+        page_size = tables.slot_rows.shape[1] - buffer_size
+        plan = self.positions_plan(num_positions, k, buffer_size, threads, page_size)
+        if out is None:
+            out = torch.empty((batch, num_positions, k), dtype=torch.int32, device=self.device)
+        if splits is None:
+            splits = self.choose_splits(batch, k, buffer_size, threads, num_positions=num_positions)
+        self.module.swap_in_positions(
             top_k,
             seq_lens,
             req_pool_indices,
@@ -278,4 +435,63 @@ class CudaOps:
         self.module.bind_rows(
             plan, new_locs, new_pages, device_row_of_loc, buffer_of_req, slot_rows, buffer_size, page_size,
             torch.cuda.current_stream(self.device).cuda_stream,
+        )
+
+    def bind_verify_slots(
+        self,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_real_reqs: torch.Tensor,
+        num_positions: int,
+        req_to_token: torch.Tensor,
+        device_row_of_loc: torch.Tensor,
+        buffer_of_req: torch.Tensor,
+        slot_rows: torch.Tensor,
+        buffer_size: int,
+    ) -> None:
+        """CUDA twin of :func:`hisparse_sglang.ops.reference.bind_verify_slots` (one launch, one thread
+        per batch row and position; ``s`` and ``num_real_reqs`` read on the device, no host sync).
+
+        Raises:
+            ValueError: ``num_positions`` outside ``[1, P - 1]`` (the reference twin's message).
+        """
+        _check_verify_positions(num_positions, slot_rows, buffer_size)
+        self.module.bind_verify_slots(
+            req_pool_indices, seq_lens, num_real_reqs, num_positions, req_to_token, device_row_of_loc, buffer_of_req,
+            slot_rows, buffer_size, torch.cuda.current_stream(self.device).cuda_stream,
+        )
+
+    def commit_accepted(
+        self,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        accept_lens: torch.Tensor,
+        num_real_reqs: torch.Tensor,
+        num_positions: int,
+        req_to_token: torch.Tensor,
+        device_row_of_loc: torch.Tensor,
+        buffer_of_req: torch.Tensor,
+        slot_rows: torch.Tensor,
+        buffer_size: int,
+        device_layers: Sequence[torch.Tensor],
+        host_layers: Sequence[torch.Tensor],
+    ) -> None:
+        """CUDA twin of :func:`hisparse_sglang.ops.reference.commit_accepted` (one launch for the batch and
+        every layer: one warp per row copy of the fixed ``[B, T + 1] x L`` shape, masked by the accept
+        lengths on the device; no host sync). ``host_layers`` must be pinned.
+
+        The accept lengths are read on the device only, so the twin's check of ``0 <= a <= T`` is a
+        precondition here: a row with ``a`` outside it commits nothing.
+
+        Raises:
+            ValueError: ``num_positions`` outside ``[1, P - 1]``, layer lists of different lengths
+                (both the reference twin's messages), or device and host rows of different sizes.
+        """
+        row_bytes = commit_row_bytes(num_positions, slot_rows, buffer_size, device_layers, host_layers)
+        if row_bytes is None:
+            return
+        self.module.commit_accepted(
+            req_pool_indices, seq_lens, accept_lens, num_real_reqs, num_positions, req_to_token, device_row_of_loc,
+            buffer_of_req, slot_rows, buffer_size, self._pointers(device_layers), self._pointers(host_layers),
+            row_bytes, torch.cuda.current_stream(self.device).cuda_stream,
         )

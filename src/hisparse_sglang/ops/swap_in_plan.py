@@ -7,6 +7,14 @@ on) check a shape with :func:`check_swap_in_fits`. A shape the kernel cannot run
 rejected when the server starts, naming the key, the limit and the largest value that fits,
 instead of failing inside ``cudaFuncSetAttribute`` at the first launch.
 
+The multi-position swap-in of a speculative verify step (``swap_in_positions``) runs the same kernel
+on one row of ``T x top_k`` entries per request (the union of its ``T`` verify positions), so its plan
+is :func:`swap_in_plan` of ``T x top_k`` entries (:func:`swap_in_positions_plan`). On sm_90 (227 KiB per
+block) that fits for ``T x top_k <= 4096``: top_k 2048 takes ``T <= 2`` (``device_buffer_size`` 4096
+to 5760), top_k 1024 ``T <= 4``; ``T = 3, 4`` with top_k 2048 would need 387,712 and 428,928 B with
+their smallest buffers (6144, 8192 slots) and are refused by :func:`check_swap_in_positions_fits`,
+naming the values and the most that fits (:func:`largest_num_positions`).
+
 Imports the standard library only (torch only inside :func:`shared_memory_per_block`, to query a
 GPU), so ``import hisparse_sglang`` stays free of side effects.
 """
@@ -17,7 +25,7 @@ import dataclasses
 import functools
 import types
 
-from hisparse_sglang.errors import HiSparseConfigError
+from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
 
 __all__ = [
     "SwapInPlan",
@@ -34,6 +42,9 @@ __all__ = [
     "largest_top_k",
     "check_top_k_fits",
     "check_swap_in_fits",
+    "swap_in_positions_plan",
+    "largest_num_positions",
+    "check_swap_in_positions_fits",
 ]
 
 # Thread counts the kernel is instantiated for (csrc/swap_in_binding.cu's switch).
@@ -294,4 +305,98 @@ def check_swap_in_fits(
         f"swap_in_block_size {threads} it needs {plan.total_bytes:,} B of GPU shared memory per block, more than "
         f"{_where(limit, device_name)}; use device_buffer_size <= {largest} (the largest multiple of page_size "
         f"{page_size} that fits with this top_k)."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# swap_in_positions: the T verify positions of a request as one row of T x top_k entries.
+
+
+def swap_in_positions_plan(num_positions: int, top_k: int, buffer_size: int, threads: int | None = None) -> SwapInPlan:
+    """The shared-memory plan of a ``swap_in_positions`` CTA: the kernel plans the union of a request's
+    ``num_positions`` (``T``) verify positions as one row of ``T x top_k`` entries, so this is
+    :func:`swap_in_plan` of ``T x top_k`` entries; no limit is checked here."""
+    return swap_in_plan(num_positions * top_k, buffer_size, threads)
+
+
+@functools.lru_cache(maxsize=64)
+def largest_num_positions(top_k: int, page_size: int, threads: int | None, limit: int,
+                          buffer_size: int | None = None) -> int:
+    """The most verify positions ``T`` whose ``T x top_k`` entries ``swap_in_positions`` plans within
+    ``limit`` bytes: with ``buffer_size`` LRU slots when given (``T x top_k <= buffer_size`` too), else
+    with the smallest buffer that holds them (``T x top_k`` rounded up to a page). 0 when not even one
+    position fits. ``T x top_k`` never exceeds :data:`MAX_TOP_K`, the binding's limit on a row's entries."""
+    if top_k < 1:
+        return 0
+
+    def fits(positions: int) -> bool:
+        entries = positions * top_k
+        if buffer_size is None:
+            return largest_device_buffer_size(entries, page_size, threads, limit) is not None
+        return entries <= buffer_size and swap_in_plan(entries, buffer_size, threads).total_bytes <= limit
+
+    low, high = 0, MAX_TOP_K // top_k
+    while low < high:  # the plan grows with the entries: bisect
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def check_swap_in_positions_fits(
+    num_positions: int,
+    top_k: int,
+    buffer_size: int,
+    page_size: int,
+    threads: int | None = None,
+    *,
+    limit: int | None = None,
+    device_name: str | None = None,
+) -> SwapInPlan:
+    """The plan of ``swap_in_positions`` for ``num_positions`` (``T``) verify positions, or a typed
+    error naming the values, the limit and the fix.
+
+    Raises:
+        UnsupportedSetupError: ``T x top_k`` entries do not fit the kernel's shared memory with any
+            buffer (``T`` above :func:`largest_num_positions`): fewer draft tokens are the only fix.
+        HiSparseConfigError: ``device_buffer_size`` is below ``T x top_k`` (the LRU slots must hold the
+            union of a request's positions), or too large for the plan of ``T x top_k`` entries.
+
+    Args:
+        threads: swap_in_block_size (None: :data:`DEFAULT_THREADS`).
+        limit: shared memory per block (default: sm_90's); ``device_name`` names the GPU it is of.
+    """
+    threads = threads or DEFAULT_THREADS
+    limit = SM90_SHARED_MEMORY_PER_BLOCK if limit is None else limit
+    entries = num_positions * top_k
+    product = f"num_draft_tokens x top_k ({num_positions} x {top_k} = {entries})"
+    most = largest_num_positions(top_k, page_size, threads, limit)
+    if num_positions > most:
+        needed = swap_in_plan(entries, _round_up(entries, page_size), threads).total_bytes
+        takes = (f"with top_k {top_k} it takes num_draft_tokens <= {most}; set --speculative-num-draft-tokens <= "
+                 f"{most} (--speculative-num-steps <= {most - 1} with --speculative-eagle-topk 1)" if most >= 1 else
+                 f"with top_k {top_k} it takes no verify position; serve without speculative decoding")
+        raise UnsupportedSetupError(
+            f"swap_in_positions cannot serve {num_positions} verify positions per request: the kernel plans the "
+            f"union of a request's {product} entries in GPU shared memory, {needed:,} B per block even with the "
+            f"smallest device_buffer_size ({_round_up(entries, page_size)}) and swap_in_block_size {threads}, more "
+            f"than {_where(limit, device_name)}; {takes}."
+        )
+    if entries > buffer_size:
+        raise HiSparseConfigError(
+            f"device_buffer_size ({buffer_size}) must be at least {product} for speculative decoding: a buffer's "
+            f"LRU slots hold the union of a request's verify positions; set device_buffer_size >= "
+            f"{_round_up(entries, page_size)} or lower --speculative-num-draft-tokens."
+        )
+    plan = swap_in_plan(entries, buffer_size, threads)
+    if plan.total_bytes <= limit:
+        return plan
+    largest = largest_device_buffer_size(entries, page_size, threads, limit)
+    raise HiSparseConfigError(
+        f"device_buffer_size ({buffer_size}) is too large for swap_in_positions with {product} entries per "
+        f"request and swap_in_block_size {threads}: it needs {plan.total_bytes:,} B of GPU shared memory per "
+        f"block, more than {_where(limit, device_name)}; use device_buffer_size <= {largest} (the largest "
+        f"multiple of page_size {page_size} that fits with {entries} entries)."
     )

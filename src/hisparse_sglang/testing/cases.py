@@ -3,6 +3,8 @@
 Every host row holds bytes unique to the row, device rows start poisoned, and each offloaded
 request's top-k mixes hits, misses, the newest token, duplicates, padding and out-of-range
 positions in proportions the caller chooses, so a misplaced byte cannot match by luck.
+:func:`make_positions_case` builds the multi-position swap-in of a speculative verify step
+(``swap_in_positions``) the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from hisparse_sglang.ops.tables import SwapInTables
 
-__all__ = ["SwapInCase", "make_case", "POISON"]
+__all__ = ["SwapInCase", "make_case", "make_positions_case", "union_misses", "POISON"]
 
 POISON = 0xCD
 
@@ -93,6 +95,7 @@ def make_case(
     extra_slots: int = 3,
     seed: int = 0,
     host_kv: torch.Tensor | None = None,
+    context_slack: int = 16,
 ) -> SwapInCase:
     """Build a swap-in call of ``batch`` requests on the CPU.
 
@@ -111,6 +114,8 @@ def make_case(
         extra_slots: request slots beyond the batch (requests use a random subset of slots).
         host_kv: reuse this host KV tensor (it must have the rows and row size this case needs;
             its contents must be those make_case writes) instead of filling a new one.
+        context_slack: positions per request slot beyond ``seq_len`` (``req_to_token``'s width is
+            ``seq_len + context_slack``): room for verify positions and for lengths that grow.
     """
     generator = torch.Generator().manual_seed(seed)
 
@@ -123,7 +128,7 @@ def make_case(
         raise ValueError("seq_len must be >= 2")
     padded = buffer_size + page_size
     num_slots = batch + extra_slots
-    context = seq_len + 16
+    context = seq_len + context_slack
     slots = torch.randperm(num_slots, generator=generator)[:batch]
 
     # Host rows: a random injective map (slot, position) -> host row; unique bytes per row.
@@ -218,3 +223,84 @@ def make_case(
         device_kv=device_kv,
         expected_misses=expected_misses,
     )
+
+
+def union_misses(case: SwapInCase) -> int:
+    """Distinct history tokens (``0 <= t < s - 1``) of every real offloaded row of a
+    ``swap_in_positions`` case (``top_k [B, T, K]``, ``seq_lens`` = ``s``) that no slot holds: the rows
+    the call copies."""
+    num_real = min(int(case.num_real_reqs[0]), case.top_k.shape[0])
+    misses = 0
+    for b in range(num_real):
+        buffer = int(case.buffer_of_req[int(case.req_pool_indices[b])])
+        if buffer < 0:
+            continue
+        tokens = case.top_k[b].reshape(-1).to(torch.int64)
+        history = torch.unique(tokens[(tokens >= 0) & (tokens < int(case.seq_lens[b]) - 1)])
+        misses += int((case.token_slot[buffer, history] < 0).sum())
+    return misses
+
+
+def make_positions_case(
+    batch: int,
+    num_positions: int,
+    top_k: int,
+    buffer_size: int,
+    row_bytes: int = 64,
+    *,
+    overlap: float = 0.8,
+    miss_rate: float = 0.2,
+    verify_entries: bool = True,
+    seed: int = 0,
+    **case_options,
+) -> SwapInCase:
+    """Build a ``swap_in_positions`` call (one layer of a verify step) of ``batch`` requests with
+    ``num_positions`` (``T``) query positions each, on the CPU; ``top_k`` is ``[B, T, K]`` and
+    ``seq_lens`` the committed length ``s``.
+
+    Position 0 is :func:`make_case`'s top-k row of the same arguments (its ``seq_len`` is ``s``: history,
+    the newest accepted token ``s - 1``, misses at ``miss_rate``; its out-of-range entries ``s .. s + 8``
+    are verify tokens for some positions and beyond the causal limit for others). Position ``j >= 1``
+    keeps each of position 0's entries with probability ``overlap`` and replaces the others with history
+    tokens: with probability ``miss_rate`` one no slot holds (a miss, possibly shared with another
+    position), else one the buffer holds (a hit). With ``verify_entries`` position ``j`` also names the
+    verify tokens ``s .. s + j`` (its own and the earlier positions', as a causal indexer may). Resident
+    requests draw replacements from their whole history. ``expected_misses`` counts the union's distinct
+    misses (:func:`union_misses`).
+
+    Args:
+        case_options: passed to :func:`make_case` (``page_size``, ``seq_len``, ``resident_fraction``,
+            ``num_real``, ``newest_count``, ``duplicate_fraction``, ``context_slack``, ``host_kv``, ...).
+    """
+    base = make_case(batch, top_k, buffer_size, row_bytes, miss_rate=miss_rate, seed=seed, **case_options)
+    generator = torch.Generator().manual_seed(seed + 7919)
+    rows = torch.full((batch, num_positions, top_k), -1, dtype=torch.int32)
+    for b in range(batch):
+        committed = int(base.seq_lens[b])
+        first = base.top_k[b].to(torch.int64)
+        buffer = int(base.buffer_of_req[int(base.req_pool_indices[b])])
+        history = max(committed - 1, 1)
+        if buffer >= 0:
+            held = base.slot_tokens[buffer].to(torch.int64)
+            held = held[held >= 0]
+            unheld = torch.nonzero(base.token_slot[buffer, :history] < 0).reshape(-1)
+        for j in range(num_positions):
+            entries = first.clone()
+            if j > 0:
+                replaced = torch.rand(top_k, generator=generator) >= overlap
+                count = int(replaced.sum())
+                if buffer >= 0 and held.numel() and unheld.numel():
+                    hits = held[torch.randint(0, held.numel(), (count,), generator=generator)]
+                    misses = unheld[torch.randint(0, unheld.numel(), (count,), generator=generator)]
+                    missed = torch.rand(count, generator=generator) < miss_rate
+                    fresh = torch.where(missed, misses, hits)
+                else:
+                    fresh = torch.randint(0, history, (count,), generator=generator)
+                entries[replaced] = fresh
+            if verify_entries:
+                where = torch.randperm(top_k, generator=generator)[: min(j + 1, top_k)]
+                entries[where] = committed + torch.arange(where.numel(), dtype=torch.int64)
+            rows[b, j] = entries.to(torch.int32)
+    base.top_k = rows
+    base.expected_misses = union_misses(base)
+    return base

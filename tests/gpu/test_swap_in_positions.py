@@ -1,0 +1,484 @@
+"""The CUDA twins of a verify step's ops (swap_in_positions, bind_verify_slots, commit_accepted) against
+their reference twins in ops/reference.py, bit for bit (GPU only).
+
+swap_in_positions: outputs, slot tokens, stamps, the token -> slot map, the whole device KV tensor and the
+counters, on bf16 (1152-B) and fp8 (656-B) rows, T = 1 .. the most the plan takes for the top_k (2 for
+top_k 2048, 4 for 1024), resident and offloaded requests in one batch, padded rows, tokens shared by
+several positions, every split and the test-hook builds, CUDA-graph replay with drifting top-k and lengths
+growing by 1..T per replay; and the shapes it refuses before any launch. bind_verify_slots and
+commit_accepted: the location -> row table, every host and device layer, padded rows, accept lengths 0..T,
+graph replay.
+"""
+
+import pytest
+import torch
+
+from hisparse_sglang.ops import reference
+from hisparse_sglang.testing.cases import POISON, make_positions_case
+
+pytestmark = pytest.mark.gpu
+
+# Test hooks of variant builds (jit.load_module(defines=...); the production build has none), as in
+# tests/gpu/test_swap_in.py and test_swap_in_progress.py: they apply to swap_in_positions' kernel too.
+LATE_COPIERS = ("HISPARSE_TEST_LATE_COPIERS_NS=30000",)
+LATE_ARRIVALS = ("HISPARSE_TEST_LATE_ARRIVALS_NS=30000",)
+LATE_PLANNER = ("HISPARSE_TEST_LATE_PLANNER_NS=30000",)
+
+
+def cuda_ops(module=None):
+    from hisparse_sglang.ops.swap_in import CudaOps
+
+    return CudaOps(module=module)
+
+
+def variant(defines):
+    from hisparse_sglang.ops.jit import load_module
+
+    return load_module(defines)
+
+
+def assert_same(name, expected, actual):
+    expected = expected.cpu()
+    actual = actual.cpu()
+    if expected.shape != actual.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+    if not torch.equal(expected, actual):
+        diff = torch.nonzero(expected != actual)
+        first = tuple(diff[0].tolist())
+        raise AssertionError(
+            f"{name}: {diff.shape[0]} elements differ; first at {first}: expected {expected[first].item()}, "
+            f"got {actual[first].item()}"
+        )
+
+
+def assert_workspace_clear(ops):
+    """The swap-in launch workspace is back to 0 after a launch (what lets graph replays run without host work)."""
+    from hisparse_sglang.ops.swap_in_plan import SYNC_COUNTERS_PER_ROW
+
+    workspace = ops._sync.cpu()
+    if bool(workspace.any()):
+        rows = workspace.numel() // SYNC_COUNTERS_PER_ROW
+        raise AssertionError(f"launch workspace not reset: {workspace.reshape(SYNC_COUNTERS_PER_ROW, rows).tolist()}")
+
+
+# ------------------------------------------------------------------------------------ swap_in_positions
+def run_both(case, splits=None, threads=None, module=None):
+    """The reference on CPU copies, the kernel (of ``module``, default the production build) on GPU
+    copies with a sentinel-filled output; both states, the workspace checked clear."""
+    expected = case.clone()
+    expected_counters = torch.zeros(2, dtype=torch.int64)
+    expected_out = reference.swap_in_positions(*expected.args(), counters=expected_counters)
+
+    actual = case.clone(device="cuda", pin_host=True)
+    counters = torch.zeros(2, dtype=torch.int64, device="cuda")
+    out = torch.full(tuple(case.top_k.shape), 777, dtype=torch.int32, device="cuda")
+    ops = cuda_ops(module)
+    result = ops.swap_in_positions(*actual.args(), out=out, counters=counters, splits=splits, threads=threads)
+    assert result is out
+    torch.cuda.synchronize()
+    assert_workspace_clear(ops)
+    return (expected, expected_out, expected_counters), (actual, out.cpu(), counters.cpu())
+
+
+def check(case, **kwargs):
+    (exp, exp_out, exp_counters), (act, out, counters) = run_both(case, **kwargs)
+    assert_same("out", exp_out, out)
+    assert_same("slot_tokens", exp.slot_tokens, act.slot_tokens)
+    assert_same("slot_stamps", exp.slot_stamps, act.slot_stamps)
+    assert_same("token_slot", exp.token_slot, act.token_slot)
+    assert_same("device_kv", exp.device_kv, act.device_kv)
+    assert_same("counters", exp_counters, counters)
+    assert torch.equal(act.host_kv, case.host_kv), "the kernel wrote host memory"
+    assert int(exp_counters[1]) == case.expected_misses
+    return exp_out
+
+
+CORRECTNESS = [
+    # (batch, T, top_k, buffer_size, row_bytes, miss_rate)
+    (1, 2, 2048, 4096, 1152, 0.2),
+    (8, 2, 2048, 4096, 656, 0.2),
+    (33, 2, 2048, 4096, 1152, 0.05),
+    (2, 2, 2048, 5760, 1152, 1.0),  # the largest buffer the plan of 4096 entries takes on sm_90
+    (4, 1, 2048, 4096, 656, 0.5),
+    (5, 3, 1024, 4096, 656, 0.3),
+    (3, 4, 1024, 4096, 1152, 1.0),
+    (6, 4, 1024, 4096, 656, 0.0),
+    (7, 4, 512, 2048, 64, 0.4),
+]
+
+
+@pytest.mark.parametrize("batch,positions,top_k,buffer_size,row_bytes,miss_rate", CORRECTNESS)
+def test_matches_reference(batch, positions, top_k, buffer_size, row_bytes, miss_rate):
+    case = make_positions_case(
+        batch, positions, top_k, buffer_size, row_bytes, miss_rate=miss_rate, overlap=0.7, duplicate_fraction=0.03,
+        padding_fraction=0.02, out_of_range_fraction=0.01, resident_fraction=0.25, empty_slot_fraction=0.1,
+        seed=batch * 31 + positions * 7 + top_k,
+    )
+    check(case)
+
+
+@pytest.mark.parametrize("threads", [256, 512, 1024])
+@pytest.mark.parametrize("row_bytes", [1152, 656])
+def test_every_block_size_and_row_size(threads, row_bytes):
+    case = make_positions_case(4, 2, 2048, 4096, row_bytes, miss_rate=0.3, resident_fraction=0.25,
+                               duplicate_fraction=0.02, seed=threads + row_bytes)
+    check(case, threads=threads)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 5, 17, 65])
+def test_every_split_matches_reference(splits):
+    case = make_positions_case(3, 2, 2048, 4096, 1152, miss_rate=0.4, duplicate_fraction=0.02, seed=splits)
+    check(case, splits=splits)
+
+
+@pytest.mark.parametrize("defines,splits", [
+    (LATE_COPIERS, 2), (LATE_COPIERS, 17), (LATE_COPIERS, 65), (LATE_ARRIVALS, 3), (LATE_ARRIVALS, 17),
+    (LATE_PLANNER, 5),
+])
+def test_late_copiers_arrivals_and_planner(defines, splits):
+    """The planner/copier handshake over T x K entries: copiers that look up late (the planner waits),
+    claim late (the planner copies their chunks), or a planner that announces itself late."""
+    case = make_positions_case(3, 2, 2048, 4096, 656, miss_rate=0.3, resident_fraction=0.34, seed=80 + splits)
+    check(case, splits=splits, module=variant(defines))
+
+
+def test_tokens_shared_by_positions_are_looked_up_and_copied_once():
+    """Every position names the same entries (overlap 1): each missed token is copied once, and every
+    position reads the same row for it; the lookups count every position's history entries."""
+    case = make_positions_case(2, 2, 2048, 4096, 1152, miss_rate=0.5, overlap=1.0, verify_entries=False, seed=90)
+    out = check(case)
+    assert torch.equal(out[:, 0], out[:, 1])
+    # Position 1 names position 0's misses again: a miss only position 1 named is also copied once.
+    case = make_positions_case(2, 2, 1024, 4096, 656, miss_rate=1.0, overlap=0.5, seed=91)
+    check(case)
+
+
+def test_one_position_equals_swap_in():
+    """T = 1 with entries below s is swap_in with seq_len s, bit for bit (both CUDA twins)."""
+    from hisparse_sglang.testing.cases import make_case
+
+    case = make_case(5, 2048, 4096, 1152, miss_rate=0.3, resident_fraction=0.2, duplicate_fraction=0.02,
+                     out_of_range_fraction=0.02, seed=92)
+    case.top_k[case.top_k >= case.seq_lens.reshape(-1, 1).to(torch.int32)] = -1
+    single = case.clone(device="cuda", pin_host=True)
+    multi = case.clone(device="cuda", pin_host=True)
+    multi.top_k = multi.top_k.reshape(5, 1, 2048).contiguous()
+    ops = cuda_ops()
+    counters = [torch.zeros(2, dtype=torch.int64, device="cuda") for _ in range(2)]
+    out_single = ops.swap_in(*single.args(), counters=counters[0], splits=3)
+    out_multi = ops.swap_in_positions(*multi.args(), counters=counters[1], splits=3)
+    torch.cuda.synchronize()
+    assert_same("out", out_single, out_multi.reshape(5, 2048))
+    for name in ("slot_tokens", "slot_stamps", "token_slot", "device_kv"):
+        assert_same(name, getattr(single, name), getattr(multi, name))
+    assert_same("counters", counters[0], counters[1])
+
+
+def test_padded_rows_output_minus_one_and_touch_nothing():
+    case = make_positions_case(8, 2, 1024, 2048, 1152, miss_rate=0.5, resident_fraction=0.25, num_real=3, seed=93)
+    out = check(case)
+    assert bool((out[3:] == -1).all())
+    empty = make_positions_case(4, 2, 512, 1024, 64, miss_rate=0.5, num_real=0, seed=94)
+    assert bool((check(empty) == -1).all())
+
+
+def test_seq_len_around_buffer_size_and_short_requests():
+    for seq_len in (1023, 1024, 1025, 3, 2):
+        check(make_positions_case(4, 2, 512, 1024, 656, miss_rate=0.3, seq_len=seq_len, seed=95 + seq_len))
+
+
+def drift(top_k, committed, generator, keep=0.8):
+    """The next verify's top-k: most entries kept where still causal, the rest drawn from [0, s + j] of
+    each position j (history, the newest token, verify tokens), a few padding."""
+    batch, positions, count = top_k.shape
+    limit = committed.reshape(-1, 1, 1) + torch.arange(positions).reshape(1, -1, 1)
+    fresh = (torch.rand((batch, positions, count), generator=generator) * (limit + 1).to(torch.float32)).to(torch.int64)
+    kept = torch.rand((batch, positions, count), generator=generator) < keep
+    out = torch.where(kept & (top_k >= 0), top_k.to(torch.int64), fresh)
+    out[torch.rand((batch, positions, count), generator=generator) < 0.01] = -1
+    return out.to(torch.int32)
+
+
+@pytest.mark.parametrize("positions,top_k,buffer_size,row_bytes", [(2, 1024, 2048, 656), (2, 2048, 4096, 1152),
+                                                                   (4, 512, 2048, 1152)])
+def test_graph_replays_with_drifting_top_k_and_growing_lengths(positions, top_k, buffer_size, row_bytes):
+    """Capture once, replay 12 verifies: each request's s grows by its accept length 1..T, the top-k drifts
+    (20 % fresh entries within each position's causal range), and the number of real rows changes; every
+    replay bit for bit against the reference, the workspace clear."""
+    batch = 4
+    base = make_positions_case(batch, positions, top_k, buffer_size, row_bytes, miss_rate=0.3, resident_fraction=0.25,
+                               seq_len=buffer_size + 40, context_slack=128, seed=96)
+    ref = base.clone()
+    gpu = base.clone(device="cuda", pin_host=True)
+    out = torch.full(tuple(base.top_k.shape), 777, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(2, dtype=torch.int64, device="cuda")
+    ref_counters = torch.zeros(2, dtype=torch.int64)
+    ops = cuda_ops()
+    ops.reserve(batch, top_k, buffer_size, num_positions=positions)
+    warm = gpu.clone(device="cuda", pin_host=True)
+    ops.swap_in_positions(*warm.args(), out=out.clone(), splits=3)  # loads the module, sets the smem limit
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.swap_in_positions(*gpu.args(), out=out, counters=counters, splits=3)
+    generator = torch.Generator().manual_seed(97)
+    committed = base.seq_lens.clone()
+    top = base.top_k.clone()
+    for step in range(12):
+        committed += torch.randint(1, positions + 1, (batch,), generator=generator)
+        top = drift(top, committed, generator)
+        real = batch if step % 3 else batch - 1
+        for state in (ref, gpu):
+            state.top_k.copy_(top)
+            state.seq_lens.copy_(committed)
+            state.num_real_reqs.fill_(real)
+        expected = reference.swap_in_positions(*ref.args(), counters=ref_counters)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same(f"out step {step}", expected, out)
+        for name in ("slot_tokens", "slot_stamps", "token_slot", "device_kv"):
+            assert_same(f"{name} step {step}", getattr(ref, name), getattr(gpu, name))
+        assert_same(f"counters step {step}", ref_counters, counters)
+        assert_workspace_clear(ops)
+    assert int(ref_counters[1]) > 0, "the replays never missed"
+
+
+def test_shapes_the_kernel_cannot_plan_are_refused_before_any_launch():
+    from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
+
+    ops = cuda_ops()
+    # T = 3 with top_k 2048: 6144 entries do not fit the plan with any buffer.
+    case = make_positions_case(1, 3, 2048, 6144, 64, miss_rate=0.5, seed=98)
+    gpu = case.clone(device="cuda", pin_host=True)
+    out = torch.full(tuple(case.top_k.shape), 777, dtype=torch.int32, device="cuda")
+    with pytest.raises(UnsupportedSetupError) as info:
+        ops.swap_in_positions(*gpu.args(), out=out)
+    for fragment in ("3 verify positions", "3 x 2048 = 6144", "num_draft_tokens <= 2", "232,448 B"):
+        assert fragment in str(info.value), str(info.value)
+    with pytest.raises(UnsupportedSetupError):
+        ops.reserve(4, 2048, 6144, num_positions=3)
+    torch.cuda.synchronize()
+    assert bool((out == 777).all()), "a refused call launched"
+    assert torch.equal(gpu.slot_tokens.cpu(), case.slot_tokens)
+    # T x top_k above device_buffer_size, and a buffer too large for the plan of 4096 entries.
+    for buffer_size, fragment in ((2048, "device_buffer_size (2048) must be at least"),
+                                  (8192, "device_buffer_size <= 5760")):
+        case = make_positions_case(1, 2, 2048, buffer_size, 64, miss_rate=0.5, seed=99)
+        with pytest.raises(HiSparseConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+            ops.swap_in_positions(*case.clone(device="cuda", pin_host=True).args())
+    # More positions than a buffer's reserved page holds: the reference twin's ValueError, by both twins.
+    case = make_positions_case(1, 4, 64, 256, 64, page_size=4, miss_rate=0.5, seed=100)
+    with pytest.raises(ValueError, match="4 verify positions per request, but a buffer's reserved page holds 3"):
+        reference.swap_in_positions(*case.clone().args())
+    with pytest.raises(ValueError, match="4 verify positions per request, but a buffer's reserved page holds 3"):
+        ops.swap_in_positions(*case.clone(device="cuda", pin_host=True).args())
+
+
+def test_binding_refuses_rows_that_are_not_contiguous():
+    case = make_positions_case(2, 2, 256, 1024, 64, miss_rate=0.5, seed=101).clone(device="cuda", pin_host=True)
+    case.top_k = torch.cat([case.top_k, case.top_k], dim=2)[:, :, :256]  # rows of 512 entries: positions apart
+    with pytest.raises(ValueError, match=r"swap_in_positions: top_k must be int32 \[batch, T, K\] on CUDA, each row's"):
+        cuda_ops().swap_in_positions(*case.args())
+    case.top_k = case.top_k.contiguous()
+    with pytest.raises(ValueError, match=r"swap_in_positions: top_k must be int32 \[B, T, K\]"):
+        cuda_ops().swap_in_positions(case.top_k[:, 0], *case.args()[1:])
+
+
+# ------------------------------------------------------------------------------ bind / commit tables
+BUFFER = 64
+PAGE = 16
+
+
+def verify_tables(seed: int, batch: int, positions: int, row_bytes: int, layers: int, index_dtype=torch.int64):
+    """A verify step's tables: ``batch`` distinct request slots (a third resident), each with committed
+    length s and locations up to s + T; buffers of D + P distinct device rows for the offloaded ones,
+    distinct device rows for every resident position; device KV of unique bytes per row and layer,
+    host KV poisoned. The offloaded requests' verify positions are bound as bind_verify_slots binds them."""
+    g = torch.Generator().manual_seed(seed)
+    slots, context = batch + 3, 400
+    num_locs = slots * context + 1
+    req_to_token = (torch.randperm(num_locs - 1, generator=g)[: slots * context] + 1).to(torch.int32)
+    req_to_token = req_to_token.reshape(slots, context)
+    req_pool_indices = torch.randperm(slots, generator=g)[:batch]
+    offloaded = torch.rand(batch, generator=g) >= 1 / 3
+    num_buffers = int(offloaded.sum())
+    seq_lens = torch.randint(1, context - positions, (batch,), generator=g)
+    resident_rows = int(seq_lens[~offloaded].sum()) + positions * batch
+    num_rows = PAGE + num_buffers * (BUFFER + PAGE) + resident_rows
+    rows = torch.randperm(num_rows - PAGE, generator=g).to(torch.int32) + PAGE
+    buffer_of_req = torch.full((slots,), -1, dtype=torch.int32)
+    slot_rows = rows[: num_buffers * (BUFFER + PAGE)].reshape(num_buffers, BUFFER + PAGE).clone()
+    cursor = num_buffers * (BUFFER + PAGE)
+    device_row_of_loc = torch.zeros(num_locs + 1, dtype=torch.int32)
+    device_row_of_loc[-1] = -1
+    buffer = 0
+    for b in range(batch):
+        slot, s = int(req_pool_indices[b]), int(seq_lens[b])
+        if offloaded[b]:
+            buffer_of_req[slot] = buffer
+            buffer += 1
+        else:
+            count = s + positions
+            device_row_of_loc[req_to_token[slot, :count].to(torch.int64)] = rows[cursor : cursor + count]
+            cursor += count
+    device_layers = [
+        torch.arange(num_rows * row_bytes, dtype=torch.int64).add(layer * 131).remainder(251).to(torch.uint8)
+        .reshape(num_rows, row_bytes) for layer in range(layers)
+    ]
+    host_layers = [torch.full((num_locs, row_bytes), POISON, dtype=torch.uint8) for _ in range(layers)]
+    return dict(
+        req_pool_indices=req_pool_indices.to(index_dtype), seq_lens=seq_lens.to(index_dtype),
+        req_to_token=req_to_token, device_row_of_loc=device_row_of_loc, buffer_of_req=buffer_of_req,
+        slot_rows=slot_rows, device_layers=device_layers, host_layers=host_layers,
+    )
+
+
+def bind_args(t, num_real, positions):
+    return (t["req_pool_indices"], t["seq_lens"], num_real, positions, t["req_to_token"], t["device_row_of_loc"],
+            t["buffer_of_req"], t["slot_rows"], BUFFER)
+
+
+@pytest.mark.parametrize("batch", [1, 7, 130])
+@pytest.mark.parametrize("positions", [1, 2, 4, 15])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_bind_verify_slots_matches_reference(batch, positions, index_dtype):
+    t = verify_tables(batch * 13 + positions, batch, positions, 16, 1, index_dtype)
+    real = max(1, batch - 2)  # the last rows are padding: left alone
+    num_real = torch.tensor([real], dtype=torch.int32)
+    before = t["device_row_of_loc"].clone()
+    reference.bind_verify_slots(*bind_args(t, num_real, positions))
+    expected = t["device_row_of_loc"]
+    actual = before.cuda()
+    gpu = {key: value.cuda() for key, value in t.items() if isinstance(value, torch.Tensor)}
+    gpu["device_row_of_loc"] = actual
+    cuda_ops().bind_verify_slots(*bind_args(gpu, num_real.cuda(), positions))
+    torch.cuda.synchronize()
+    assert_same("device_row_of_loc", expected, actual)
+    if bool((t["buffer_of_req"][t["req_pool_indices"][:real].to(torch.int64)] >= 0).any()):
+        assert not torch.equal(expected, before), "nothing was bound"
+
+
+def test_bind_verify_slots_replays_in_a_cuda_graph():
+    positions = 3
+    t = verify_tables(7, 9, positions, 16, 1)
+    gpu = {key: value.cuda() for key, value in t.items() if isinstance(value, torch.Tensor)}
+    num_real = torch.tensor([9], dtype=torch.int32, device="cuda")
+    ops = cuda_ops()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ops.bind_verify_slots(*bind_args(gpu, num_real, positions))  # warm-up outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            ops.bind_verify_slots(*bind_args(gpu, num_real, positions))
+    torch.cuda.synchronize()
+    reference.bind_verify_slots(*bind_args(t, num_real.cpu(), positions))  # what the warm-up bound
+    for step in range(3):
+        t["seq_lens"] += 2  # the next verify starts two positions later
+        gpu["seq_lens"].copy_(t["seq_lens"])
+        reference.bind_verify_slots(*bind_args(t, num_real.cpu(), positions))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same(f"device_row_of_loc step {step}", t["device_row_of_loc"], gpu["device_row_of_loc"])
+
+
+def commit_args(t, accept_lens, num_real, positions, device_layers, host_layers):
+    return (t["req_pool_indices"], t["seq_lens"], accept_lens, num_real, positions, t["req_to_token"],
+            t["device_row_of_loc"], t["buffer_of_req"], t["slot_rows"], BUFFER, device_layers, host_layers)
+
+
+def commit_both(t, accept_lens, real, positions, index_dtype=torch.int64):
+    """Reference on CPU copies, kernel on GPU copies (device layers on the GPU, host layers pinned)."""
+    num_real = torch.tensor([real], dtype=torch.int32)
+    expected_device = [layer.clone() for layer in t["device_layers"]]
+    expected_host = [layer.clone() for layer in t["host_layers"]]
+    valid = accept_lens.clone()
+    valid[(valid < 0) | (valid > positions)] = 0  # the kernel commits nothing for them; the reference refuses them
+    reference.commit_accepted(*commit_args(t, valid, num_real, positions, expected_device, expected_host))
+    gpu = {key: value.cuda() for key, value in t.items() if isinstance(value, torch.Tensor)}
+    device = [layer.cuda() for layer in t["device_layers"]]
+    host = [layer.clone().pin_memory() for layer in t["host_layers"]]
+    cuda_ops().commit_accepted(*commit_args(gpu, accept_lens.to(index_dtype).cuda(), num_real.cuda(), positions,
+                                            device, host))
+    torch.cuda.synchronize()
+    for layer in range(len(device)):
+        assert_same(f"host layer {layer}", expected_host[layer], host[layer])
+        assert_same(f"device layer {layer}", expected_device[layer], device[layer])
+    return expected_host
+
+
+@pytest.mark.parametrize("batch", [1, 5, 64])
+@pytest.mark.parametrize("positions", [1, 2, 4])
+@pytest.mark.parametrize("row_bytes", [1152, 656])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_commit_accepted_matches_reference(batch, positions, row_bytes, index_dtype):
+    t = verify_tables(batch * 17 + positions, batch, positions, row_bytes, 3, index_dtype)
+    reference.bind_verify_slots(*bind_args(t, torch.tensor([batch], dtype=torch.int32), positions))
+    g = torch.Generator().manual_seed(batch + positions)
+    accept_lens = torch.randint(0, positions + 1, (batch,), generator=g)
+    accept_lens[0] = positions  # at least one row accepts everything
+    real = max(1, batch - 1)
+    host = commit_both(t, accept_lens, real, positions, index_dtype)
+    assert int((host[0] != POISON).any(dim=1).sum()) > 0, "nothing was committed"
+
+
+def test_commit_accepted_commits_nothing_for_padding_zero_and_out_of_range_lengths():
+    positions = 2
+    t = verify_tables(5, 6, positions, 656, 2)
+    reference.bind_verify_slots(*bind_args(t, torch.tensor([6], dtype=torch.int32), positions))
+    accept_lens = torch.tensor([0, positions + 1, -1, 1, 2, 2])  # rows 1, 2: outside [0, T]; row 5 padding
+    commit_both(t, accept_lens, 5, positions)
+
+
+def test_commit_accepted_replays_in_a_cuda_graph():
+    positions, layers = 2, 2
+    t = verify_tables(11, 8, positions, 1152, layers)
+    reference.bind_verify_slots(*bind_args(t, torch.tensor([8], dtype=torch.int32), positions))
+    gpu = {key: value.cuda() for key, value in t.items() if isinstance(value, torch.Tensor)}
+    device = [layer.cuda() for layer in t["device_layers"]]
+    host = [layer.clone().pin_memory() for layer in t["host_layers"]]
+    accept_lens = torch.ones(8, dtype=torch.int64, device="cuda")
+    num_real = torch.tensor([8], dtype=torch.int32, device="cuda")
+    ops = cuda_ops()
+    args = commit_args(gpu, accept_lens, num_real, positions, device, host)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ops.commit_accepted(*args)  # warm-up outside capture (builds the layer pointer tables)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            ops.commit_accepted(*args)
+    torch.cuda.synchronize()
+    expected_device = [layer.clone() for layer in t["device_layers"]]
+    expected_host = [layer.clone() for layer in t["host_layers"]]
+    reference.commit_accepted(*commit_args(t, accept_lens.cpu(), num_real.cpu(), positions, expected_device,
+                                           expected_host))
+    for lengths in ([2, 0, 1, 2, 1, 1, 0, 2], [1, 2, 2, 0, 0, 1, 2, 1]):
+        accept_lens.copy_(torch.tensor(lengths))
+        reference.commit_accepted(*commit_args(t, accept_lens.cpu(), num_real.cpu(), positions, expected_device,
+                                               expected_host))
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer in range(layers):
+            assert_same(f"host layer {layer} {lengths}", expected_host[layer], host[layer])
+            assert_same(f"device layer {layer} {lengths}", expected_device[layer], device[layer])
+
+
+def test_verify_ops_refuse_bad_arguments_by_name():
+    ops = cuda_ops()
+    t = verify_tables(3, 4, 2, 64, 2)
+    gpu = {key: value.cuda() for key, value in t.items() if isinstance(value, torch.Tensor)}
+    num_real = torch.tensor([4], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="16 verify positions per request, but a buffer's reserved page holds 15"):
+        ops.bind_verify_slots(*bind_args(gpu, num_real, 16))
+    bad = dict(gpu, seq_lens=gpu["seq_lens"].to(torch.float32))
+    with pytest.raises(ValueError, match=r"bind_verify_slots: seq_lens must be a contiguous int32/int64 \[B\]"):
+        ops.bind_verify_slots(*bind_args(bad, num_real, 2))
+    device = [layer.cuda() for layer in t["device_layers"]]
+    host = [layer.pin_memory() for layer in t["host_layers"]]
+    accept_lens = torch.ones(4, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match="2 device layers but 1 host layers"):
+        ops.commit_accepted(*commit_args(gpu, accept_lens, num_real, 2, device, host[:1]))
+    with pytest.raises(ValueError, match=r"commit_accepted: accept_lens must be a contiguous int32/int64 \[B\]"):
+        ops.commit_accepted(*commit_args(gpu, accept_lens[:3], num_real, 2, device, host))
+    with pytest.raises(ValueError, match="device rows of 64 B but host rows of 32 B"):
+        ops.commit_accepted(*commit_args(gpu, accept_lens, num_real, 2, device,
+                                         [layer[:, :32].contiguous().pin_memory() for layer in t["host_layers"]]))
