@@ -40,7 +40,7 @@ class Stack:
 
     def __init__(
         self, resident_first=True, device_tokens=PAGE * 40, ratio=4, buffer_size=256, top_k=128, req_to_token_pool=None,
-        tp_group=None, dp_attention=False, share_host_pool=False, collective=None,
+        tp_group=None, dp_attention=False, share_host_pool=False, collective=None, num_draft_tokens=0,
     ):
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -68,7 +68,8 @@ class Stack:
             size=8, max_context_len=4096, device="cpu", enable_memory_saver=False
         )
         self.coordinator = self.pool.runtime.start(
-            self.config, self.req_to_token_pool, "cpu", tp_group=tp_group, dp_attention=dp_attention
+            self.config, self.req_to_token_pool, "cpu", tp_group=tp_group, dp_attention=dp_attention,
+            num_draft_tokens=num_draft_tokens,
         )
         assert isinstance(self.coordinator, SGLangHiSparseCoordinator)
         self.collective = collective or (lambda: None)

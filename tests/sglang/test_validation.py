@@ -60,7 +60,6 @@ CASES = [
     (dict(architecture="DeepseekV4ForCausalLM"), UnsupportedSetupError, "not DeepSeek-V4"),
     (dict(disable_radix_cache=False), UnsupportedSetupError, "--disable-radix-cache"),
     (dict(disaggregation_mode="prefill"), UnsupportedSetupError, "remove it from the prefill instance"),
-    (dict(speculative_algorithm="EAGLE"), UnsupportedSetupError, "speculative decoding (--speculative-algorithm EAGLE)"),
     (dict(architecture="MiniMaxM3SparseForCausalLM"), UnsupportedSetupError, "not MiniMax-M3"),
     (dict(dcp_size=2), UnsupportedSetupError, "--dcp-size 2"),
     (dict(disaggregation_decode_retraction_backup="host_pool"), UnsupportedSetupError, "cpu_tensor"),
@@ -206,3 +205,84 @@ def test_dsa_models_with_kda_layers_or_pooled_index_keys_are_refused_by_name():
             validate(server_args(hf_config=pooled))
     else:  # earlier releases ignore the field
         validate(server_args(hf_config=pooled))
+
+
+# Speculative decoding (docs/speculative.md 2.1): each setup with its verdict on SGLang 0.5.22 and 0.5.23,
+# written out (None: accepted; else the error and fragments of its message). T = steps + 1 verify positions;
+# the verify swap-in kernel is taken to serve T <= 2. Before 0.5.22 every one of them is refused, naming
+# the releases that serve it.
+EAGLE_1 = dict(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2)
+NOT_SERVED_YET = "is not served yet: hisparse-sglang's verify swap-in kernel handles at most 2 positions"
+WAY_OUT = "use --speculative-num-steps 1 --speculative-num-draft-tokens 2"
+SPECULATIVE_CASES = {
+    "EAGLE 1 step": (EAGLE_1, None),
+    "NEXTN 1 step": (dict(EAGLE_1, speculative_algorithm="NEXTN"), None),
+    "fp8 KV": (dict(EAGLE_1, kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv",
+                    dsa_prefill_backend="flashmla_kv"), None),
+    "PD decode": (dict(EAGLE_1, disaggregation_mode="decode"), None),
+    "default buffer (2 x top_k)": (dict(EAGLE_1, hisparse_config=None), None),
+    "buffer exactly T x top_k": (dict(EAGLE_1, hisparse_config='{"device_buffer_size": 4096}'), None),
+    "shared host pool, one TP rank": (dict(EAGLE_1, hisparse_config='{"share_host_pool_across_tp": true}', tp_size=1), None),
+    "2 steps": (dict(EAGLE_1, speculative_num_steps=2, speculative_num_draft_tokens=3),
+                (UnsupportedSetupError, ["--speculative-num-steps 2 (3 verify positions per request)", NOT_SERVED_YET, WAY_OUT])),
+    "3 steps": (dict(EAGLE_1, speculative_num_steps=3, speculative_num_draft_tokens=4),
+                (UnsupportedSetupError, ["--speculative-num-steps 3 (4 verify positions per request)", NOT_SERVED_YET, WAY_OUT])),
+    "4 steps": (dict(EAGLE_1, speculative_num_steps=4, speculative_num_draft_tokens=5),
+                (UnsupportedSetupError, ["--speculative-num-steps 1 to 3", "got --speculative-num-steps 4", WAY_OUT])),
+    "0 steps": (dict(EAGLE_1, speculative_num_steps=0, speculative_num_draft_tokens=1),
+                (UnsupportedSetupError, ["got --speculative-num-steps 0"])),
+    "steps unresolved": (dict(EAGLE_1, speculative_num_steps=None, speculative_num_draft_tokens=None),
+                         (UnsupportedSetupError, ["got --speculative-num-steps None"])),
+    "topk 2": (dict(EAGLE_1, speculative_eagle_topk=2),
+               (UnsupportedSetupError, ["--speculative-eagle-topk 2: use --speculative-eagle-topk 1"])),
+    "tree of topk 4": (dict(EAGLE_1, speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8),
+                       (UnsupportedSetupError, ["--speculative-eagle-topk 4: use --speculative-eagle-topk 1"])),
+    "topk unresolved": (dict(EAGLE_1, speculative_eagle_topk=None),
+                        (UnsupportedSetupError, ["--speculative-eagle-topk None"])),
+    "3 draft tokens for 1 step": (dict(EAGLE_1, speculative_num_draft_tokens=3),
+                                  (UnsupportedSetupError, ["needs --speculative-num-draft-tokens 2, got 3"])),
+    "adaptive": (dict(EAGLE_1, speculative_adaptive=True), (UnsupportedSetupError, ["remove --speculative-adaptive"])),
+    "multi-layer EAGLE": (dict(EAGLE_1, enable_multi_layer_eagle=True),
+                          (UnsupportedSetupError, ["remove --enable-multi-layer-eagle"])),
+    "EAGLE3": (dict(EAGLE_1, speculative_algorithm="EAGLE3"), (UnsupportedSetupError, ["EAGLE or NEXTN", "not EAGLE3"])),
+    "STANDALONE": (dict(EAGLE_1, speculative_algorithm="STANDALONE"), (UnsupportedSetupError, ["not STANDALONE"])),
+    "NGRAM": (dict(EAGLE_1, speculative_algorithm="NGRAM"), (UnsupportedSetupError, ["not NGRAM"])),
+    "DFLASH": (dict(EAGLE_1, speculative_algorithm="DFLASH"), (UnsupportedSetupError, ["not DFLASH"])),
+    "FROZEN_KV_MTP": (dict(EAGLE_1, speculative_algorithm="FROZEN_KV_MTP"), (UnsupportedSetupError, ["not FROZEN_KV_MTP"])),
+    "buffer below T x top_k": (dict(EAGLE_1, hisparse_config='{"device_buffer_size": 3072}'),
+                               (HiSparseConfigError, ["device_buffer_size (3072) must be >= --speculative-num-draft-tokens "
+                                                      "(2) x top_k (2048) = 4096", "set device_buffer_size to 4096"])),
+    "shared host pool, TP 2": (dict(EAGLE_1, hisparse_config='{"share_host_pool_across_tp": true}', tp_size=2),
+                               (UnsupportedSetupError, ["set share_host_pool_across_tp to false"])),
+}
+
+
+@pytest.mark.parametrize("name", SPECULATIVE_CASES)
+def test_speculative_setups_get_their_verdict(name):
+    from packaging.version import Version
+
+    overrides, verdict = SPECULATIVE_CASES[name]
+    if installed_release() < Version("0.5.22"):
+        verdict = (UnsupportedSetupError, [f"with SGLang 0.5.22 or 0.5.23, not with the installed {installed_release()}",
+                                           "remove --speculative-algorithm"])
+    if verdict is None:
+        validate(server_args(**overrides))
+        return
+    error, fragments = verdict
+    with pytest.raises(error) as info:
+        validate(server_args(**overrides))
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_speculative_decoding_is_refused_with_sglangs_overlap_plan_stream(monkeypatch):
+    from packaging.version import Version
+
+    served = installed_release() >= Version("0.5.22")
+    monkeypatch.setenv("SGLANG_ENABLE_OVERLAP_PLAN_STREAM", "1")
+    with pytest.raises(UnsupportedSetupError, match="SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1.*unset it" if served else "0.5.22"):
+        validate(server_args(**EAGLE_1))
+    validate(server_args())  # without speculative decoding the variable does not matter
+    monkeypatch.setenv("SGLANG_ENABLE_OVERLAP_PLAN_STREAM", "0")
+    if served:
+        validate(server_args(**EAGLE_1))

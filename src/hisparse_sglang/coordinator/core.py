@@ -341,6 +341,10 @@ class Coordinator:
         self._step_kind = kind
 
     # ================================================================== speculative verify step
+    def configure_verify(self, num_draft_tokens: int) -> None:
+        """Fix the verify positions ``T`` at startup, checking the setup; see :meth:`VerifySteps.configure`."""
+        self.speculative.configure(num_draft_tokens)
+
     def prepare_verify(
         self,
         slots: Sequence[int],

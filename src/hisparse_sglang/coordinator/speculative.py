@@ -208,12 +208,7 @@ class VerifySteps:
         entered = time.perf_counter()
         records = self._check_prepare(slots, committed_lens, allocated_lens, req_pool_indices, seq_lens, num_draft_tokens)
         coordinator._enter_step_kind(VERIFY_STEPS)
-        if self.num_draft_tokens is None:
-            self.num_draft_tokens = num_draft_tokens
-            self.rows = torch.full(
-                (coordinator.buffers.num_req_slots, num_draft_tokens, coordinator.config.top_k), -1,
-                dtype=torch.int32, device=coordinator.device,
-            )
+        self._fix_num_draft_tokens(num_draft_tokens)
         for record, committed, allocated in zip(records, committed_lens, allocated_lens):
             if record.spec is None:
                 # An offloaded request's slot D holds no accepted token yet when PD admitted it with an
@@ -237,6 +232,18 @@ class VerifySteps:
             # Rows freed this step may still be read by copies in flight (Coordinator.prepare_decode).
             coordinator._fence_copies()
         coordinator.telemetry.decode_step_done(entered)
+
+    def configure(self, num_draft_tokens: int) -> None:
+        """Fix ``T`` before the first verify step: a server knows it at startup, and its TARGET_VERIFY
+        CUDA graph is captured (swap-ins included) before any request is prepared.
+
+        Raises what :meth:`prepare` raises for the setup, now instead of at the first verify:
+        HiSparseConfigError (``T`` outside ``[1, P - 1]``, ``T * top_k > device_buffer_size``),
+        UnsupportedSetupError (ops without the verify ops, a host pool shared by TP ranks),
+        HiSparseMemoryError (a different ``T`` fixed before).
+        """
+        self._check_setup(num_draft_tokens)
+        self._fix_num_draft_tokens(num_draft_tokens)
 
     def swap_in(
         self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, layer_id: int
@@ -386,20 +393,7 @@ class VerifySteps:
         coordinator = self._coordinator
         if coordinator._step_kind is DECODE_STEPS:
             coordinator._enter_step_kind(VERIFY_STEPS)  # raises
-        missing = [name for name in VERIFY_OP_NAMES if not hasattr(coordinator.ops, name)]
-        if missing:
-            raise UnsupportedSetupError(
-                f"the coordinator's ops ({type(coordinator.ops).__name__}) have no {', '.join(missing)}: a verify "
-                f"step needs {', '.join(VERIFY_OP_NAMES)}; use hisparse_sglang.ops.swap_in.CudaOps (GPU) or "
-                f"hisparse_sglang.ops.reference (CPU)."
-            )
-        if coordinator.ranks_share_host_pool:
-            raise UnsupportedSetupError(
-                "speculative decoding with a host pool shared by the TP ranks is not supported: a reader "
-                "rank's first layer could read a host row before the writer's commit of the previous verify "
-                "lands (no collective orders them); set share_host_pool_across_tp to false."
-            )
-        self._check_num_draft_tokens(num_draft_tokens)
+        self._check_setup(num_draft_tokens)
         count = len(slots)
         lengths = (len(committed_lens), len(allocated_lens), req_pool_indices.shape[0], seq_lens.shape[0])
         if any(length != count for length in lengths):
@@ -431,6 +425,34 @@ class VerifySteps:
                 )
             records.append(record)
         return records
+
+    def _check_setup(self, num_draft_tokens: int) -> None:
+        """Typed errors for a setup that cannot verify ``num_draft_tokens`` positions; nothing changes."""
+        coordinator = self._coordinator
+        missing = [name for name in VERIFY_OP_NAMES if not hasattr(coordinator.ops, name)]
+        if missing:
+            raise UnsupportedSetupError(
+                f"the coordinator's ops ({type(coordinator.ops).__name__}) have no {', '.join(missing)}: a verify "
+                f"step needs {', '.join(VERIFY_OP_NAMES)}; use hisparse_sglang.ops.swap_in.CudaOps (GPU) or "
+                f"hisparse_sglang.ops.reference (CPU)."
+            )
+        if coordinator.ranks_share_host_pool:
+            raise UnsupportedSetupError(
+                "speculative decoding with a host pool shared by the TP ranks is not supported: a reader "
+                "rank's first layer could read a host row before the writer's commit of the previous verify "
+                "lands (no collective orders them); set share_host_pool_across_tp to false."
+            )
+        self._check_num_draft_tokens(num_draft_tokens)
+
+    def _fix_num_draft_tokens(self, num_draft_tokens: int) -> None:
+        """The first call fixes ``T`` and allocates the swap-in's output (checked by the caller)."""
+        if self.num_draft_tokens is None:
+            coordinator = self._coordinator
+            self.num_draft_tokens = num_draft_tokens
+            self.rows = torch.full(
+                (coordinator.buffers.num_req_slots, num_draft_tokens, coordinator.config.top_k), -1,
+                dtype=torch.int32, device=coordinator.device,
+            )
 
     def _check_num_draft_tokens(self, num_draft_tokens: int) -> None:
         coordinator = self._coordinator

@@ -24,6 +24,11 @@ OLDEST_SGLANG = "0.5.17"
 NEWEST_SGLANG = "0.5.23"
 # The release the CUDA kernels and the end-to-end runs were proven on (the GPU image's torch 2.11).
 GPU_PROVEN_SGLANG = "0.5.17"
+# The releases whose EAGLE worker calls the HiSparse coordinator's verify step (prepare_spec_verify,
+# the 3-D swap_in_selected_pages, commit_spec_accept_tokens: docs/speculative.md 1.2). Before, the
+# hooks of docs/speculative.md 2.7 would be needed; they are not built, so speculative decoding is
+# refused there at startup.
+SPECULATIVE_SGLANG = ">=0.5.22"
 
 
 @functools.cache
@@ -46,6 +51,18 @@ def is_supported(installed: str | None) -> bool:
         return Version(installed) in SpecifierSet(SUPPORTED_SGLANG)
     except InvalidVersion:
         return False
+
+
+def serves_speculative_decoding(installed: str | None = None) -> bool:
+    """Whether hisparse-sglang serves speculative decoding on ``installed`` (default: the installed
+    SGLang): a supported release in :data:`SPECULATIVE_SGLANG`."""
+    installed = sglang_version() if installed is None else installed
+    if not is_supported(installed):
+        return False
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(installed) in SpecifierSet(SPECULATIVE_SGLANG)
 
 
 def unsupported_message(installed: str | None) -> str:
@@ -254,13 +271,16 @@ def tp_rank() -> int:
 
 
 class CoordinatorCalls:
-    """Calls SGLang makes on ``model_runner.hisparse_coordinator`` in newer releases only.
+    """Scratch-related calls SGLang makes on ``model_runner.hisparse_coordinator`` from 0.5.22 on.
 
-    0.5.22 added speculative decoding to its in-tree HiSparse: every prefill batch calls
-    ``allocate_spec_scratch`` (mem_cache/allocation.py) and PD decode admission reads
-    ``spec_swap.scratch_capacity`` (the per-request device rows of the speculative scratch).
-    hisparse-sglang refuses speculative decoding at startup, so there is no scratch; the verify
-    calls are reached only with speculative decoding and fail with the way out.
+    0.5.22 added speculative decoding to its in-tree HiSparse, which gives every request extra
+    device rows of per-step scratch: every prefill batch calls ``allocate_spec_scratch``
+    (mem_cache/allocation.py), with or without speculation, and PD decode admission counts
+    ``padded_buffer_size + spec_swap.scratch_capacity`` device rows per request. hisparse-sglang has
+    no scratch: a verify step's working set lives in the request's buffer (``device_buffer_size >=
+    num_draft_tokens x top_k``, checked at startup), which ``padded_buffer_size`` already counts. The
+    verify step itself (``prepare_spec_verify``, ``commit_spec_accept_tokens``, the 3-D swap-in) is
+    the adapter's (integration/sglang/coordinator.py); 0.5.17 - 0.5.21 never call it.
     """
 
     class _NoSpecScratch:
@@ -269,20 +289,26 @@ class CoordinatorCalls:
     spec_swap = _NoSpecScratch()
 
     def allocate_spec_scratch(self, req_pool_indices) -> None:
-        """No speculative scratch to allocate (speculative decoding is refused at startup)."""
-
-    def prepare_spec_verify(self, batch) -> None:
-        raise UnsupportedSetupError(_NO_SPECULATIVE_DECODING)
-
-    def commit_spec_accept_tokens(self, batch=None, accept_indices=None) -> None:
-        raise UnsupportedSetupError(_NO_SPECULATIVE_DECODING)
+        """No speculative scratch to allocate (see the class)."""
 
 
-_NO_SPECULATIVE_DECODING = (
-    "hisparse-sglang does not support speculative decoding, but SGLang asked its coordinator to verify "
-    "draft tokens; remove --speculative-algorithm, or run without this plugin to use SGLang's in-tree "
-    "HiSparse (0.5.22+)."
-)
+def next_spec_allocated_lens(reqs, page_size: int) -> list[int]:
+    """Each request's ``kv_allocated_len`` once the next speculative decode step has allocated its reserve:
+    what ``eagle_prepare_for_decode`` computes (0.5.22+: ``page_aligned_decode_alloc_lens`` with the
+    reserve of ``get_alloc_reserve_per_decode``, both reading the published speculative settings).
+
+    Raises:
+        UnsupportedSetupError: the installed release does not serve speculative decoding with
+            hisparse-sglang (:func:`serves_speculative_decoding`).
+    """
+    if not serves_speculative_decoding():
+        raise UnsupportedSetupError(
+            f"hisparse-sglang serves speculative decoding from SGLang 0.5.22 on, not on {sglang_version()}."
+        )
+    from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode, page_aligned_decode_alloc_lens
+
+    _, allocated, _ = page_aligned_decode_alloc_lens(reqs, reserve=get_alloc_reserve_per_decode(), page_size=page_size)
+    return [int(length) for length in allocated]
 
 
 # ---------------------------------------------------------------------------------------------------

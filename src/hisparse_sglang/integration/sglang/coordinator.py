@@ -2,8 +2,10 @@
 
 It honours every call SGLang 0.5.17 makes on its HiSparse coordinator (the duck-typed contract:
 staging after prefill, direct admission, per-step binding of new tokens, per-layer swap-in,
-eager backup, retract, finish, token stats, CUDA-graph padding) by translating SGLang requests
-into request slots for the framework-free :class:`hisparse_sglang.coordinator.Coordinator`.
+eager backup, retract, finish, token stats, CUDA-graph padding) and the speculative verify step
+0.5.22+ adds (``prepare_spec_verify``, the 3-D ``swap_in_selected_pages``,
+``commit_spec_accept_tokens``; docs/speculative.md 2.8) by translating SGLang requests and batches
+into request slots and lengths for the framework-free :class:`hisparse_sglang.coordinator.Coordinator`.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         device: the model runner's device.
         tp_group: CPU process group whose ranks must take identical decisions (None: one rank).
         dp_attention: SGLang runs DP attention (its ranks hold other requests: no shared host pool).
+        num_draft_tokens: ``T``, the positions of each speculative verify step
+            (``--speculative-num-draft-tokens``); 0 without speculative decoding.
 
     Attributes:
         shares_host_pool: the TP ranks of each node map one host pool (``share_host_pool_across_tp``
@@ -110,7 +114,7 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
 
     def __init__(
         self, runtime, config: HiSparseConfig, req_to_token_pool, allocator, pool, device, tp_group=None,
-        dp_attention: bool = False,
+        dp_attention: bool = False, num_draft_tokens: int = 0,
     ) -> None:
         self.runtime = runtime
         self.config = config
@@ -161,6 +165,11 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         )
         self.allocator = allocator
         self.num_real_reqs = self.core.num_real_reqs
+        self.num_draft_tokens = num_draft_tokens
+        if num_draft_tokens:
+            # Before SGLang captures the TARGET_VERIFY graph (its swap-ins need T) and before any
+            # request: a setup the verify step cannot serve stops the scheduler here.
+            self.core.configure_verify(num_draft_tokens)
         self.mem_pool_host = PDHostPool(self.host_pool, config.page_size)
         # SGLang's PD prealloc passes these back into mem_pool_host.alloc_paged_token_slots.
         self.req_to_host_pool = None
@@ -242,13 +251,79 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         self.core.prepare_decode(req_pool_indices_cpu.tolist(), seq_lens_cpu.tolist(), out_cache_loc)
 
     def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id):
-        return self.core.swap_in(req_pool_indices, seq_lens, top_k_result, layer_id - self.start_layer)
+        """One DSA layer's swap-in. Decode: ``top_k_result`` int32 ``[B, K]``, ``seq_lens`` ``[B]``;
+        returns ``[B, K]`` device rows. Target verify (0.5.22+): ``top_k_result`` int32 ``[B, T, K]`` and
+        ``seq_lens`` the per-query lengths ``dsa_seqlens_expanded`` (int32, ``s + j + 1`` at ``b * T + j``);
+        returns ``[B, T, K]`` (SGLang views it as ``[B * T, K]``)."""
+        layer = layer_id - self.start_layer
+        if top_k_result.dim() == 3:
+            batch, positions = top_k_result.shape[:2]
+            # s of each row: its first query's length minus one (one strided elementwise op, captured
+            # with the graph; the slice also drops any tail of a longer, graph-static length buffer).
+            committed = seq_lens[: batch * positions : positions] - 1
+            return self.core.swap_in_verify(req_pool_indices, committed, top_k_result, layer)
+        return self.core.swap_in(req_pool_indices, seq_lens, top_k_result, layer)
 
     def wait_for_pending_backup(self) -> None:
         self.core.wait_for_pending_backup()
 
     def can_decode(self, slots) -> bool:
         return self.core.can_decode(slots)
+
+    # ------------------------------------------------------------------ speculative verify step (0.5.22+)
+    def prepare_spec_verify(self, batch) -> None:
+        """``eagle_prepare_for_verify``, once ``batch.out_cache_loc`` holds the verify locations: bind
+        positions ``s .. s + T - 1`` of every request (and switch modes if needed).
+
+        Reads ``batch.reqs`` (slot, ``kv.kv_committed_len``: the host's committed length, one verify
+        behind the device's under the overlap scheduler; ``kv.kv_allocated_len``: after this step's
+        reserve) and ``batch.req_pool_indices`` / ``batch.seq_lens`` (``[B]`` on the device, ``s``).
+        """
+        self._check_speculative("prepare_spec_verify")
+        reqs = batch.reqs
+        self.core.prepare_verify(
+            [compat.req_slot(req) for req in reqs],
+            [compat.kv_committed_len(req) for req in reqs],
+            [compat.req_kv_allocated_len(req) for req in reqs],
+            batch.req_pool_indices,
+            batch.seq_lens,
+            self.num_draft_tokens,
+        )
+
+    def commit_spec_accept_tokens(self, batch=None, accept_indices=None) -> None:
+        """``run_eagle_verify`` after sampling: the accepted tokens' KV, and only theirs, goes to the host.
+
+        ``accept_indices``: int32 ``[B, S + 1]``, the accepted verify rows (``b * T + i``), -1 padded;
+        with ``--speculative-eagle-topk 1`` (required at startup) row ``b`` accepts its first
+        ``a = (accept_indices[b] >= 0).sum()`` positions, the root included. ``batch.seq_lens`` is still
+        ``s``. An idle batch (DP attention) has no rows and commits nothing.
+        """
+        if batch.forward_mode.is_idle() or batch.req_pool_indices.numel() == 0:
+            return
+        self._check_speculative("commit_spec_accept_tokens")
+        rows = batch.req_pool_indices.shape[0]
+        if accept_indices is None or accept_indices.dim() != 2 or accept_indices.shape[0] != rows:
+            shape = None if accept_indices is None else tuple(accept_indices.shape)
+            raise HiSparseMemoryError(
+                f"commit_spec_accept_tokens of a batch of {rows} requests with accept_indices of shape {shape}; "
+                f"expected [{rows}, speculative_num_steps + 1]."
+            )
+        accept_lens = (accept_indices >= 0).sum(dim=1)
+        self.core.commit_verify(batch.req_pool_indices, batch.seq_lens, accept_lens)
+
+    def can_verify(self, reqs) -> bool:
+        """Whether the next speculative decode step of ``reqs`` can bind the reserve SGLang will allocate
+        them (``check_decode_mem`` under speculation; the scheduler retracts requests while False)."""
+        self._check_speculative("check_decode_mem")
+        lengths = compat.next_spec_allocated_lens(reqs, self.config.page_size)
+        return self.core.can_verify([compat.req_slot(req) for req in reqs], lengths)
+
+    def _check_speculative(self, call: str) -> None:
+        if not self.num_draft_tokens:
+            raise HiSparseMemoryError(
+                f"SGLang called {call} on a HiSparse coordinator started without speculative decoding "
+                f"(no --speculative-num-draft-tokens when the model runner started it)."
+            )
 
     # ------------------------------------------------------------------ request end
     def request_finished(self, req) -> None:

@@ -93,7 +93,13 @@ def _maybe_init_hisparse_coordinator(self) -> None:
     if not self.enable_hisparse:
         return
     if getattr(self, "is_draft_worker", False):
-        raise UnsupportedSetupError("HiSparse does not support speculative decoding (a draft worker was created).")
+        # From 0.5.22 a draft runner's enable_hisparse is false (its NextN layer stays dense on the GPU:
+        # docs/speculative.md 2.6 A), so only 0.5.17 - 0.5.21 get here, where validation refuses
+        # speculative decoding first.
+        raise UnsupportedSetupError(
+            "hisparse-sglang serves speculative decoding from SGLang 0.5.22 on (a HiSparse draft worker was "
+            "created); upgrade SGLang or remove --speculative-algorithm."
+        )
     from hisparse_sglang.integration.sglang.runtime import runtime_of
     from hisparse_sglang.integration.sglang.validation import hisparse_config
 
@@ -106,13 +112,27 @@ def _maybe_init_hisparse_coordinator(self) -> None:
     config = hisparse_config(self.server_args, self.model_config)
     self.hisparse_coordinator = runtime.start(
         config, self.req_to_token_pool, self.device, tp_group=compat.coordinator_cpu_group(self),
-        dp_attention=compat.attention_dp_size() > 1,
+        dp_attention=compat.attention_dp_size() > 1, num_draft_tokens=_speculative_num_draft_tokens(),
     )
+
+
+def _speculative_num_draft_tokens() -> int:
+    """The verify positions of this server's speculative decoding (``--speculative-num-draft-tokens``,
+    resolved), 0 without it: what SGLang's own coordinator is given."""
+    from sglang.srt.runtime_context import get_spec
+
+    spec = get_spec()
+    algorithm = spec.speculative_algorithm
+    if algorithm is None or str(algorithm).upper() == "NONE":
+        return 0
+    return int(spec.speculative_num_draft_tokens or 0)
 
 
 def _check_decode_mem(original, self, selected_indices=None):
     """AROUND ScheduleBatch.check_decode_mem: logical rows for every request, device rows only
-    for resident requests (offloaded ones decode into their buffer)."""
+    for resident requests (offloaded ones decode into their buffer). Under speculative decoding
+    (0.5.22+) the logical rows are the reserve SGLang allocates next (its own count), and the device
+    check is the coordinator's for that reserve."""
     coordinator = self.hisparse_coordinator
     if coordinator is None:
         return original(self, selected_indices)
@@ -124,6 +144,8 @@ def _check_decode_mem(original, self, selected_indices=None):
     allocator = self.token_to_kv_pool_allocator
     if allocator.rows.logical.free_rows < num_tokens:
         return False
+    if not self.spec_algorithm.is_none():
+        return coordinator.can_verify(requests)
     return coordinator.can_decode([compat.req_slot(req) for req in requests])
 
 

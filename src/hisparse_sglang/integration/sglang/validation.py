@@ -2,10 +2,13 @@
 
 Every rejected setup raises a typed error naming the offending value and the fix. Besides the setups
 HiSparse cannot run at all, it refuses what newer SGLang releases serve with their in-tree HiSparse
-but hisparse-sglang does not (docs/sglang-versions.md): speculative decoding (0.5.22+), DeepSeek-V4,
-MiniMax-M3 sparse attention (0.5.21+), DSA models with KDA linear-attention layers (GLM-5.3 /
-Glm5Next, 0.5.20+) or pooled indexer keys, the flashinfer_sparse_mla decode backend and the HiCache
-host-pool retraction backup (0.5.18+). Each message names the feature and the way out.
+but hisparse-sglang does not (docs/sglang-versions.md): DeepSeek-V4, MiniMax-M3 sparse attention
+(0.5.21+), DSA models with KDA linear-attention layers (GLM-5.3 / Glm5Next, 0.5.20+) or pooled indexer
+keys, the flashinfer_sparse_mla decode backend and the HiCache host-pool retraction backup (0.5.18+),
+and the speculative-decoding setups outside docs/speculative.md 2.1 (EAGLE / NEXTN, topk 1, a number
+of steps whose verify positions the kernel serves, not adaptive, SGLang 0.5.22+). Each message
+names the feature and the way out. Since this validation replaces SGLang's ``validate_hisparse``,
+SGLang's own speculative rules for HiSparse (topk 1, not adaptive) are among these.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import functools
 from hisparse_sglang.config import HiSparseConfig, parse_config_text
 from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
 from hisparse_sglang.integration.sglang import compat
+from hisparse_sglang.ops.swap_in_plan import MAX_VERIFY_POSITIONS
 
 __all__ = ["validate_server_args", "hisparse_config", "config_from_server_args", "ALLOWED_BACKENDS"]
 
@@ -128,12 +132,6 @@ def validate_server_args(
             "--enable-hisparse is a decode-instance feature: remove it from the prefill instance "
             "(--disaggregation-mode prefill); the prefill instance writes KV into the decode instance's host pool."
         )
-    speculative_algorithm = getattr(args, "speculative_algorithm", None)
-    if speculative_algorithm and str(speculative_algorithm).upper() != "NONE":
-        raise UnsupportedSetupError(
-            f"hisparse-sglang does not support speculative decoding (--speculative-algorithm {speculative_algorithm}): "
-            f"remove --speculative-algorithm, or {_IN_TREE} (speculative decoding with HiSparse from SGLang 0.5.22)."
-        )
     if (getattr(args, "dcp_size", 1) or 1) > 1:
         raise UnsupportedSetupError(
             f"HiSparse does not support decode context parallelism (--dcp-size {args.dcp_size}); use --dcp-size 1."
@@ -163,7 +161,95 @@ def validate_server_args(
             raise UnsupportedSetupError(
                 f"hisparse-sglang with a {dtype} KV cache needs {flag} {' or '.join(allowed)}, got {backend!r}."
             )
-    return hisparse_config(args, model_config)
+    config = hisparse_config(args, model_config)
+    _check_speculative(args, config)
+    return config
+
+
+# --speculative-algorithm values hisparse-sglang serves: SGLang's EAGLE worker with the model's NextN
+# (MTP) layer as the draft; SGLang resolves NEXTN to EAGLE.
+SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")
+# Draft steps per verify the design covers (docs/speculative.md 2.1): T = steps + 1 <= 4 verify positions.
+MAX_SPECULATIVE_STEPS = 3
+
+
+def _check_speculative(args, config: HiSparseConfig) -> None:
+    """Speculative decoding (docs/speculative.md 2.1): EAGLE / NEXTN with ``--speculative-eagle-topk 1``,
+    ``T = steps + 1`` verify positions with ``1 <= steps <= 3`` and ``T`` at most what the verify swap-in
+    kernel serves (``swap_in_plan.MAX_VERIFY_POSITIONS``), not adaptive, not multi-layer, the plan stream
+    off, ``device_buffer_size >= T x top_k``, on SGLang 0.5.22+. ``args`` is the resolved view
+    (SGLang's automatic choice of steps, topk and draft tokens included)."""
+    algorithm = getattr(args, "speculative_algorithm", None)
+    if algorithm is None or str(algorithm).upper() == "NONE":
+        return
+    installed = compat.sglang_version()
+    if not compat.serves_speculative_decoding(installed):
+        raise UnsupportedSetupError(
+            f"hisparse-sglang serves speculative decoding (--speculative-algorithm {algorithm}) with SGLang "
+            f"0.5.22 or 0.5.23, not with the installed {installed}: install one of them (pip install "
+            f"'sglang>=0.5.22,<0.5.24'), or remove --speculative-algorithm."
+        )
+    if str(algorithm).upper() not in SPECULATIVE_ALGORITHMS:
+        raise UnsupportedSetupError(
+            f"hisparse-sglang serves --speculative-algorithm EAGLE or NEXTN (the model's MTP layer as the "
+            f"draft), not {algorithm}: use one of them, remove --speculative-algorithm, or {_IN_TREE}."
+        )
+    if getattr(args, "speculative_adaptive", False):
+        raise UnsupportedSetupError(
+            "hisparse-sglang does not serve --speculative-adaptive (the number of verify positions is fixed "
+            "when the server starts): remove --speculative-adaptive."
+        )
+    if getattr(args, "enable_multi_layer_eagle", False):
+        raise UnsupportedSetupError(
+            "hisparse-sglang serves one draft layer (the model's NextN layer), not --enable-multi-layer-eagle: "
+            "remove --enable-multi-layer-eagle."
+        )
+    topk = getattr(args, "speculative_eagle_topk", None)
+    if topk != 1:
+        raise UnsupportedSetupError(
+            f"hisparse-sglang serves linear drafts only (--speculative-eagle-topk 1), got "
+            f"--speculative-eagle-topk {topk}: use --speculative-eagle-topk 1."
+        )
+    steps = getattr(args, "speculative_num_steps", None)
+    draft_tokens = getattr(args, "speculative_num_draft_tokens", None)
+    most = MAX_VERIFY_POSITIONS - 1
+    served = f"--speculative-num-steps {most} --speculative-num-draft-tokens {most + 1}"
+    if not isinstance(steps, int) or not 1 <= steps <= MAX_SPECULATIVE_STEPS:
+        raise UnsupportedSetupError(
+            f"hisparse-sglang serves --speculative-num-steps 1 to {MAX_SPECULATIVE_STEPS} with HiSparse, got "
+            f"--speculative-num-steps {steps}: use {served}."
+        )
+    if draft_tokens != steps + 1:
+        raise UnsupportedSetupError(
+            f"with --speculative-eagle-topk 1 every draft step adds one verify position: --speculative-num-steps "
+            f"{steps} needs --speculative-num-draft-tokens {steps + 1}, got {draft_tokens}; set it to {steps + 1}."
+        )
+    if draft_tokens > MAX_VERIFY_POSITIONS:
+        raise UnsupportedSetupError(
+            f"--speculative-num-steps {steps} ({draft_tokens} verify positions per request) is not served yet: "
+            f"hisparse-sglang's verify swap-in kernel handles at most {MAX_VERIFY_POSITIONS} positions; use "
+            f"{served}, or {_IN_TREE} (2 to 4 draft tokens)."
+        )
+    needed = draft_tokens * config.top_k
+    if config.device_buffer_size < needed:
+        raise HiSparseConfigError(
+            f"device_buffer_size ({config.device_buffer_size}) must be >= --speculative-num-draft-tokens "
+            f"({draft_tokens}) x top_k ({config.top_k}) = {needed} with speculative decoding (a request's verify "
+            f"positions share its buffer): set device_buffer_size to {needed} or more in --hisparse-config."
+        )
+    if config.share_host_pool_across_tp and (getattr(args, "tp_size", 1) or 1) > 1:
+        raise UnsupportedSetupError(
+            "speculative decoding with a host pool shared by the TP ranks is not supported (a rank could read a "
+            "host row before another rank's commit of the previous verify lands): set share_host_pool_across_tp "
+            "to false in --hisparse-config."
+        )
+    from sglang.srt.environ import envs
+
+    if envs.SGLANG_ENABLE_OVERLAP_PLAN_STREAM.get():
+        raise UnsupportedSetupError(
+            "hisparse-sglang orders a verify step's device work on the forward stream; "
+            "SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1 moves the verify preparation to another stream: unset it."
+        )
 
 
 def _check_model(hf_config, dsa: bool, dsv4: bool, minimax_sparse: bool, kda_hybrid: bool, index_kpool: int) -> None:
