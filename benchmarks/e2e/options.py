@@ -12,14 +12,16 @@ from pathlib import Path
 
 from arms import ALL_ARMS, DEFAULT_HISPARSE_CONFIG, DEFAULT_MODEL, DSA_BACKEND_OF_KV_DTYPE, hisparse_config_json, \
     parse_env_assignments
+from chaos import add_chaos_args, check_chaos_args
 from common import REPO
+from hostpool import add_hostpool_args, check_hostpool_args
 from storm import STORM_TPOT_FROM
 from topk_workload_fixture import OFF as TOPK_OFF, PROFILE_NAMES as TOPK_PROFILES
 
 ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "lowload", "longprompt", "saturation", "storm",
-              "report")
+              "chaos", "hostpool", "report")
 # phases that need the arm's servers, in the order they run
-ARM_PHASES = ("correctness", "capacity", "throughput", "lowload", "longprompt", "saturation", "storm")
+ARM_PHASES = ("correctness", "capacity", "throughput", "lowload", "longprompt", "saturation", "storm", "chaos")
 DEFAULT_PHASES = "preflight,correctness,capacity,throughput,report"
 HELP = """End-to-end benchmark of HiSparse on SGLang 0.5.17 with a tiny DeepSeek-V3.2 (DSA) model.
 
@@ -60,6 +62,12 @@ Per arm: start the server, wait for /health, warm up, then the selected phases:
                --storm-requests long requests arrives at once; how long the decoding request stalls
                (token gaps in the burst window against its TPOT before), prefill batches and the
                plugin's `HiSparse:` log line (switch work, demotions) in that window
+  chaos        (opt-in, issue #27) faults while --chaos-requests long requests decode (disconnects,
+               abort_all, oversize prompt, max_new_tokens beyond the context, PD prefill killed, decode
+               killed): the others complete, the failed ones say why, the server serves and its
+               accounting returns to the idle baseline (benchmarks/e2e/chaos.py)
+  hostpool     (opt-in, issue #27; starts its own server, no arm needed) the plugin's server with a
+               --hostpool-gib host pool: pinning time and rate, SIGTERM and SIGKILL teardown
 Then `report`: cross-arm comparison (token mismatches, max |dlogprob|) -> results.json + results.md.
 
 Everything is written incrementally: per-arm JSON in --state-dir (default /tmp/hisparse_e2e, which
@@ -241,6 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="preflight also checks the Mooncake part (mooncake_check.py in the PD servers' environment)")
     g.add_argument("--allow-mooncake-failure", action="store_true",
                    help="start the PD arms even if the Mooncake preflight failed")
+    add_chaos_args(ap)
+    add_hostpool_args(ap)
     args = ap.parse_args(argv)
     try:
         args.arms = parse_csv(args.arms, ALL_ARMS, "arms")
@@ -289,6 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--storm-after-tokens must be in ({STORM_TPOT_FROM}, --storm-output-len): "
                  f"the TPOT before the burst needs tokens {STORM_TPOT_FROM + 1}..after-tokens and the burst must "
                  "come before the request ends")
+    check_chaos_args(ap, args)
+    check_hostpool_args(ap, args)
     args.model_dir = args.model_dir.resolve()
     return args
 

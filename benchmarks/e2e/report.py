@@ -8,7 +8,9 @@ import shutil
 from pathlib import Path
 
 from arms import ALL_ARMS, ARM_LABELS, DSA_BACKEND_OF_KV_DTYPE, PD_ARMS
+from chaos import render_chaos
 from common import atomic_write
+from hostpool import render_hostpool
 from judge import judge_correctness
 from lowload import lowload_ratios
 from stats import compare_outputs
@@ -82,6 +84,7 @@ def render_markdown(data: dict) -> str:
                  f"{a.get('context_length')}; HiSparse config `{a.get('hisparse_config')}`; weights: dummy, "
                  f"init `{a.get('weight_init')}`")
     lines.append("")
+    lines += render_hostpool(meta)
     present = [x for x in ALL_ARMS if x in arms]
     if not present:
         return "\n".join(lines + ["(no arm results yet)", ""])
@@ -132,6 +135,7 @@ def render_markdown(data: dict) -> str:
     lines += render_lowload(arms, present, data.get("lowload_ratios") or {})
     lines += render_pd(arms, present)
     lines += render_storm(arms, present)
+    lines += render_chaos(arms, present)
     if comp:
         lines += ["", "## Greedy outputs compared (token ids, logprobs before the first divergence)", "",
                   "| pair | prompts identical | mismatched tokens | max abs dlogprob | max abs dtop5 | same weights "

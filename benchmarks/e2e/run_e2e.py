@@ -5,7 +5,8 @@
 common (paths, log, deadline), options (flags), arms (server argv/env per arm), environment (CUDA,
 JIT shim, Mooncake), servers (process control), client (HTTP, PD routing), logs (server-log parsing),
 stats, judge (verdicts), phases (preflight, correctness, capacity, throughput), lowload, pd
-(longprompt, saturation, evidence), storm, report (results.json/.md, $OUT).
+(longprompt, saturation, evidence), storm, chaos (faults under load), hostpool (a large host pool's
+start-up and teardown), report (results.json/.md, $OUT).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from pathlib import Path
 from arms import ALL_ARMS, ARM_LABELS, PD_ARMS, PLUGIN_ARMS, ServerSpec, arm_servers, parse_env_assignments, pd_ports, \
     prepare_pyext
 from client import Colocated, PDPair, make_prompt
+from chaos import phase_chaos
 from common import Deadline, Log, Run, atomic_write
 from environment import base_env, mooncake_env
+from hostpool import run_hostpool
 from logs import file_size, log_tail, read_from, summarize_log
 from lowload import phase_lowload
 from options import ARM_PHASES, parse_args
@@ -37,7 +40,7 @@ from storm import phase_storm
 
 def fresh_state(state: Path) -> None:
     """--fresh: earlier results of the state dir are deleted (caches and the JIT shim stay)."""
-    for p in list(state.glob("arm-*.json")) + list(state.glob("server-*.log")) + \
+    for p in list(state.glob("arm-*.json")) + list(state.glob("server-*.log")) + list(state.glob("chaos-*.json")) + \
             [state / "meta.json", state / "results.json", state / "results.md"]:
         with contextlib.suppress(OSError):
             p.unlink()
@@ -112,7 +115,8 @@ def measure(group: ServerGroup, run: Run, result: dict, arm_phases: list[str], s
              "lowload": lambda: phase_lowload(group, run, keeper("lowload")),
              "longprompt": lambda: phase_longprompt(group, run, result["log"].get("max_total_num_tokens")),
              "saturation": lambda: phase_saturation(group, run, keeper("saturation")),
-             "storm": lambda: phase_storm(group, run)}
+             "storm": lambda: phase_storm(group, run),
+             "chaos": lambda: phase_chaos(group, run, keeper("chaos"))}
     for phase in arm_phases:
         log(f"arm {group.arm}: {phase}")
         result[phase] = calls[phase]()
@@ -283,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     for arm in args.arms if arm_phases else []:
         rc = max(rc, run_arm(arm, specs[arm], run, outputs, plugin_ep, arm_phases, current,
                              blocked=pd_blocked if arm in PD_ARMS else None))
+    if "hostpool" in args.phases:
+        rc = max(rc, run_hostpool(run, env0, common, plugin_dir, current, meta, save_meta, outputs))
     meta["runs"][-1]["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     save_meta()
     data = outputs.publish()

@@ -11,17 +11,44 @@ prefill records the room with a hash of the input ids and serves it on its boots
 (GET /room/<room>); the decode waits until the prefill has "sent" that room, refuses other input ids,
 and rejects a prompt longer than its GPU pool (its logical pool with MOCK_PD_LOGICAL=1, like the
 plugin), as SGLang's validate_input_length does.  Both log `PD <role> room <room>` per request.
+
+For the chaos and hostpool phases (benchmarks/e2e/chaos.py, hostpool.py):
+* requests longer than --context-length, or asking for more, are refused with SGLang's 400 messages;
+* /abort_request aborts the rids it names (prefix match, as SGLang) or all; aborted requests end with
+  finish_reason abort "Aborted"; a client that disconnects has its request dropped;
+* MOCK_ACCOUNTING=1: the `HiSparse:` line (the plugin's format) counts the running requests' host and
+  device rows, quarantined rows and leaks; /v1/loads gives num_used_tokens; with --enable-metrics
+  /metrics serves the plugin's sglang:hisparse_* series (names from hisparse_sglang's METRICS);
+* a PD decode whose prefill stops answering fails the waiting requests after MOCK_HEARTBEAT_S with
+  "Lost connection with prefill instance", one whose KV never comes after SGLANG_DISAGGREGATION_WAITING_TIMEOUT
+  (streamed: finish_reason abort, status 500), and holds their rows for MOCK_QUARANTINE_S, as the plugin's
+  quarantine does;
+* mutations: MOCK_LEAK_ON_ABORT=1 (an aborted request's host rows are never freed), MOCK_LEAK_ON_DISCONNECT=1
+  (a disconnected request stays running forever), MOCK_IGNORE_SIGTERM=1, MOCK_TEARDOWN_S (SIGTERM exits
+  that much later);
+* with --enable-hisparse and MOCK_HISPARSE_LOG=1 the host pool lines of the plugin are logged; with
+  MOCK_HOST_POOL_TOUCH=1 the pool's bytes are really mapped and touched (so its memory shows in
+  /proc/meminfo); MOCK_SKIP_TORCH=1 skips the weight-init fixture's torch model (faster start).
+The child (the "scheduler") dies with the server (PR_SET_PDEATHSIG, as SGLang's scheduler).
 """
-import argparse, ctypes, functools, hashlib, importlib.metadata as md, json, os, random, subprocess, sys
-import threading, time, urllib.request
+import argparse, ctypes, functools, hashlib, importlib.metadata as md, json, mmap, os, random, signal, subprocess, sys
+import threading, time, urllib.error, urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+ThreadingHTTPServer.request_queue_size = 256  # dozens of requests arrive at once (socketserver's default is 5)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--port", type=int); ap.add_argument("--max-total-tokens", type=int, default=4096)
 ap.add_argument("--enable-hisparse", action="store_true"); ap.add_argument("--hisparse-config", default="{}")
 ap.add_argument("--model-path")
 ap.add_argument("--disaggregation-mode", default="null"); ap.add_argument("--disaggregation-bootstrap-port", type=int)
+ap.add_argument("--context-length", type=int, default=65536); ap.add_argument("--enable-metrics", action="store_true")
 args, rest = ap.parse_known_args()
+if os.environ.get("MOCK_IGNORE_SIGTERM") == "1":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+elif os.environ.get("MOCK_TEARDOWN_S"):
+    def _slow_exit(*_):
+        time.sleep(float(os.environ["MOCK_TEARDOWN_S"])); os._exit(0)
+    signal.signal(signal.SIGTERM, _slow_exit)
 PD = args.disaggregation_mode
 def log(msg): print(f"[2026-01-01 00:00:00] {msg}", flush=True)
 log(f"mock server argv: {sys.argv[1:]}")
@@ -43,6 +70,8 @@ for target, hook, _ in HookRegistry.hooks:
     if target.endswith("initialize_dummy_weights"):
         init = functools.partial(hook, init)
 try:
+    if os.environ.get("MOCK_SKIP_TORCH") == "1":
+        raise ImportError("MOCK_SKIP_TORCH")
     import torch
     class Toy(torch.nn.Module):
         def __init__(self):
@@ -88,17 +117,24 @@ def bootstrap_error(body):
 def wait_for_kv(body, ids):
     """Decode: until the prefill (asked on the request's bootstrap port) has this room; None or the error."""
     url = f"http://{body['bootstrap_host']}:{body['bootstrap_port']}/room/{body['bootstrap_room']}"
-    t_end = time.time() + 10
+    t_end = time.time() + KV_TIMEOUT_S
+    unreachable_since = None
     while time.time() < t_end:
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 info = json.loads(r.read())
+            unreachable_since = None
+        except (urllib.error.URLError, ConnectionError, OSError):
+            info = {}
+            unreachable_since = unreachable_since or time.time()
+            if time.time() - unreachable_since >= HEARTBEAT_S:  # SGLang's heartbeat gives the prefill up
+                return f"Lost connection with prefill instance (bootstrap_addr: {body['bootstrap_host']}:{body['bootstrap_port']})"
         except Exception:
             info = {}
         if info.get("done"):
             return None if info["hash"] == ids_hash(ids) else f"bootstrap_room {body['bootstrap_room']} carries other input_ids"
         time.sleep(0.02)
-    return f"no KV arrived for bootstrap_room {body['bootstrap_room']} in 10 s"
+    return f"Request {body.get('rid')} timed out after {KV_TIMEOUT_S:g}s in KVPoll.WaitingForInput"
 
 class Bootstrap(BaseHTTPRequestHandler):
     def log_message(self, *a): pass
@@ -111,17 +147,67 @@ if PD == "prefill":
     boot = ThreadingHTTPServer(("127.0.0.1", args.disaggregation_bootstrap_port), Bootstrap)
     threading.Thread(target=boot.serve_forever, daemon=True).start()
 log(f"max_total_num_tokens={args.max_total_tokens}, chunked_prefill_size=8192, hisparse={args.enable_hisparse}")
-# a child in the same process group, like the scheduler / detokenizer
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", "mock-scheduler-child"])
+HS_LOG = os.environ.get("MOCK_HISPARSE_LOG") == "1"  # the plugin's periodic HiSparse line
+if args.enable_hisparse and HS_LOG:
+    # the plugin's host pool lines (memory/host_pool.py); MOCK_HOST_POOL_TOUCH=1 maps and touches its bytes
+    try:
+        with open(os.path.join(args.model_path or "", "config.json")) as f:
+            layers = int(json.load(f).get("num_hidden_layers", 4))
+    except (OSError, ValueError):
+        layers = 4
+    pool_rows = (args.max_total_tokens * ratio // 64 + 1) * 64
+    pool_bytes = layers * pool_rows * 1152
+    log(f"HiSparse host pool: {layers} layers x {pool_rows} rows x 1152 B = {pool_bytes / 2**30:.2f} GiB (pinned)")
+    if os.environ.get("MOCK_HOST_POOL_TOUCH") == "1":
+        t_touch = time.perf_counter()
+        host_pool = mmap.mmap(-1, pool_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as memory/pinning.py maps it
+        for off in range(0, pool_bytes, mmap.PAGESIZE):
+            host_pool[off] = 1
+        ready = time.perf_counter() - t_touch
+        log(f"HiSparse host pool: {pool_bytes / 2**30:.2f} GiB ready in {ready:.1f} s ({pool_bytes / 2**30 / max(ready, 1e-9):.1f} GiB/s; "
+            f"touched in {ready:.1f} s, pinned in 0.0 s, 1 threads)")
+# a child in the same process group, like the scheduler / detokenizer; it dies with this process
+child = subprocess.Popen([sys.executable, "-c", "import ctypes, signal, time; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+                          "time.sleep(3600)", "mock-scheduler-child"])
 FLIP = int(os.environ.get("MOCK_FLIP_AT", "-1"))
 # prefill holds the "GPU" for this long per input token; decoding waits for it (a storm stalls decoders)
 PREFILL_S = float(os.environ.get("MOCK_PREFILL_S_PER_TOKEN", "0"))
 prefill_lock = threading.Lock()
-HS_LOG = os.environ.get("MOCK_HISPARSE_LOG") == "1"  # the plugin's periodic HiSparse line
 RESIDENT_UP_TO = int(os.environ.get("MOCK_RESIDENT_UP_TO", "0"))  # that many running requests stay resident
+ACCOUNTING = os.environ.get("MOCK_ACCOUNTING") == "1"
+LEAK_ON_ABORT = os.environ.get("MOCK_LEAK_ON_ABORT") == "1"
+LEAK_ON_DISCONNECT = os.environ.get("MOCK_LEAK_ON_DISCONNECT") == "1"
+QUARANTINE_S = float(os.environ.get("MOCK_QUARANTINE_S", "2"))
+HEARTBEAT_S = float(os.environ.get("MOCK_HEARTBEAT_S", "0.5"))
+# SGLang's waiting timeout (the harness sets it from --pd-timeout-s): a transfer that never comes fails then
+KV_TIMEOUT_S = float(os.environ.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "10"))
 lock = threading.Condition()
 state = {"used": 0, "running": 0, "waiting": 0, "abort": 0, "tokens": 0}
+# MOCK_ACCOUNTING: per running request [prompt tokens, tokens decoded, aborted-by-rid flag], keyed by an id
+live, phantoms, prealloc = {}, [], {}
+acct = {"leaked_rows": 0, "quarantine": []}  # quarantine: [(expiry, rows)]
+report = {"values": None, "lookups": 0, "misses": 0, "bytes_moved": 0.0}  # the last HiSparse line and the counters
 ready_at = time.time() + 1.0
+
+def page_up(n):
+    return -(-n // 64) * 64
+
+def accounting_values(r):
+    """The plugin's report() figures for the running requests (called with `lock` held)."""
+    now = time.time()
+    acct["quarantine"] = [(t, n) for t, n in acct["quarantine"] if t > now]
+    if not ACCOUNTING:
+        res_n, off_n = (r, 0) if r <= RESIDENT_UP_TO else (0, r)
+        return {"resident": res_n, "offloaded": off_n, "device_rows_used": 100, "device_rows_total": 4096,
+                "host_rows_used": 200, "host_rows_total": 32768, "host_rows_quarantined": 0}
+    reqs = [(v[0], v[1]) for v in live.values()] + phantoms
+    resident = len(reqs) <= RESIDENT_UP_TO
+    quarantined = sum(n for _, n in acct["quarantine"])
+    return {"resident": len(reqs) if resident else 0, "offloaded": 0 if resident else len(reqs),
+            "device_rows_used": sum(page_up(p + d) for p, d in reqs) if resident else 4160 * len(reqs),
+            "device_rows_total": args.max_total_tokens,
+            "host_rows_used": sum(page_up(p + d) for p, d in reqs) + sum(prealloc.values()) + acct["leaked_rows"] + quarantined,
+            "host_rows_total": capacity_tokens, "host_rows_quarantined": quarantined}
 
 def out_ids(ids, n):
     rng = random.Random(sum(ids[-64:]) * 7 + len(ids) + sum(ids) % 1000)
@@ -139,9 +225,16 @@ def reporter():
                    else f"#token: {r * 100}, token usage: {min(1.0, r * 0.1):.2f}")
             log(f"Decode batch, #running-req: {r}, {use}, cuda graph: True, gen throughput (token/s): {t / 0.2:.2f}, #queue-req: {w}, ")
             if HS_LOG:
-                res_n, off_n = (r, 0) if r <= RESIDENT_UP_TO else (0, r)
-                log(f"HiSparse: hit rate 97.5%, moved 1.5 MiB, resident {res_n}, offloaded {off_n} (promoting 0), demotions {6.0 * r:.1f}/min, "
-                    f"promotions 0.0/min, device rows 100/4096, host rows 200/32768, switch work max 0.25 ms/step, step host work 0.110 ms (max 0.20)")
+                with lock:
+                    v = accounting_values(r)
+                    v.update(hit_rate=0.975, promoting=0, demotions_per_min=6.0 * r, promotions_per_min=0.0, switch_ms_max=0.25,
+                             step_host_ms=0.11, step_host_ms_max=0.2, demotions_total=0, promotions_total=0)
+                    report["values"] = v
+                    report["lookups"] += 54600; report["misses"] += 1365; report["bytes_moved"] += 1.5 * 2**20
+                log(f"HiSparse: hit rate 97.5%, moved 1.5 MiB, resident {v['resident']}, offloaded {v['offloaded']} (promoting 0), "
+                    f"demotions {6.0 * r:.1f}/min, promotions 0.0/min, device rows {v['device_rows_used']}/{v['device_rows_total']}, "
+                    f"host rows {v['host_rows_used']}/{v['host_rows_total']} (quarantined {v['host_rows_quarantined']}), "
+                    f"switch work max 0.25 ms/step, step host work 0.110 ms (max 0.20)")
 threading.Thread(target=reporter, daemon=True).start()
 
 class H(BaseHTTPRequestHandler):
@@ -174,22 +267,83 @@ class H(BaseHTTPRequestHandler):
         if self.path.startswith("/v1/loads"):
             with lock:
                 return self._json(200, {"loads": [{"num_running_reqs": state["running"], "num_waiting_reqs": state["waiting"],
+                                                   "num_used_tokens": state["used"],
+                                                   "token_usage": round(state["used"] / capacity_tokens, 4),
                                                    "max_total_num_tokens": args.max_total_tokens}]})
+        if self.path == "/metrics" and args.enable_metrics:
+            return self.metrics()
         if self.path == "/server_info":
             return self._json(200, {"max_total_num_tokens": args.max_total_tokens, "version": "mock", "disaggregation_mode": PD})
         self._json(404, {})
+    def metrics(self):
+        """The plugin's series in Prometheus text (only where hisparse_sglang is importable: the plugin arms)."""
+        try:
+            from hisparse_sglang.integration.sglang.metrics import METRICS
+        except ImportError:
+            return self._json(404, {})
+        labels = 'model_name="mock",engine_type="%s",tp_rank="0",pp_rank="0",moe_ep_rank="0"' % ("unified" if PD == "null" else PD)
+        with lock:
+            v = dict(report["values"] or {})
+            v.update(lookups=report["lookups"], misses=report["misses"], bytes_moved=report["bytes_moved"])
+        lines = []
+        for spec in METRICS:
+            if spec.key in v:
+                lines.append(f"# TYPE {spec.name} {spec.kind}")
+                lines.append(f"{spec.name}{{{labels}}} {float(v[spec.key])}")
+        b = ("\n".join(lines) + "\n").encode()
+        self.send_response(200); self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
+    def stream_abort(self, message, status_code):
+        """A request SGLang ends before it decodes (PD transfer failure): a streamed abort, or HTTP status_code."""
+        if not self.body.get("stream"):
+            return self._json(status_code, {"detail": message})
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+        fin = {"type": "abort", "message": message, "status_code": status_code}
+        self.wfile.write(b"data: " + json.dumps({"output_ids": [], "meta_info": {"id": self.body.get("rid"), "finish_reason": fin,
+                                                 "completion_tokens": 0}}).encode() + b"\n\ndata: [DONE]\n\n")
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        self.body = body
         if self.path == "/abort_request":
             with lock:
-                state["abort"] += 1; lock.notify_all()
+                if body.get("abort_all"):
+                    state["abort"] += 1
+                elif body.get("rid"):
+                    for entry in live.values():
+                        if entry[3] and str(entry[3]).startswith(body["rid"]):
+                            entry[2] = True
+                lock.notify_all()
             return self._json(200, {})
         if self.path != "/generate":
             return self._json(404, {})
         ids, sp = body["input_ids"], body["sampling_params"]
         n = sp["max_new_tokens"]; need = len(ids) + n
+        # SGLang's tokenizer manager: the context length first
+        if len(ids) >= args.context_length:
+            return self._json(400, {"error": {"message": f"The input ({len(ids)} tokens) is longer than the model's context "
+                                                         f"length ({args.context_length} tokens)."}})
+        if len(ids) + n > args.context_length:
+            return self._json(400, {"error": {"message": f"Requested token count exceeds the model's maximum context length of "
+                                                         f"{args.context_length} tokens. You requested a total of {len(ids) + n} tokens: "
+                                                         f"{len(ids)} tokens from the input messages and {n} tokens for the completion."}})
         if PD != "null":
-            err = bootstrap_error(body) or (wait_for_kv(body, ids) if PD == "decode" else None)
+            key = object()
+            if PD == "decode":
+                with lock:
+                    state["waiting"] += 1; prealloc[key] = page_up(len(ids))
+            try:
+                err = bootstrap_error(body) or (wait_for_kv(body, ids) if PD == "decode" else None)
+            finally:
+                if PD == "decode":
+                    with lock:
+                        state["waiting"] -= 1
+                        rows = prealloc.pop(key)
+                        if ACCOUNTING and err and ("Lost connection" in err or "KVPoll.WaitingForInput" in err):
+                            acct["quarantine"].append((time.time() + QUARANTINE_S, rows))
+            if err and ("Lost connection" in err or "KVPoll.WaitingForInput" in err):
+                log(f"PD {PD} room {body.get('bootstrap_room')} rid {body.get('rid')} tokens {len(ids)} failed: {err}")
+                return self.stream_abort(f"Decode transfer failed for request rank=0 req.rid='{body.get('rid')}' "
+                                         f"req.bootstrap_room={body.get('bootstrap_room')} with exception KVTransferError: {err}", 500)
             if not err and PD == "decode" and len(ids) >= input_limit:
                 err = (f"Input length ({len(ids)} tokens) exceeds the maximum allowed length ({input_limit} tokens). "
                        "Use a shorter input or enable --allow-auto-truncate.")
@@ -208,17 +362,19 @@ class H(BaseHTTPRequestHandler):
             if not aborted:
                 state["used"] += need
         admitted = not aborted
+        key, entry = object(), [len(ids), 0, False, body.get("rid")]
         if admitted:
             with lock:
                 log(f"Prefill batch, #new-seq: 1, #new-token: {len(ids)}, #cached-token: 0, token usage: 0.10, "
                     f"#running-req: {state['running']}, #queue-req: {state['waiting']}, #pending-token: 0, ")
-                state["running"] += 1
+                state["running"] += 1; live[key] = entry
             if PREFILL_S:
                 with prefill_lock:
                     time.sleep(len(ids) * PREFILL_S)
         o = out_ids(ids, n)
         done = 0
         stream = body.get("stream")
+        disconnected = False
         if stream:
             self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
         try:
@@ -228,18 +384,29 @@ class H(BaseHTTPRequestHandler):
                     with prefill_lock:
                         pass
                 with lock:
-                    if gen != state["abort"]:
+                    if gen != state["abort"] or entry[2]:
                         aborted = True; break
                     state["tokens"] += 1
-                done += 1
+                done += 1; entry[1] = done
                 if stream:
-                    self.wfile.write(b"data: " + json.dumps({"output_ids": o[:done], "meta_info": {"completion_tokens": done,
+                    # the new token only (the harness counts completion_tokens), so that dozens of streams stay cheap
+                    self.wfile.write(b"data: " + json.dumps({"output_ids": o[done - 1:done], "meta_info": {"completion_tokens": done,
                                      "finish_reason": {"type": "length"} if done == n else None}}).encode() + b"\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            disconnected = True
+            raise
         finally:
             if admitted:
                 with lock:
-                    state["running"] -= 1; state["used"] -= need; lock.notify_all()
-        fin = {"type": "abort"} if aborted else {"type": "length", "length": n}
+                    live.pop(key, None)
+                    if disconnected and LEAK_ON_DISCONNECT:  # mutation: the request stays running for ever
+                        phantoms.append((len(ids), done))
+                    else:
+                        state["running"] -= 1; state["used"] -= need
+                    if aborted and LEAK_ON_ABORT:  # mutation: its host rows are never freed
+                        acct["leaked_rows"] += page_up(len(ids) + done)
+                    lock.notify_all()
+        fin = {"type": "abort", "message": "Aborted", "status_code": None} if aborted else {"type": "length", "length": n}
         meta = {"id": body.get("rid"), "finish_reason": fin, "prompt_tokens": len(ids), "completion_tokens": done}
         if body.get("return_logprob"):
             lps = [-1.0 - 0.001 * (t % 97) for t in o[:done]]

@@ -94,12 +94,15 @@ def make_mock_site(root: Path) -> Path:
     return site
 
 
-def leftover_children() -> list[int]:
+def leftover_children(marker: str | None = None) -> list[int]:
+    """Mock "schedulers" still alive; with `marker`, only those whose environment contains it (the temp dir of
+    the run that started them: other sessions on the same machine may run mock servers too)."""
     pids = []
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                if b"mock-scheduler-child" in (p / "cmdline").read_bytes():
+                if b"mock-scheduler-child" in (p / "cmdline").read_bytes() and (
+                        marker is None or marker.encode() in (p / "environ").read_bytes()):
                     pids.append(int(p.name))
             except OSError:
                 pass

@@ -158,6 +158,15 @@ def unit_checks() -> None:
                 ["--storm-after-tokens", "600"], ["--storm-after-tokens", "20"], ["--storm-requests", "0"],
                 ["--storm-input-len", "65000"]):
         check_rejected(bad)
+    # the chaos and hostpool phases (run end to end against this mock by tests/test_e2e_chaos.py)
+    for bad in (["--chaos-faults", "meteor"], ["--chaos-inject-after", "5000"], ["--chaos-requests", "1"],
+                ["--chaos-input-len", "65000"], ["--hostpool-gib", "0"], ["--hostpool-signals", "SIGHUP"]):
+        check_rejected(bad)
+    a = options.parse_args(["--phases", "report,hostpool,chaos", "--chaos-faults", "decode_kill,disconnect",
+                            "--hostpool-gib", "max", "--state-dir", "/tmp/x"])
+    check(a.phases == ["chaos", "hostpool", "report"] and a.chaos_faults == ["disconnect", "decode_kill"]
+          and a.hostpool_gib == "max" and a.hostpool_signals == ["SIGTERM", "SIGKILL"] and a.chaos_requests == 32,
+          f"chaos / hostpool options {a.phases} {a.chaos_faults} {a.hostpool_gib}")
 
     # arm specs: JSON without spaces, plugin arm adds src + dist-info dir + env + args
     with tempfile.TemporaryDirectory() as td:
@@ -413,6 +422,15 @@ def storm_checks() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+def free_port_base(start: int = 43100) -> int:
+    """A base of 100 ports where none that the arms use answers now (other sessions on this machine may run
+    this self-test at the same time)."""
+    import servers
+
+    used = (0, 1, 2, 10, 20, 30, 40, 41, 42, 50, 51, 52, 60, 61, 62, 90)
+    return next(b for b in range(start, 60000, 100) if all(servers.port_free(b + k) for k in used))
+
+
 def mock_e2e(python: str) -> None:
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
@@ -422,7 +440,7 @@ def mock_e2e(python: str) -> None:
                   "--out", str(out), "--max-total-tokens", "4096", "--corr-lens", "64,128", "--corr-seeds", "2",
                   "--corr-out", "16", "--corr-pair-len", "128", "--cap-input-len", "256", "--cap-output-len", "500",
                   "--cap-requests", "12", "--cap-plateau-s", "1.5", "--cap-poll-s", "0.1", "--tp-input-len", "128",
-                  "--tp-output-len", "200", "--tp-levels", "1,4,max", "--port-base", "39100", "--preflight-timeout", "60",
+                  "--tp-output-len", "200", "--tp-levels", "1,4,max", "--port-base", str(free_port_base()), "--preflight-timeout", "60",
                   "--health-timeout", "30", "--arm-min-s", "5", "--reserve-s", "5"]
         # run 1: arms a,b; run 2: arm c with a mismatch injected and a loadable plugin entry point;
         # run 3: arm c with an entry point that cannot be imported -> must fail loudly
@@ -476,7 +494,7 @@ def mock_e2e(python: str) -> None:
                              *[x for x in common if x not in ()]], capture_output=True, text=True, timeout=120)
         res4 = json.loads((out / "results.json").read_text())
         check(r4.returncode == 3 and res4["arms"]["b"]["status"] == "skipped", f"deadline skip rc={r4.returncode}")
-        check(not leftover_children(), f"no mock scheduler children left: {leftover_children()}")
+        check(not leftover_children(str(td)), f"no mock scheduler children left: {leftover_children(str(td))}")
         if FAILS:
             shutil.copytree(td, "/tmp/e2e_selftest_failed", dirs_exist_ok=True)
             print("kept the mock run in /tmp/e2e_selftest_failed")
