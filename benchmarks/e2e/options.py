@@ -10,16 +10,17 @@ import shlex
 import sys
 from pathlib import Path
 
+import bench_serving_phase
 from arms import ALL_ARMS, DEFAULT_HISPARSE_CONFIG, DEFAULT_MODEL, DSA_BACKEND_OF_KV_DTYPE, hisparse_config_json, \
     parse_env_assignments
 from common import REPO
 from storm import STORM_TPOT_FROM
 from topk_workload_fixture import OFF as TOPK_OFF, PROFILE_NAMES as TOPK_PROFILES
 
-ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "lowload", "longprompt", "saturation", "storm",
-              "report")
+ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "serving", "lowload", "longprompt", "saturation",
+              "storm", "report")
 # phases that need the arm's servers, in the order they run
-ARM_PHASES = ("correctness", "capacity", "throughput", "lowload", "longprompt", "saturation", "storm")
+ARM_PHASES = ("correctness", "capacity", "throughput", "serving", "lowload", "longprompt", "saturation", "storm")
 DEFAULT_PHASES = "preflight,correctness,capacity,throughput,report"
 HELP = """End-to-end benchmark of HiSparse on SGLang 0.5.17 with a tiny DeepSeek-V3.2 (DSA) model.
 
@@ -49,6 +50,10 @@ Per arm: start the server, wait for /health, warm up, then the selected phases:
                + `#running-req` of the server log), then abort_all
   throughput   concurrency levels (1,8,32,max) with fixed input/output lengths, streaming client:
                TTFT, time per output token, output tok/s, server-log decode tok/s
+  serving      (opt-in, issue #26) `python -m sglang.bench_serving --backend sglang --dataset-name
+               random` at --bs-levels (--max-concurrency N, 2N prompts); the arm's server then loads the
+               tokenizer and runs with --enable-metrics; the report sets its figures beside the own
+               client's and checks the plugin's /metrics against its log line (bench_serving_phase.py)
   lowload      (opt-in, issue #16) concurrency 1, 2, 4, 8, each level --ll-repeats times with new
                16K-token prompts and 1024 output tokens: time per output token (median and spread
                over the repeats), decode tok/s (client and server log), the plugin's host time per
@@ -241,6 +246,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="preflight also checks the Mooncake part (mooncake_check.py in the PD servers' environment)")
     g.add_argument("--allow-mooncake-failure", action="store_true",
                    help="start the PD arms even if the Mooncake preflight failed")
+    bench_serving_phase.add_options(ap)
     args = ap.parse_args(argv)
     try:
         args.arms = parse_csv(args.arms, ALL_ARMS, "arms")
@@ -289,6 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--storm-after-tokens must be in ({STORM_TPOT_FROM}, --storm-output-len): "
                  f"the TPOT before the burst needs tokens {STORM_TPOT_FROM + 1}..after-tokens and the burst must "
                  "come before the request ends")
+    bench_serving_phase.check_options(args, ap)
     args.model_dir = args.model_dir.resolve()
     return args
 
