@@ -2,9 +2,9 @@
 
 It runs in a process of its own, as documented (docs/gpu-e2e.md, section 5): the harness's unit checks,
 the bundle builder's .deb and ELF checks (tools/gpu-bundle/), and whole runs of benchmarks/e2e/run_e2e.py
-against a fake SGLang server that runs under this interpreter. About 1.5 minutes with a Python without
-torch and 2.3 with this suite's (the fake server then also runs the weight-init fixture with torch) on a
-2-core machine.
+against a fake SGLang server that runs under this interpreter (incl. the serving phase and its /metrics
+check, with SGLang's own bench_serving where this interpreter has it). About 3 minutes with this suite's
+Python on a 2-core machine (the fake server then also runs the weight-init fixture with torch).
 """
 
 import pathlib

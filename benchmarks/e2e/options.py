@@ -10,6 +10,7 @@ import shlex
 import sys
 from pathlib import Path
 
+import bench_serving_phase
 from arms import ALL_ARMS, DEFAULT_HISPARSE_CONFIG, DEFAULT_MODEL, DSA_BACKEND_OF_KV_DTYPE, hisparse_config_json, \
     parse_env_assignments
 from chaos import add_chaos_args, check_chaos_args
@@ -18,10 +19,11 @@ from hostpool import add_hostpool_args, check_hostpool_args
 from storm import STORM_TPOT_FROM
 from topk_workload_fixture import OFF as TOPK_OFF, PROFILE_NAMES as TOPK_PROFILES
 
-ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "lowload", "longprompt", "saturation", "storm",
-              "chaos", "hostpool", "report")
+ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "serving", "lowload", "longprompt", "saturation",
+              "storm", "chaos", "hostpool", "report")
 # phases that need the arm's servers, in the order they run
-ARM_PHASES = ("correctness", "capacity", "throughput", "lowload", "longprompt", "saturation", "storm", "chaos")
+ARM_PHASES = ("correctness", "capacity", "throughput", "serving", "lowload", "longprompt", "saturation", "storm",
+              "chaos")
 DEFAULT_PHASES = "preflight,correctness,capacity,throughput,report"
 HELP = """End-to-end benchmark of HiSparse on SGLang 0.5.17 with a tiny DeepSeek-V3.2 (DSA) model.
 
@@ -51,6 +53,10 @@ Per arm: start the server, wait for /health, warm up, then the selected phases:
                + `#running-req` of the server log), then abort_all
   throughput   concurrency levels (1,8,32,max) with fixed input/output lengths, streaming client:
                TTFT, time per output token, output tok/s, server-log decode tok/s
+  serving      (opt-in, issue #26) `python -m sglang.bench_serving --backend sglang --dataset-name
+               random` at --bs-levels (--max-concurrency N, 2N prompts); the arm's server then loads the
+               tokenizer and runs with --enable-metrics; the report sets its figures beside the own
+               client's and checks the plugin's /metrics against its log line (bench_serving_phase.py)
   lowload      (opt-in, issue #16) concurrency 1, 2, 4, 8, each level --ll-repeats times with new
                16K-token prompts and 1024 output tokens: time per output token (median and spread
                over the repeats), decode tok/s (client and server log), the plugin's host time per
@@ -251,6 +257,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start the PD arms even if the Mooncake preflight failed")
     add_chaos_args(ap)
     add_hostpool_args(ap)
+    bench_serving_phase.add_options(ap)
     args = ap.parse_args(argv)
     try:
         args.arms = parse_csv(args.arms, ALL_ARMS, "arms")
@@ -301,6 +308,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "come before the request ends")
     check_chaos_args(ap, args)
     check_hostpool_args(ap, args)
+    bench_serving_phase.check_options(args, ap)
     args.model_dir = args.model_dir.resolve()
     return args
 

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from arms import ALL_ARMS, ARM_LABELS, DSA_BACKEND_OF_KV_DTYPE, PD_ARMS
+from bench_serving_phase import render_serving
 from chaos import render_chaos
 from common import atomic_write
 from hostpool import render_hostpool
@@ -132,6 +133,7 @@ def render_markdown(data: dict) -> str:
     if tp:
         lines.append(f"\nThroughput: {tp.get('input_len')} input + {tp.get('output_len')} output tokens per request, "
                      "streaming client, all requests sent at once per level.")
+    lines += render_serving(arms, present)
     lines += render_lowload(arms, present, data.get("lowload_ratios") or {})
     lines += render_pd(arms, present)
     lines += render_storm(arms, present)
@@ -154,6 +156,7 @@ def render_markdown(data: dict) -> str:
                          f"{c['max_abs_dlogprob_before_divergence']:.3g} | {c['max_abs_dtop5_before_divergence']:.3g} | "
                          f"{fmt(c.get('same_weights'))} | {verdict} |")
     errs = [(x, arms[x].get("error")) for x in present if arms[x].get("error")]
+    errs += [(x, failure) for x in present for failure in arms[x].get("check_failures") or []]
     if errs:
         lines += ["", "## Errors", ""]
         for x, e in errs:

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import bench_serving_phase
 from arms import ALL_ARMS, ARM_LABELS, PD_ARMS, PLUGIN_ARMS, ServerSpec, arm_servers, parse_env_assignments, pd_ports, \
     prepare_pyext
 from client import Colocated, PDPair, make_prompt
@@ -112,6 +113,7 @@ def measure(group: ServerGroup, run: Run, result: dict, arm_phases: list[str], s
              "capacity": lambda: phase_capacity(group, run),
              "throughput": lambda: phase_throughput(group, run, (result.get("capacity") or {}).get("max_running") or None,
                                                     keeper("throughput")),
+             "serving": lambda: bench_serving_phase.phase_serving(group, run, keeper("serving")),
              "lowload": lambda: phase_lowload(group, run, keeper("lowload")),
              "longprompt": lambda: phase_longprompt(group, run, result["log"].get("max_total_num_tokens")),
              "saturation": lambda: phase_saturation(group, run, keeper("saturation")),
@@ -120,6 +122,7 @@ def measure(group: ServerGroup, run: Run, result: dict, arm_phases: list[str], s
     for phase in arm_phases:
         log(f"arm {group.arm}: {phase}")
         result[phase] = calls[phase]()
+        bench_serving_phase.scrape_after_phase(group, run, result, phase)
         save()
 
 
@@ -189,6 +192,8 @@ def run_arm(arm: str, specs: list[ServerSpec], run: Run, outputs: Outputs, plugi
         if cut:
             log(f"arm {arm}: phases cut short by the deadline: {cut}; rerun with --arms {arm} --phases {','.join(cut)}")
             rc = 3
+        if bench_serving_phase.record_check_failures(result, arm_phases, log):
+            rc = 2
     except (ServerDied, TimeoutError) as e:
         result.update(status="failed", error=str(e))
         log(f"arm {arm}: FAILED: {e}")
@@ -241,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     common, plugin_dir, plugin_ep = prepare_pyext(state, args)
     meta["plugin_entry_point"] = f"{plugin_ep[0]} = {plugin_ep[1]}"
 
-    specs = {arm: arm_servers(arm, args, env0, pd_env0, common, plugin_dir) for arm in ALL_ARMS}
+    specs = {arm: bench_serving_phase.server_specs(arm, arm_servers(arm, args, env0, pd_env0, common, plugin_dir), args)
+             for arm in ALL_ARMS}
     if args.dry_run:
         for arm in args.arms:
             for spec in specs[arm]:

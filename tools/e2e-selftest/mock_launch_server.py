@@ -30,6 +30,14 @@ For the chaos and hostpool phases (benchmarks/e2e/chaos.py, hostpool.py):
   MOCK_HOST_POOL_TOUCH=1 the pool's bytes are really mapped and touched (so its memory shows in
   /proc/meminfo); MOCK_SKIP_TORCH=1 skips the weight-init fixture's torch model (faster start).
 The child (the "scheduler") dies with the server (PR_SET_PDEATHSIG, as SGLang's scheduler).
+Without --skip-tokenizer-init it takes `text` prompts (encoded with the model's tokenizer.json where the
+`tokenizers` package imports, else one token per word) and streams `text` beside `output_ids`, as
+`python -m sglang.bench_serving` needs; /v1/models and /model_info answer.  With --enable-metrics,
+/metrics serves SGLang-style samples and, where the plugin's source is importable (arms c and d) and the
+plugin's line is logged (MOCK_HISPARSE_LOG=1), the plugin's `sglang:hisparse_*` metrics, named by
+hisparse_sglang/integration/sglang/metrics.py and written with each `HiSparse:` line (the line first).
+MOCK_METRICS_SKEW=key[,key] (report keys, e.g. resident, bytes_moved) makes /metrics disagree with the
+line: the mutation the harness's /metrics check must catch.
 """
 import argparse, ctypes, functools, hashlib, importlib.metadata as md, json, mmap, os, random, signal, subprocess, sys
 import threading, time, urllib.error, urllib.request
@@ -41,7 +49,8 @@ ap.add_argument("--port", type=int); ap.add_argument("--max-total-tokens", type=
 ap.add_argument("--enable-hisparse", action="store_true"); ap.add_argument("--hisparse-config", default="{}")
 ap.add_argument("--model-path")
 ap.add_argument("--disaggregation-mode", default="null"); ap.add_argument("--disaggregation-bootstrap-port", type=int)
-ap.add_argument("--context-length", type=int, default=65536); ap.add_argument("--enable-metrics", action="store_true")
+ap.add_argument("--context-length", type=int, default=65536); ap.add_argument("--skip-tokenizer-init", action="store_true")
+ap.add_argument("--enable-metrics", action="store_true")
 args, rest = ap.parse_known_args()
 if os.environ.get("MOCK_IGNORE_SIGTERM") == "1":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -173,6 +182,56 @@ FLIP = int(os.environ.get("MOCK_FLIP_AT", "-1"))
 # prefill holds the "GPU" for this long per input token; decoding waits for it (a storm stalls decoders)
 PREFILL_S = float(os.environ.get("MOCK_PREFILL_S_PER_TOKEN", "0"))
 prefill_lock = threading.Lock()
+TOKENIZER = None
+if not args.skip_tokenizer_init:
+    try:
+        from tokenizers import Tokenizer
+        TOKENIZER = Tokenizer.from_file(os.path.join(args.model_path or ".", "tokenizer.json"))
+    except Exception as e:
+        log(f"mock: no tokenizers package or tokenizer.json ({type(e).__name__}); one token per word")
+
+def encode(text):
+    """What the server's tokenizer makes of a text prompt (with <bos>)."""
+    return TOKENIZER.encode(text).ids if TOKENIZER else [0] + [2 + len(w) for w in text.split()]
+
+def plugin_metric_specs():
+    """(name, kind, report key, cumulative) of the plugin's metrics, from its source if importable."""
+    import importlib.util as iu
+    spec = iu.find_spec("hisparse_sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    path = os.path.join(list(spec.submodule_search_locations)[0], "integration", "sglang", "metrics.py")
+    mspec = iu.spec_from_file_location("mock_hisparse_metrics", path)
+    module = sys.modules["mock_hisparse_metrics"] = iu.module_from_spec(mspec)  # dataclasses look it up
+    mspec.loader.exec_module(module)
+    return [(m.name, m.kind, m.key, m.cumulative) for m in module.METRICS]
+# the plugin's metrics: only where it "runs" (its line is logged) and SGLang exports metrics
+PLUGIN_METRICS = plugin_metric_specs() if args.enable_metrics and os.environ.get("MOCK_HISPARSE_LOG") == "1" else []
+LABELS = f'engine_type="unified",model_name="{args.model_path}",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
+SKEW = [k for k in os.environ.get("MOCK_METRICS_SKEW", "").split(",") if k]
+exported, metrics_lock = {}, threading.Lock()  # the plugin's samples by name; the lock makes line + samples one step
+
+def export(values):
+    """Like the plugin's exporter: gauges set, counters increased by the report's delta (running totals by their change)."""
+    for name, kind, key, cumulative in PLUGIN_METRICS:
+        if kind == "gauge":
+            exported[name] = values[key]
+        elif cumulative:
+            exported[name] = values[key]
+        else:
+            exported[name] = exported.get(name, 0) + values[key]
+
+def metrics_text():
+    lines = ["# HELP sglang:num_running_reqs The number of running requests.", "# TYPE sglang:num_running_reqs gauge",
+             f"sglang:num_running_reqs{{{LABELS}}} {float(state['running'])}"]
+    with metrics_lock:
+        for name, kind, key, _ in PLUGIN_METRICS:
+            if name not in exported:
+                continue
+            value = exported[name] + ((2**20 if key == "bytes_moved" else 1) if key in SKEW else 0)
+            lines += [f"# TYPE {name} {kind}", f"{name}{{{LABELS}}} {'NaN' if value is None else float(value)}"]
+    return "\n".join(lines) + "\n"
+totals = {"demotions_total": 0}
 RESIDENT_UP_TO = int(os.environ.get("MOCK_RESIDENT_UP_TO", "0"))  # that many running requests stay resident
 ACCOUNTING = os.environ.get("MOCK_ACCOUNTING") == "1"
 LEAK_ON_ABORT = os.environ.get("MOCK_LEAK_ON_ABORT") == "1"
@@ -186,7 +245,6 @@ state = {"used": 0, "running": 0, "waiting": 0, "abort": 0, "tokens": 0}
 # MOCK_ACCOUNTING: per running request [prompt tokens, tokens decoded, aborted-by-rid flag], keyed by an id
 live, phantoms, prealloc = {}, [], {}
 acct = {"leaked_rows": 0, "quarantine": []}  # quarantine: [(expiry, rows)]
-report = {"values": None, "lookups": 0, "misses": 0, "bytes_moved": 0.0}  # the last HiSparse line and the counters
 ready_at = time.time() + 1.0
 
 def page_up(n):
@@ -227,14 +285,18 @@ def reporter():
             if HS_LOG:
                 with lock:
                     v = accounting_values(r)
-                    v.update(hit_rate=0.975, promoting=0, demotions_per_min=6.0 * r, promotions_per_min=0.0, switch_ms_max=0.25,
-                             step_host_ms=0.11, step_host_ms_max=0.2, demotions_total=0, promotions_total=0)
-                    report["values"] = v
-                    report["lookups"] += 54600; report["misses"] += 1365; report["bytes_moved"] += 1.5 * 2**20
-                log(f"HiSparse: hit rate 97.5%, moved 1.5 MiB, resident {v['resident']}, offloaded {v['offloaded']} (promoting 0), "
-                    f"demotions {6.0 * r:.1f}/min, promotions 0.0/min, device rows {v['device_rows_used']}/{v['device_rows_total']}, "
-                    f"host rows {v['host_rows_used']}/{v['host_rows_total']} (quarantined {v['host_rows_quarantined']}), "
-                    f"switch work max 0.25 ms/step, step host work 0.110 ms (max 0.20)")
+                    off_n = v["offloaded"]
+                    totals["demotions_total"] += off_n
+                    v.update(hit_rate=0.975, bytes_moved=1.5 * 2**20, promoting=0, demotions_per_min=6.0 * r,
+                             promotions_per_min=0.0, switch_ms_max=0.25, step_host_ms=0.11, step_host_ms_max=0.2,
+                             lookups=1000 * off_n, misses=25 * off_n, demotions_total=totals["demotions_total"],
+                             promotions_total=0)
+                with metrics_lock:  # the plugin logs its line, then exports
+                    log(f"HiSparse: hit rate 97.5%, moved 1.5 MiB, resident {v['resident']}, offloaded {v['offloaded']} (promoting 0), "
+                        f"demotions {6.0 * r:.1f}/min, promotions 0.0/min, device rows {v['device_rows_used']}/{v['device_rows_total']}, "
+                        f"host rows {v['host_rows_used']}/{v['host_rows_total']} (quarantined {v['host_rows_quarantined']}), "
+                        f"switch work max 0.25 ms/step, step host work 0.110 ms (max 0.20)")
+                    export(v)
 threading.Thread(target=reporter, daemon=True).start()
 
 class H(BaseHTTPRequestHandler):
@@ -270,29 +332,17 @@ class H(BaseHTTPRequestHandler):
                                                    "num_used_tokens": state["used"],
                                                    "token_usage": round(state["used"] / capacity_tokens, 4),
                                                    "max_total_num_tokens": args.max_total_tokens}]})
+        if self.path == "/v1/models":
+            return self._json(200, {"object": "list", "data": [{"id": args.model_path, "object": "model"}]})
+        if self.path == "/model_info":
+            return self._json(200, {"model_path": args.model_path, "tokenizer_path": args.model_path})
         if self.path == "/metrics" and args.enable_metrics:
-            return self.metrics()
+            b = metrics_text().encode(); self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4"); self.send_header("Content-Length", str(len(b)))
+            self.end_headers(); return self.wfile.write(b)
         if self.path == "/server_info":
             return self._json(200, {"max_total_num_tokens": args.max_total_tokens, "version": "mock", "disaggregation_mode": PD})
         self._json(404, {})
-    def metrics(self):
-        """The plugin's series in Prometheus text (only where hisparse_sglang is importable: the plugin arms)."""
-        try:
-            from hisparse_sglang.integration.sglang.metrics import METRICS
-        except ImportError:
-            return self._json(404, {})
-        labels = 'model_name="mock",engine_type="%s",tp_rank="0",pp_rank="0",moe_ep_rank="0"' % ("unified" if PD == "null" else PD)
-        with lock:
-            v = dict(report["values"] or {})
-            v.update(lookups=report["lookups"], misses=report["misses"], bytes_moved=report["bytes_moved"])
-        lines = []
-        for spec in METRICS:
-            if spec.key in v:
-                lines.append(f"# TYPE {spec.name} {spec.kind}")
-                lines.append(f"{spec.name}{{{labels}}} {float(v[spec.key])}")
-        b = ("\n".join(lines) + "\n").encode()
-        self.send_response(200); self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
     def stream_abort(self, message, status_code):
         """A request SGLang ends before it decodes (PD transfer failure): a streamed abort, or HTTP status_code."""
         if not self.body.get("stream"):
@@ -316,7 +366,10 @@ class H(BaseHTTPRequestHandler):
             return self._json(200, {})
         if self.path != "/generate":
             return self._json(404, {})
-        ids, sp = body["input_ids"], body["sampling_params"]
+        if "input_ids" not in body and args.skip_tokenizer_init:
+            return self._json(400, {"error": {"message": "text input needs the tokenizer (started with --skip-tokenizer-init)"}})
+        ids, sp = body.get("input_ids") or encode(body["text"]), body["sampling_params"]
+        text_of = (lambda k: " t" * k) if not args.skip_tokenizer_init else None  # the detokenized output
         n = sp["max_new_tokens"]; need = len(ids) + n
         # SGLang's tokenizer manager: the context length first
         if len(ids) >= args.context_length:
@@ -390,8 +443,11 @@ class H(BaseHTTPRequestHandler):
                 done += 1; entry[1] = done
                 if stream:
                     # the new token only (the harness counts completion_tokens), so that dozens of streams stay cheap
-                    self.wfile.write(b"data: " + json.dumps({"output_ids": o[done - 1:done], "meta_info": {"completion_tokens": done,
-                                     "finish_reason": {"type": "length"} if done == n else None}}).encode() + b"\n\n")
+                    chunk = {"output_ids": o[done - 1:done], "meta_info": {"completion_tokens": done,
+                             "finish_reason": {"type": "length"} if done == n else None}}
+                    if text_of:
+                        chunk["text"] = text_of(done)
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         except (BrokenPipeError, ConnectionResetError):
             disconnected = True
             raise
@@ -412,11 +468,12 @@ class H(BaseHTTPRequestHandler):
             lps = [-1.0 - 0.001 * (t % 97) for t in o[:done]]
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, o)]
             meta["output_top_logprobs"] = [[[lp, t, None], [lp - 0.5, (t + 1) % 32768, None]] for lp, t in zip(lps, o)]
+        final = {"output_ids": o[:done], "meta_info": meta} | ({"text": text_of(done)} if text_of else {})
         if stream:
-            self.wfile.write(b"data: " + json.dumps({"output_ids": o[:done], "meta_info": meta}).encode() + b"\n\n")
+            self.wfile.write(b"data: " + json.dumps(final).encode() + b"\n\n")
             self.wfile.write(b"data: [DONE]\n\n")
         else:
-            self._json(200, {"output_ids": o[:done], "meta_info": meta})
+            self._json(200, final)
 
 ThreadingHTTPServer.daemon_threads = True
 ThreadingHTTPServer(("127.0.0.1", args.port), H).serve_forever()

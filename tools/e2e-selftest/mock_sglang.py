@@ -67,6 +67,69 @@ class TransferEngine:
         return 0
 '''
 
+# `python -m sglang.bench_serving` where the real one is not importable: the flags the harness passes, the
+# same HTTP exchange (/v1/models, one warm-up, streamed /generate with text in, `text` and
+# completion_tokens out, at most --max-concurrency in flight, /server_info) and a JSON line with the
+# result keys the harness reads. Stdlib only; the figures are the mock's, not SGLang's client's.
+FAKE_BENCH_SERVING = '''
+import argparse, concurrent.futures as cf, json, statistics, sys, time, urllib.request
+ap = argparse.ArgumentParser()
+for flag in ("--backend", "--host", "--model", "--tokenizer", "--dataset-name", "--dataset-path", "--output-file"):
+    ap.add_argument(flag)
+for flag in ("--port", "--random-input-len", "--random-output-len", "--num-prompts", "--max-concurrency", "--seed",
+             "--ready-check-timeout-sec"):
+    ap.add_argument(flag, type=int)
+ap.add_argument("--random-range-ratio", type=float); ap.add_argument("--request-rate", default="inf")
+ap.add_argument("--disable-tqdm", action="store_true"); ap.add_argument("--output-details", action="store_true")
+a = ap.parse_args()
+base = f"http://{a.host}:{a.port}"
+t_end = time.time() + a.ready_check_timeout_sec
+while True:
+    try:
+        urllib.request.urlopen(base + "/v1/models", timeout=5).read(); break
+    except Exception:
+        if time.time() > t_end:
+            print("Server is not ready. Exiting."); sys.exit(1)
+        time.sleep(0.5)
+prompt = " ".join(["tralo"] * (a.random_input_len - 1))
+def one(n_out):
+    body = json.dumps({"text": prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": n_out, "ignore_eos": True},
+                       "stream": True}).encode()
+    t0 = time.perf_counter(); ttft = None; n = 0
+    req = urllib.request.Request(base + "/generate", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("text"):
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                n = chunk["meta_info"]["completion_tokens"]
+    return ttft, time.perf_counter() - t0, n
+one(min(32, a.random_output_len))
+start = time.perf_counter()
+with cf.ThreadPoolExecutor(max_workers=a.max_concurrency) as pool:
+    outs = list(pool.map(one, [a.random_output_len] * a.num_prompts))
+duration = time.perf_counter() - start
+ok = [o for o in outs if o[0] is not None and o[2] > 0]
+tpots = [(lat - ttft) / (n - 1) for ttft, lat, n in ok if n > 1]
+ms = lambda xs, q=0.5: 1000 * statistics.quantiles(xs, n=100)[int(100 * q) - 1] if len(xs) > 1 else (1000 * xs[0] if xs else 0.0)
+result = {"backend": a.backend, "dataset_name": a.dataset_name, "max_concurrency": a.max_concurrency,
+          "random_input_len": a.random_input_len, "random_output_len": a.random_output_len,
+          "random_range_ratio": a.random_range_ratio, "fake_bench_serving": True, "duration": duration,
+          "completed": len(ok), "total_input_tokens": len(ok) * a.random_input_len,
+          "total_output_tokens": sum(o[2] for o in ok), "request_throughput": len(ok) / duration,
+          "output_throughput": sum(o[2] for o in ok) / duration,
+          "median_ttft_ms": 1000 * statistics.median([o[0] for o in ok]) if ok else 0.0,
+          "median_tpot_ms": 1000 * statistics.median(tpots) if tpots else 0.0, "p99_tpot_ms": ms(tpots, 0.99),
+          "median_e2e_latency_ms": 1000 * statistics.median([o[1] for o in ok]) if ok else 0.0,
+          "server_info": json.loads(urllib.request.urlopen(base + "/server_info", timeout=5).read())}
+with open(a.output_file, "a") as f:
+    f.write(json.dumps(result) + "\\n")
+print(f"fake bench_serving: {len(ok)} of {a.num_prompts} completed in {duration:.2f} s")
+'''
+
 MOCK_PLUGIN = '''
 import sys
 def register():
@@ -86,6 +149,7 @@ def make_mock_site(root: Path) -> Path:
     (site / "sglang/srt/model_loader/weight_utils.py").write_text(WEIGHT_UTILS)
     (site / "sglang/srt/disaggregation/mooncake/conn.py").write_text(MOONCAKE_CONN)
     shutil.copy2(HERE / "mock_launch_server.py", site / "sglang/launch_server.py")
+    (site / "sglang/bench_serving.py").write_text(FAKE_BENCH_SERVING)
     (site / "mooncake/engine.py").write_text(MOONCAKE_ENGINE)
     dist = site / "mooncake_transfer_engine_cuda13-0.3.14.dist-info"
     dist.mkdir()

@@ -35,6 +35,7 @@ E2E = REPO / "benchmarks" / "e2e"  # the harness under test
 # This folder (the mock), the harness's modules and the bundle builder's (selftest_bundle checks them).
 sys.path[:0] = [str(HERE), str(E2E), str(REPO / "tools" / "gpu-bundle")]
 import arms  # noqa: E402
+import bench_serving_phase  # noqa: E402
 import client  # noqa: E402
 import logs  # noqa: E402
 import options  # noqa: E402
@@ -212,6 +213,7 @@ def unit_checks() -> None:
         check("boom" in md and "| status | failed |" in md, "markdown with a failed arm")
     storm_checks()
     lowload_checks()
+    serving_checks()
     judge_checks()
     try:  # it imports the harness modules by name
         import profile_decode  # noqa: F401
@@ -255,6 +257,32 @@ def pd_checks(a, common: Path, plug: Path) -> None:
           and not options.parse_args(["--arms", "a,c", "--state-dir", "/tmp/x"]).preflight_mooncake,
           "the Mooncake preflight is on with a PD arm")
     check_rejected(["--arms", "pd-c", "--pd-decode-max-total-tokens", "200000"])
+
+
+def serving_checks() -> None:
+    """The serving phase's options and what it changes in the servers' flags (the rest: tests/test_bench_serving_phase.py)."""
+    a = options.parse_args(["--arms", "a,b,c,d,pd-c", "--phases", "report,serving,throughput", "--state-dir", "/tmp/x"])
+    check(a.phases == ["throughput", "serving", "report"] and a.bs_levels == [1, 8, 32] and a.bs_input_len == 16384
+          and a.bs_output_len == 1024 and a.bs_prompts_per_level == 2 and a.scrape_metrics and not a.bs_process_per_level,
+          f"serving phase options {a.phases} {a.bs_levels} scrape={a.scrape_metrics}")
+    check(not options.parse_args(["--state-dir", "/tmp/x"]).scrape_metrics
+          and options.parse_args(["--phases", "throughput", "--scrape-metrics", "--state-dir", "/tmp/x"]).scrape_metrics
+          and not options.parse_args(["--phases", "serving", "--no-scrape-metrics", "--state-dir", "/tmp/x"]).scrape_metrics,
+          "--scrape-metrics: on with the serving phase, else off; both ways by flag")
+    for bad in (["--bs-levels", "0"], ["--bs-levels", "max"], ["--bs-prompts-per-level", "0"],
+                ["--phases", "serving", "--bs-input-len", "65000"]):
+        check_rejected(bad)
+    with tempfile.TemporaryDirectory() as td:
+        common, plug, _ = arms.prepare_pyext(Path(td), a)
+        for phases, scraped in (("serving", None), ("throughput", None), ("throughput", "--scrape-metrics")):
+            b = options.parse_args(["--phases", phases, "--state-dir", td] + ([scraped] if scraped else []))
+            for arm in ("a", "b", "c", "d", "pd-c"):
+                specs = bench_serving_phase.server_specs(arm, arms.arm_servers(arm, b, {}, {}, common, plug), b)
+                for spec in specs:
+                    pd_server = bool(spec.role)
+                    check(("--skip-tokenizer-init" in spec.cmd) == (pd_server or phases != "serving")
+                          and ("--enable-metrics" in spec.cmd) == (not pd_server and b.scrape_metrics),
+                          f"{arm} {spec.role} with --phases {phases} {scraped or ''}: tokenizer / metrics flags {spec.cmd}")
 
 
 def judge_checks() -> None:
@@ -482,6 +510,7 @@ def mock_e2e(python: str) -> None:
         check("| c=max (run 2): output tok/s (client) |" in md and "b_vs_a" in md, "markdown table rows")
         mock_storm(common, out)
         mock_lowload(common, td)
+        mock_serving(common, td)
         mock_pd(common, td)
         r3 = subprocess.run([sys.executable, str(E2E / "run_e2e.py"), "--arms", "c", "--phases", "correctness,report",
                              "--plugin-ep", "hisparse=no_such_module_xyz:register", *common],
@@ -642,6 +671,78 @@ def mock_pd(common: list[str], td: Path) -> None:
     check(r.returncode == 2 and res["arms"]["a"]["status"] == "ok" and res["arms"]["pd-c"]["status"] == "failed"
           and "Mooncake preflight failed" in res["arms"]["pd-c"]["error"] and "startup_s" not in res["arms"]["pd-c"],
           f"a failed Mooncake preflight fails the PD arms loudly: rc={r.returncode} {res['arms']['pd-c'].get('error')}")
+
+
+def real_bench_serving(python: str) -> bool:
+    """Whether `python` imports SGLang's own bench_serving when the mock site is not on its path."""
+    code = ("import importlib.util as u, pathlib; s = u.find_spec('sglang'); "
+            "print(bool(s and s.origin and (pathlib.Path(s.origin).parent / 'bench_serving.py').exists()))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, env=env).stdout.strip() == "True"
+
+
+def mock_serving(common: list[str], td: Path) -> None:
+    """Run 2e: arms a and c, throughput + serving; the /metrics check agrees. Run 2f: arm c whose /metrics
+    disagree with its log line (MOCK_METRICS_SKEW): the check must fail the run (exit 2)."""
+    flags = own_dirs(common, td, "bs")
+    # after the common flags, whose throughput levels and lengths they replace (argparse: the last wins)
+    sv = ["--tp-levels", "1,2", "--tp-output-len", "40", "--bs-levels", "1,2", "--bs-input-len", "160",
+          "--bs-output-len", "40", "--plugin-ep", "hisparse=mockplug:register", "--plugin-env", "MOCK_HISPARSE_LOG=1"]
+    # the mock site's stand-in for bench_serving, one process per level
+    res = mock_run(["--arms", "a,c", "--phases", "throughput,serving,report", "--bs-process-per-level", *flags, *sv],
+                   td / "bs_out", "mock serving run")
+    arm_results = res["arms"]
+    for x in ("a", "c"):
+        log_text = (td / "bs_state" / f"server-{x}.log").read_text()
+        check("--skip-tokenizer-init" not in log_text and "'--enable-metrics'" in log_text,
+              f"arm {x}: with the serving phase the server loads its tokenizer and exports metrics")
+        levels = (arm_results[x].get("serving") or {}).get("levels") or []
+        check([lv["max_concurrency"] for lv in levels] == [1, 2] and all(lv["ok"] for lv in levels)
+              and [lv["summary"]["total_output_tokens"] for lv in levels] == [80, 160]
+              and all(lv["cmd"].split()[1:3] == ["-m", "sglang.bench_serving"] and "--random-range-ratio 1.0" in lv["cmd"]
+                      for lv in levels), f"arm {x}: bench_serving levels {levels}")
+        rows = bench_serving_phase.compare_clients(arm_results[x])
+        check(len(rows) == 2 and all(r["own"] and r["own"]["phase"] == "throughput" and r["ratio"]["output_tok_s"]
+                                     for r in rows), f"arm {x}: bench_serving beside the own client {rows}")
+    check("metrics_check" not in arm_results["a"]["serving"], "no /metrics check on arm a (no plugin)")
+    for phase in ("throughput", "serving"):
+        mc = arm_results["c"][phase].get("metrics_check") or {}
+        check(mc.get("ok") is True and mc.get("lines", 0) >= 1 and mc["metrics"]["hit_rate"] == 0.975
+              and mc["metrics"]["bytes_moved"] == 1.5 * 2**20 * mc["lines"], f"arm c: /metrics after {phase}: {mc}")
+    md = (td / "bs_out" / "results.md").read_text()
+    check("## bench_serving (SGLang's client) beside the harness's own client" in md and "\n| c | 2 | 4 of 4 |" in md
+          and "| c | serving | yes |" in md and "| c | throughput | yes |" in md, f"serving markdown:\n{md[-3000:]}")
+    # run 2f: the mutation; SGLang's own bench_serving where this Python has it, in one process
+    real = real_bench_serving(sys.executable)
+    print(f"serving run with {'SGLang' if real else 'the mock site'}'s bench_serving", flush=True)
+    empty = td / "no_site"
+    empty.mkdir()
+    mutated = own_dirs(flags, td, "bs2")
+    r = subprocess.run([sys.executable, str(E2E / "run_e2e.py"), "--arms", "c", "--phases", "serving,report", *mutated, *sv,
+                        "--plugin-env", "MOCK_METRICS_SKEW=resident,bytes_moved"]
+                       + (["--bs-python", sys.executable, "--bs-site", str(empty)] if real else []),
+                       capture_output=True, text=True, timeout=300)
+    print(r.stdout[-2500:], r.stderr[-2000:], sep="\n", flush=True)
+    res = json.loads((td / "bs2_out" / "results.json").read_text())
+    c = res["arms"]["c"]
+    mc = c["serving"].get("metrics_check") or {}
+    check(r.returncode == 2 and c["status"] == "ok" and mc.get("ok") is False
+          and any(m.startswith("resident: metric 1, log 0") for m in mc["mismatches"])
+          and any(m.startswith("bytes_moved: counter") for m in mc["mismatches"])
+          and len(c.get("check_failures", [])) == 1,
+          f"a /metrics that disagrees with the log line fails the run: rc={r.returncode} {mc} {c.get('check_failures')}")
+    md = (td / "bs2_out" / "results.md").read_text()
+    check("| c | serving | NO |" in md and "- arm c: serving: /metrics disagrees with the plugin's log line" in md,
+          f"the disagreement in results.md:\n{md[-2000:]}")
+    levels = c["serving"]["levels"]
+    check([lv["max_concurrency"] for lv in levels] == [1, 2] and all(lv["ok"] for lv in levels)
+          and c["serving"]["settings"]["one_process"], f"bench_serving in one process: {levels}")
+    if real:  # SGLang's random dataset with range ratio 1: the server saw exactly --bs-input-len tokens per request
+        log_text = (td / "bs2_state" / "server-c.log").read_text()
+        sent = sum(lv["num_prompts"] + 1 for lv in levels)  # one warm-up request per run
+        check(len(re.findall(r"#new-token: 160,", log_text)) == sent and "fake_bench_serving" not in json.dumps(levels),
+              f"SGLang's bench_serving: {sent} prompts of exactly 160 tokens each "
+              f"({len(re.findall(r'#new-token: 160,', log_text))} such prefills)")
 
 
 def tests_helper_checks(td: Path) -> None:
