@@ -7,12 +7,11 @@ HISPARSE_PROPERTY_EXAMPLES sets the number of random sequences (default 10,000 a
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hisparse_sglang.config import HiSparseConfig
-import pytest
-
 from hisparse_sglang.testing.sim import SimulatedServer, SimulationStalled
 
 TOTAL_EXAMPLES = int(os.environ.get("HISPARSE_PROPERTY_EXAMPLES", "10000"))

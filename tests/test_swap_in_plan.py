@@ -17,6 +17,7 @@ from hisparse_sglang.ops.swap_in_plan import (
     swap_in_positions_plan,
 )
 
+
 # What each region of the planner must hold (elements, bytes each), independent of the plan's code.
 def required_regions(top_k, buffer_size, threads):
     hash_size = 1

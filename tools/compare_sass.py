@@ -28,7 +28,7 @@ import tempfile
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))  # runs from a checkout, installed or not
 
-from hisparse_sglang.ops import jit
+from hisparse_sglang.ops import jit  # noqa: E402 (after the path above)
 
 ARCH = "9.0a"
 # The builds whose code runs on a GPU: production, and the variants the GPU tests and the

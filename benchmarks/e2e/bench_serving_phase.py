@@ -376,7 +376,7 @@ def metrics_check(port: int, log_path: Path, attempts: int = 3) -> dict:
     would set them apart, so the log is read before and after the scrape and the check repeated (up to
     ``attempts`` times) while the count of plugin lines changed. Returns ``ok``, ``mismatches``, ``lines``,
     ``metrics`` (the scraped values), ``log`` (the last line's figures) or ``error``."""
-    for attempt in range(attempts):
+    for attempt in range(attempts):  # noqa: B007 (reported after the loop)
         before = len(scrape.parse_log_lines(server_log_since_start(log_path)))
         try:
             values = scrape.plugin_values(scrape.fetch_metrics(port))

@@ -526,7 +526,7 @@ class Chaos:
                 break
             time.sleep(0.02)
         toks = [s.tokens for s in streams]
-        
+
         return {"waited_s": round(time.monotonic() - t0, 2), "rule": "first token" if first_token else f">= {k} tokens each",
                 "with_tokens": sum(1 for t in toks if t > 0), "tokens_min": min(toks), "tokens_max": max(toks),
                 "ended_before": sum(1 for s in streams if s.done.is_set())}

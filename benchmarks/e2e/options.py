@@ -11,13 +11,20 @@ import sys
 from pathlib import Path
 
 import bench_serving_phase
-from arms import ALL_ARMS, DEFAULT_HISPARSE_CONFIG, DEFAULT_MODEL, DSA_BACKEND_OF_KV_DTYPE, hisparse_config_json, \
-    parse_env_assignments
+from arms import (
+    ALL_ARMS,
+    DEFAULT_HISPARSE_CONFIG,
+    DEFAULT_MODEL,
+    DSA_BACKEND_OF_KV_DTYPE,
+    hisparse_config_json,
+    parse_env_assignments,
+)
 from chaos import add_chaos_args, check_chaos_args
 from common import REPO
 from hostpool import add_hostpool_args, check_hostpool_args
 from storm import STORM_TPOT_FROM
-from topk_workload_fixture import OFF as TOPK_OFF, PROFILE_NAMES as TOPK_PROFILES
+from topk_workload_fixture import OFF as TOPK_OFF
+from topk_workload_fixture import PROFILE_NAMES as TOPK_PROFILES
 
 ALL_PHASES = ("preflight", "correctness", "capacity", "throughput", "serving", "lowload", "longprompt", "saturation",
               "storm", "chaos", "hostpool", "report")

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from client import extract_logprobs, make_prompt
 from common import HERE, REPO, Run
 from environment import mooncake_env
-from logs import read_from, file_size, summarize_log
+from logs import file_size, read_from, summarize_log
 from servers import ServerDied
 from stats import compare_outputs, detect_cycle, pct, steady_window, window_tpot
 

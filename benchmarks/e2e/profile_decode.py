@@ -98,7 +98,9 @@ def summarize_spy(raw: str, top: int = 60, within: str = "Scheduler.event_loop")
             inclusive[frame] += n
         if frames:
             self_time[frames[-1]] += n
-    share = lambda c: [{"frame": f, "pct": round(100 * n / max(total, 1), 1)} for f, n in c.most_common(top)]
+    def share(c):
+        return [{"frame": f, "pct": round(100 * n / max(total, 1), 1)} for f, n in c.most_common(top)]
+
     return {"samples": total, "inclusive": share(inclusive), "self": share(self_time)}
 
 

@@ -22,19 +22,28 @@ import time
 from pathlib import Path
 
 import bench_serving_phase
-from arms import ALL_ARMS, ARM_LABELS, PD_ARMS, PLUGIN_ARMS, ServerSpec, arm_servers, parse_env_assignments, pd_ports, \
-    prepare_pyext
-from client import Colocated, PDPair, make_prompt
+from arms import (
+    ALL_ARMS,
+    ARM_LABELS,
+    PD_ARMS,
+    PLUGIN_ARMS,
+    ServerSpec,
+    arm_servers,
+    parse_env_assignments,
+    pd_ports,
+    prepare_pyext,
+)
 from chaos import phase_chaos
+from client import Colocated, PDPair, make_prompt
 from common import Deadline, Log, Run, atomic_write
 from environment import base_env, mooncake_env
 from hostpool import run_hostpool
 from logs import file_size, log_tail, read_from, summarize_log
 from lowload import phase_lowload
 from options import ARM_PHASES, parse_args
+from pd import pd_evidence, phase_longprompt, phase_saturation
 from phases import phase_capacity, phase_correctness, phase_preflight, phase_throughput
 from report import Outputs, load_state, render_markdown
-from pd import pd_evidence, phase_longprompt, phase_saturation
 from servers import Server, ServerDied, ServerGroup, kill_stale_servers
 from storm import phase_storm
 

@@ -244,7 +244,7 @@ def run(ns) -> int:
     """``check-baseline``: load every library of the manifest (``--smoke``: and run it on the GPU)."""
     m = manifest(ns.lib_dir)
     print(f"sglang {m.get('sglang_version')} tvm-ffi {m.get('apache_tvm_ffi_version')}")
-    for key, e in sorted(m.get("entries", {}).items()):
+    for key in sorted(m.get("entries", {})):
         item, k, hot, blk = (int(x) for x in key.split(","))
         fn = load(item, k, hot, blk, ns.lib_dir)
         print(f"loaded {key}: {fn.path.name} -> {fn.raw}")

@@ -196,8 +196,8 @@ def run(args) -> int:
 
     import sglang  # noqa: F401
     import tvm_ffi
-    from sglang.kernels.jit.utils import compile as sgl_compile
     from sglang.kernels.jit.utils import arch as sgl_arch
+    from sglang.kernels.jit.utils import compile as sgl_compile
     from sglang.kernels.jit.utils import make_cpp_args, override_jit_cuda_arch
     from sglang.kernels.ops.kvcache import hisparse as sgl_hisparse
 

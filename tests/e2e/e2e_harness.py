@@ -18,7 +18,6 @@ sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 
 from judge import judge_correctness, run_failures  # noqa: E402
 
-
 KV_CHECK_EVERY = 4  # decode batches between two in-server KV checks (kv_check_fixture.py)
 
 

@@ -12,7 +12,6 @@ import os
 import pathlib
 
 import pytest
-
 from e2e_harness import assert_decodes_like_baseline, run_harness
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]

@@ -207,7 +207,6 @@ class DecodeQueues:
 
     def _prefill_writes(self, req) -> None:
         import torch
-
         from test_coordinator_sglang import token_values
 
         fill_len = req.kv.kv_allocated_len

@@ -466,7 +466,7 @@ def _steps_with_sglangs_reserve(conn) -> None:
 
         run = SpecRun(host_lag=True, resident_first=False)
         reqs = [run.admit("long", 700), run.admit("short", 100)]
-        for step in range(6):
+        for _ in range(6):
             run.step(reqs, random_accepts(run, len(reqs)), reserve=sglang_reserve)
         for req, how in zip(reqs, ("finish", "retract")):
             run.end(req, how)

@@ -39,9 +39,24 @@ hisparse_sglang/integration/sglang/metrics.py and written with each `HiSparse:` 
 MOCK_METRICS_SKEW=key[,key] (report keys, e.g. resident, bytes_moved) makes /metrics disagree with the
 line: the mutation the harness's /metrics check must catch.
 """
-import argparse, ctypes, functools, hashlib, importlib.metadata as md, json, mmap, os, random, signal, subprocess, sys
-import threading, time, urllib.error, urllib.request
+import argparse
+import ctypes
+import functools
+import hashlib
+import importlib.metadata as md
+import json
+import mmap
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 ThreadingHTTPServer.request_queue_size = 256  # dozens of requests arrive at once (socketserver's default is 5)
 
 ap = argparse.ArgumentParser()
@@ -72,8 +87,9 @@ for ep in md.entry_points(group="sglang.srt.plugins"):
     except Exception as e:
         log(f"Failed to execute general plugin: {ep.name} ({e})")
 # like the dummy loader: initialise a toy model through the (possibly hooked) init
-from sglang.srt.plugins.hook_registry import HookRegistry
-import sglang.srt.model_loader.weight_utils as wu
+import sglang.srt.model_loader.weight_utils as wu  # noqa: E402 (after the plugins load)
+from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
+
 init = wu.initialize_dummy_weights
 for target, hook, _ in HookRegistry.hooks:
     if target.endswith("initialize_dummy_weights"):
@@ -270,7 +286,8 @@ def accounting_values(r):
 def out_ids(ids, n):
     rng = random.Random(sum(ids[-64:]) * 7 + len(ids) + sum(ids) % 1000)
     o = [rng.randrange(2, 32768) for _ in range(n)]
-    if 0 <= FLIP < n: o[FLIP] = (o[FLIP] + 1) % 32768
+    if 0 <= FLIP < n:
+        o[FLIP] = (o[FLIP] + 1) % 32768
     return o
 
 def reporter():

@@ -37,16 +37,16 @@ sys.path[:0] = [str(HERE), str(E2E), str(REPO / "tools" / "gpu-bundle")]
 import arms  # noqa: E402
 import bench_serving_phase  # noqa: E402
 import client  # noqa: E402
-import logs  # noqa: E402
-import options  # noqa: E402
-import report  # noqa: E402
 import judge  # noqa: E402
+import logs  # noqa: E402
 import lowload  # noqa: E402
+import options  # noqa: E402
 import pd  # noqa: E402
-from mock_sglang import leftover_children, make_mock_site  # noqa: E402
+import report  # noqa: E402
 import selftest_bundle  # noqa: E402
 import stats  # noqa: E402
 import storm  # noqa: E402
+from mock_sglang import leftover_children, make_mock_site  # noqa: E402
 
 FAILS: list[str] = []
 PASSES = 0

@@ -24,7 +24,13 @@ from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.coordinator.policy import ModePolicy
 from hisparse_sglang.coordinator.speculative import VerifySteps
 from hisparse_sglang.coordinator.state import (
-    DECODE_STEPS, OFFLOADED, RESIDENT, VERIFY_STEPS, Promotion, RequestRecord, SlotTable,
+    DECODE_STEPS,
+    OFFLOADED,
+    RESIDENT,
+    VERIFY_STEPS,
+    Promotion,
+    RequestRecord,
+    SlotTable,
 )
 from hisparse_sglang.coordinator.telemetry import CoordinatorStats, SwapCounters, Telemetry
 from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
