@@ -7,6 +7,7 @@ import pytest
 
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.errors import HiSparseMemoryError
+from hisparse_sglang.integration.sglang import limits
 from hisparse_sglang.integration.sglang.limits import (
     HostMemory,
     check_device_pool,
@@ -121,3 +122,27 @@ def test_gpu_pool_smaller_than_one_buffer_is_refused_with_the_largest_buffer_tha
     with pytest.raises(HiSparseMemoryError) as info:
         check_device_pool(20, config)  # no buffer >= top_k fits: only the pool can grow
     assert "device_buffer_size to" not in str(info.value)
+
+
+# ------------------------------------------------------------------ request-length limits (get_worker_info)
+@pytest.mark.parametrize(
+    "sglang_limits, context_len, capacity, expected",
+    [
+        # the logical pool is shorter than the context: it sets both limits, SGLang's margin kept
+        ((40_959, 40_955), 65_536, 327_680 - 65_536, (65_535, 65_531, False)),
+        ((40_959, 40_955), 65_536, 32_768, (32_767, 32_763, True)),
+        ((40_959, 40_951), 200_000, 131_072, (131_071, 131_063, True)),
+        # equal limits: the context length is the bound, not the pool
+        ((1_000, 990), 4_097, 4_097, (4_096, 4_086, False)),
+        ((1_000, 990), 4_097, 4_096, (4_095, 4_085, True)),
+    ],
+)
+def test_decode_length_limits(sglang_limits, context_len, capacity, expected):
+    assert limits.decode_length_limits(*sglang_limits, context_len, capacity) == expected
+
+
+@pytest.mark.parametrize(
+    "max_req_len, context_len, bound", [(40_959, 65_536, True), (65_535, 65_536, False), (70_000, 65_536, False)]
+)
+def test_colocated_pool_bound(max_req_len, context_len, bound):
+    assert limits.colocated_pool_bound(max_req_len, context_len) is bound

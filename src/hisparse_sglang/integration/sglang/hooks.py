@@ -228,9 +228,7 @@ def _get_worker_info_after(result, self):
     if coordinator is None:
         return result
     info = list(result)
-    max_req_len, max_req_input_len = info[4], info[5]
-    margin = max_req_len - max_req_input_len
-    context_limit = self.model_config.context_len - 1
+    context_len = self.model_config.context_len
     device_tokens = self.model_runner.max_total_num_tokens
     mode = getattr(self.server_args, "disaggregation_mode", "null")
     log = compat.tp_rank() == 0
@@ -240,40 +238,36 @@ def _get_worker_info_after(result, self):
 
         reserved = get_disagg().num_reserved_decode_tokens
         capacity = limits.decode_request_capacity(coordinator, reserved)
-        pool_limit = capacity - 1  # no decode context parallelism with HiSparse (validation refuses it)
-        max_req_len = min(context_limit, pool_limit)
-        info[4], info[5] = max_req_len, max_req_len - margin
+        info[4], info[5], pool_bound = limits.decode_length_limits(info[4], info[5], context_len, capacity)
         allocator = coordinator.allocator
-        if pool_limit < context_limit:
+        if pool_bound:
             note = limits.decode_note(info[5], capacity, allocator.size, reserved, allocator.host_to_device_ratio)
         if log:
             logger.info(
                 "HiSparse PD decode: requests of up to %d tokens are admitted (prompts shorter than %d), set by %s. "
                 "The GPU KV pool (%d tokens) holds only device buffers and resident requests here; the prefill "
                 "instance's own KV pool still limits prompts there.",
-                max_req_len, info[5],
+                info[4], info[5],
                 f"the logical (host) KV pool: {allocator.size} tokens less --num-reserved-decode-tokens {reserved}"
-                if note else f"the context length ({context_limit + 1})",
+                if note else f"the context length ({context_len})",
                 device_tokens,
             )
     elif mode == "null":
-        if max_req_len < context_limit:
-            note = limits.colocated_note(max_req_input_len, device_tokens)
+        if limits.colocated_pool_bound(info[4], context_len):
+            note = limits.colocated_note(info[5], device_tokens)
         if log and note:
             logger.info(
                 "HiSparse co-located: prompts shorter than %d tokens are admitted, set by the GPU KV pool (%d tokens; "
                 "the prefill writes the whole prompt there). Longer prompts need PD disaggregation with "
                 "hisparse-sglang on the decode instance (docs/pd.md).",
-                max_req_input_len, device_tokens,
+                info[5], device_tokens,
             )
         elif log:
             logger.info(
                 "HiSparse co-located: prompts shorter than %d tokens are admitted, set by the context length (%d).",
-                max_req_input_len, context_limit + 1,
+                info[5], context_len,
             )
-    from hisparse_sglang.integration.sglang.runtime import RequestLengthLimit
-
-    coordinator.runtime.request_limit = RequestLengthLimit(info[5], note) if note else None
+    coordinator.runtime.set_request_limit(info[5], note)
     return tuple(info)
 
 

@@ -70,6 +70,33 @@ def decode_request_capacity(coordinator, num_reserved_decode_tokens: int) -> int
     return capacity
 
 
+def decode_length_limits(max_req_len: int, max_req_input_len: int, context_len: int, capacity: int) -> tuple[int, int, bool]:
+    """A PD decode instance's request-length limits, from SGLang's (set by the device pool).
+
+    Args:
+        max_req_len, max_req_input_len: SGLang's limits (items 4 and 5 of ``get_worker_info``); the margin
+            between them (room for new tokens) is kept.
+        context_len: the model's context length.
+        capacity: the logical (host) pool's tokens less the reserved decode tokens
+            (:func:`decode_request_capacity`).
+
+    Returns:
+        ``(max_req_len, max_req_input_len, pool_bound)``: a request takes at most ``capacity - 1`` tokens
+        (no decode context parallelism with HiSparse) or ``context_len - 1``, whichever is smaller;
+        ``pool_bound`` says that the pool, not the context length, sets it.
+    """
+    margin = max_req_len - max_req_input_len
+    context_limit = context_len - 1
+    pool_limit = capacity - 1
+    limit = min(context_limit, pool_limit)
+    return limit, limit - margin, pool_limit < context_limit
+
+
+def colocated_pool_bound(max_req_len: int, context_len: int) -> bool:
+    """Whether a co-located server's request limit (SGLang's, set by the GPU KV pool) is below the context's."""
+    return max_req_len < context_len - 1
+
+
 def colocated_note(max_req_input_len: int, device_tokens: int) -> str:
     """Why a co-located HiSparse server rejects a prompt longer than its GPU KV pool."""
     return (

@@ -125,6 +125,11 @@ class HiSparseRuntime:
         prefill instance writes); None when the logical pool had no room."""
         self.coordinator.mem_pool_host.preallocated[slot] = locations
 
+    def set_request_limit(self, max_req_input_len: int, note: str | None) -> None:
+        """Records the prompt limit SGLang computed for this process (``get_worker_info``) and, when a KV
+        pool sets it, the note that explains it (``note``; None when the context length sets it)."""
+        self.request_limit = RequestLengthLimit(max_req_input_len, note) if note else None
+
     def explain_rejection(self, message: str | None, max_req_input_len: int) -> str | None:
         """SGLang's rejection of a prompt longer than ``max_req_input_len`` (``validate_input_length``'s
         message) with this process's note appended, when that limit is the one a KV pool sets; any
