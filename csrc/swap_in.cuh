@@ -33,15 +33,20 @@
 // graph without host involvement.
 //
 // swap_in_positions (swap_in_positions_kernel; reference.py::swap_in_positions): one target-verify
-// forward asks for T query positions per request. The batch row is the request and its entries are the
-// T x K entries of its positions (top_k [B, T, K], each row's T x K entries contiguous; position_width =
-// K); entry i belongs to query position j = i / K, whose causal limit is s + j (s = seq_lens[b], the
+// forward asks for T query positions per request (top_k [B, T, K], each row's T x K entries contiguous).
+// The positions are served in consecutive groups of G (swap_in_plan.positions_per_group), one launch per
+// group in stream order (the binding, hisparse_swap_in_positions): a launch's batch row is the request and
+// its entries are the G x K entries of the group's positions (top_k and out advanced to the group's first
+// position, the row stride still T x K; position_width = K, position_offset = the group's first position
+// g); entry i belongs to query position j = g + i / K, whose causal limit is s + j (s = seq_lens[b], the
 // committed length). The same planner and copiers run on the row with length s: history entries
-// (t < s - 1) of every position are looked up, deduplicated and copied together, in position-major
-// order, exactly as swap_in serves one row of them; the newest accepted token (t == s - 1) maps to slot
-// D and a verify token t in [s, s + j] to slot D + kVerifySlotBase + (t - s), both in the hit path; a
-// resident request translates every entry up to its position's limit. The shared-memory plan is sized
-// by the T x K entries (ops/swap_in_plan.py::swap_in_positions_plan). Both kernels share one body,
+// (t < s - 1) of the group's positions are looked up, deduplicated and copied together, in position-major
+// order, exactly as swap_in serves one row of them; the newest accepted token (t == s - 1) maps to slot D
+// and a verify token t in [s, s + j] to slot D + kVerifySlotBase + (t - s), both in the hit path; a
+// resident request translates every entry up to its position's limit. A later group finds what an earlier
+// one copied as hits and never evicts a row an earlier one returned (those carry stamp s, the newest, and
+// D >= T x K leaves enough older slots; reference.py states the argument). The shared-memory plan is sized
+// by the G x K entries (ops/swap_in_plan.py::swap_in_positions_plan). Both kernels share one body,
 // specialised at compile time (POSITIONS), so swap_in's code is the one-position kernel's as before.
 #pragma once
 
@@ -119,9 +124,11 @@ struct SwapInParams {
   int buffer_size;                   // D <= kMaxBufferSize
   int splits;                        // CTAs per batch row, in [1, kMaxSplits]
   SwapInSmemPlan plan;
-  // swap_in_positions only (num_top_k is then T x K): entries per query position, K. Last, so the
-  // fields swap_in reads keep their offsets.
+  // swap_in_positions only (num_top_k is then G x K, the entries of a group of G positions): entries per
+  // query position, K, and the group's first position (its entry i belongs to position
+  // position_offset + i / K). Last, so the fields swap_in reads keep their offsets.
   int position_width;
+  int position_offset;
 };
 
 // Phase timestamps for diagnostics (`benchmarks/bench_swap_in.py trace` builds with -DHISPARSE_TRACE):
@@ -484,11 +491,12 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
       for (int u = 0; u < kBatch; ++u) slot[u] = (t[u] >= 0 && t[u] < newest) ? token_slot[t[u]] : -1;
       int32_t row[kBatch];
       if constexpr (POSITIONS) {
-        // A verify token t in [s, s + j] of query position j = i / position_width: its verify slot's row,
-        // loaded with the hits' rows (now = s, newest = s - 1).
+        // A verify token t in [s, s + j] of query position j = position_offset + i / position_width: its
+        // verify slot's row, loaded with the hits' rows (now = s, newest = s - 1).
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-          const bool verify = t[u] > newest && t[u] - now <= (base + u * THREADS) / p.position_width;
+          const bool verify =
+              t[u] > newest && t[u] - now <= p.position_offset + (base + u * THREADS) / p.position_width;
           row[u] = slot[u] >= 0 ? slot_rows[slot[u]] : (verify ? slot_rows[D + kVerifySlotBase + (t[u] - now)] : -1);
         }
       } else {
@@ -814,10 +822,11 @@ __device__ __forceinline__ void swap_in_cta(const SwapInParams& p) {
         int32_t loc[kBatch];
         load_top_k_batch<THREADS>(t, top_k, first_batch, base == tid, 0, base, K);
         if constexpr (POSITIONS) {
-          // Entry i of query position j = i / position_width is valid up to its causal limit s + j.
+          // Entry i of query position j = position_offset + i / position_width is valid up to its causal
+          // limit s + j.
 #pragma unroll
           for (int u = 0; u < kBatch; ++u) {
-            const int64_t limit = seq_len + (base + u * THREADS) / p.position_width;
+            const int64_t limit = seq_len + p.position_offset + (base + u * THREADS) / p.position_width;
             loc[u] = (t[u] >= 0 && t[u] <= limit) ? positions_to_loc[t[u]] : -1;
           }
         } else {
@@ -853,7 +862,8 @@ __global__ void __launch_bounds__(THREADS) swap_in_kernel(const SwapInParams p) 
   swap_in_cta<THREADS, false>(p);
 }
 
-// num_top_k = T x K entries per batch row (a request), position_width = K.
+// num_top_k = G x K entries per batch row (a request's group of G positions from position_offset on),
+// position_width = K; the binding launches it once per group.
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) swap_in_positions_kernel(const SwapInParams p) {
   swap_in_cta<THREADS, true>(p);

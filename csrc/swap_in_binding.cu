@@ -1,11 +1,13 @@
-// tvm-ffi entry points of the HiSparse kernels: argument checks, then one kernel launch on the
-// stream the caller passes (torch's current stream, also under CUDA-graph capture).
+// tvm-ffi entry points of the HiSparse kernels: argument checks, then one kernel launch (swap_in_positions:
+// one per group of verify positions) on the stream the caller passes (torch's current stream, also under
+// CUDA-graph capture).
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/function.h>
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -352,12 +354,15 @@ void hisparse_swap_in(
 }
 
 // Device rows of one layer's top-k tokens of every verify position (top_k [batch, T, K]); see
-// ops/reference.py::swap_in_positions for the semantics. seq_lens is s, the committed length.
+// ops/reference.py::swap_in_positions for the semantics. seq_lens is s, the committed length. The positions
+// are served in consecutive groups of positions_per_group (G), one launch per group on the stream, each with
+// `plan` (computed for G x K entries): ceil(T / G) launches, fixed for the shape (CUDA-graph capturable).
 void hisparse_swap_in_positions(
     TensorView top_k, TensorView seq_lens, TensorView req_pool_indices, TensorView num_real_reqs,
     TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
     TensorView slot_tokens, TensorView slot_stamps, TensorView token_slot, TensorView host_kv, TensorView device_kv, TensorView out,
-    TensorView counters, TensorView sync, TensorView plan, int64_t splits, int64_t threads, int64_t stream) {
+    TensorView counters, TensorView sync, TensorView plan, int64_t positions_per_group, int64_t splits, int64_t threads,
+    int64_t stream) {
   constexpr const char* op = "swap_in_positions";
   // A batch row's T x K entries are read as one row: each position's K entries contiguous, positions adjacent.
   require_tensor(top_k.ndim() == 3 && is_int(top_k, 32) && on_cuda(top_k) && top_k.stride(2) == 1 &&
@@ -374,15 +379,35 @@ void hisparse_swap_in_positions(
   require(slot_rows.ndim() == 2 && (slot_rows.size(0) == 0 || T <= verify_slots), op,
           std::to_string(T) + " verify positions per request, but a buffer's reserved page holds " +
               std::to_string(verify_slots) + " (page size - 1)");
+  // The LRU slots hold the union of every group's rows: what keeps a later group from evicting them.
+  require(slot_tokens.ndim() != 2 || T * K <= D, op,  // a malformed slot_tokens is named by swap_in_params
+          "num_draft_tokens x top_k (" + std::to_string(T) + " x " + std::to_string(K) + " = " +
+              std::to_string(T * K) + ") must be <= device_buffer_size (" + std::to_string(D) + ")");
+  const int64_t G = positions_per_group;
+  require(G >= 1 && G <= T, op,
+          "positions_per_group must be in [1, " + std::to_string(T) + "] (the verify positions); got " +
+              std::to_string(G));
   const SwapInRowText text{
-      "num_draft_tokens x top_k (" + std::to_string(T) + " x " + std::to_string(K) + " = " + std::to_string(T * K) + ")",
-      "swap_in_plan.swap_in_positions_plan(num_positions, top_k, device_buffer_size, threads)"};
-  const hisparse::SwapInParams p = swap_in_params(
-      op, text, batch, T * K, K, top_k, top_k.stride(0), seq_lens, req_pool_indices, num_real_reqs, req_to_token,
+      "positions_per_group x top_k (" + std::to_string(G) + " x " + std::to_string(K) + " = " + std::to_string(G * K) +
+          ")",
+      "swap_in_plan.swap_in_positions_plan(positions_per_group, top_k, device_buffer_size, threads)"};
+  hisparse::SwapInParams p = swap_in_params(
+      op, text, batch, G * K, K, top_k, top_k.stride(0), seq_lens, req_pool_indices, num_real_reqs, req_to_token,
       device_row_of_loc, buffer_of_req, slot_rows, slot_tokens, slot_stamps, token_slot, host_kv, device_kv, out,
       out.stride(0), counters, sync, plan, splits, threads);
   if (batch == 0) return;
-  launch_swap_in_threads<true>(p, threads, stream, op);
+  // Group after group in stream order: each launch finds the tables (and the workspace, reset by its
+  // predecessor's last CTA) as the previous one left them.
+  const int32_t* top_k_base = p.top_k_positions;
+  int32_t* out_base = p.out;
+  for (int64_t first = 0; first < T; first += G) {
+    const int64_t count = std::min(G, T - first);
+    p.top_k_positions = top_k_base + first * K;
+    p.out = out_base + first * K;
+    p.num_top_k = static_cast<int>(count * K);
+    p.position_offset = static_cast<int>(first);
+    launch_swap_in_threads<true>(p, threads, stream, op);
+  }
 }
 
 namespace {

@@ -246,13 +246,35 @@ def test_positions_add_the_verify_table_and_the_ratio_to_each_line(bench):
     table = bench.report.markdown([record, synthetic_record()], "GPU", 55.0, {1152: 51.3}, 2, "2026-11-26")
     after = table.split("Verify positions (`--positions`", 1)[1].splitlines()
     assert "repeats a share 0.9 of its entries" in after[0]
-    assert after[2:] == [
-        "| row B | batch | miss % | T | one position µs | T positions µs | T / one | misses (one) | misses (T) "
-        "| splits |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        "| 1152 | 8 | 20 | 2 | 80.0 | 120.0 | 1.50 | 3279 | 3500 | 9 |",
+    assert after[2:5] == [
+        "| row B | batch | miss % | T | D | G | one position µs | T positions µs | T / one | misses (one) "
+        "| copies (T) | splits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| 1152 | 8 | 20 | 2 | 4096 | 2 | 80.0 | 120.0 | 1.50 | 3279 | 3500 | 9 |",
     ]
+    assert after[6].startswith("D = device_buffer_size of the T-position cells")
     assert bench.report.positions_markdown([synthetic_record()]) == ""
+
+
+def test_four_positions_at_top_k_2048_are_a_cell_served_one_position_per_launch(bench, monkeypatch):
+    """--positions 4 at top_k 2048 is kept (a buffer of 4 x 2048 slots, one position per launch); the line and
+    the table say so. Only 7 (beyond even one position per launch) and 64 (beyond the page) are skipped."""
+    from swap_in import cells, table
+
+    assert cells.positions_shape(2) == (cells.BUFFER, cells.SEQ_LEN)
+    assert cells.positions_shape(3) == (6144, cells.SEQ_LEN + 2048)
+    assert cells.positions_shape(4) == (8192, cells.SEQ_LEN + 4096)
+    monkeypatch.setattr(table, "shared_memory_per_block", lambda device=None: 232_448)
+    monkeypatch.setattr(table.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(table.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert table.supported_positions([2, 3, 4, 6, 7, 64]) == [2, 3, 4, 6]
+    positions = {"4": {"us": 300.0, "rounds_us": [300.0], "missed_rows": 3900, "union_misses": 3600, "splits": 9,
+                       "overlap": 0.9, "buffer": 8192, "group": 1}}
+    record = synthetic_record(ours_us=80.0, positions=positions)
+    line = bench.report.format_row(record)
+    assert "| T=4 300.0 us = 3.75 x one position (splits 9, 3900 misses, groups of 1)" in line
+    rows = bench.report.positions_markdown([record]).splitlines()
+    assert "| 1152 | 8 | 20 | 4 | 8192 | 1 | 80.0 | 300.0 | 3.75 | 3279 | 3900 | 9 |" in rows
 
 
 def test_results_keep_their_file_names(bench, tmp_path):

@@ -47,7 +47,7 @@ class Case:
             self.stamps, self.token_slot, self.host, self.device,
         )
 
-    def run(self, top_k, reqs=(0,), committed=None, num_real=None):
+    def run(self, top_k, reqs=(0,), committed=None, num_real=None, group=None):
         top_k = torch.tensor(top_k, dtype=torch.int32)
         if top_k.dim() == 2:
             top_k = top_k.unsqueeze(0)
@@ -56,7 +56,7 @@ class Case:
         out = torch.full(top_k.shape, 12345, dtype=torch.int32)  # sentinel
         result = reference.swap_in_positions(
             top_k, seq_lens, torch.tensor(reqs, dtype=torch.int64), num_real, self.tables(), out=out,
-            counters=self.counters,
+            counters=self.counters, group=group,
         )
         assert result is out
         self.check_map()
@@ -202,6 +202,168 @@ def test_more_positions_than_the_reserved_page_holds_are_refused():
     case = Case()
     with pytest.raises(ValueError, match="num-draft-tokens"):
         case.run([[1]] * P)
+
+
+# ------------------------------------------------------------------------ swap_in_positions in groups
+def test_groups_of_one_a_token_an_earlier_group_copied_is_a_hit():
+    case = Case()
+    out = case.run([[20, 11], [20, 21]], group=1)
+    # Position 0: 11 hits slot 1, 20 misses and takes slot 0 (slots 0, 2, 3 equally old, lowest first).
+    # Position 1: 20 is now a hit (copied once); 21 misses: slots 0 and 1 carry stamp 40 (age 0), so it takes
+    # slot 2 (age 10), never a row position 0 returned.
+    assert out.tolist() == [[[50, 51], [50, 52]]]
+    assert case.slot_tokens.tolist() == [[20, 11, 21, 13]]
+    assert case.stamps.tolist() == [[40, 40, 40, 30]]
+    assert case.counters.tolist() == [4, 2]
+    assert case.written_rows() == [50, 52]
+    assert torch.equal(case.device[50], case.host[1020]) and torch.equal(case.device[52], case.host[1021])
+
+
+def test_groups_of_one_never_evict_an_earlier_groups_row_but_recopy_what_it_evicted():
+    # Ages 1, 30, 30, 30 (test_no_position_evicts_a_token_another_position_reads in one group).
+    case = Case(stamps=(39, 10, 10, 10))
+    out = case.run([[20, -1, -1], [11, 12, 21]], group=1)
+    # Position 0 alone: 20 evicts 11 (slot 1: oldest, lowest) and returns row 51. Position 1: 12 hits slot 2;
+    # 11 (evicted by position 0, which did not name it) and 21 miss; the slots position 1 did not hit are 0
+    # (age 1), 1 (age 0: position 0's row) and 3 (age 30): 11 -> slot 3, 21 -> slot 0; row 51 keeps token 20.
+    assert out.tolist() == [[[51, -1, -1], [53, 52, 50]]]
+    assert case.slot_tokens.tolist() == [[21, 20, 12, 11]]
+    assert case.counters.tolist() == [4, 3]
+    for row, token in ((51, 20), (53, 11), (52, 12), (50, 21)):
+        assert case.slot_tokens[0, row - 50] == token
+        if row != 52:  # 12 was a hit: its row is still poisoned in this hand case
+            assert torch.equal(case.device[row], case.host[1000 + token]), row
+    # One group of both positions: 11 and 12 are hits of the request; one copy fewer.
+    together = Case(stamps=(39, 10, 10, 10))
+    assert together.run([[20, -1, -1], [11, 12, 21]], group=2).tolist() == [[[53, -1, -1], [51, 52, 50]]]
+    assert together.counters.tolist() == [4, 2]
+
+
+def test_a_later_group_that_would_evict_an_earlier_groups_row_is_refused():
+    # Slots 1..3 carry stamp s = 40 before the call (against the precondition): position 0 hits token 10
+    # (slot 0, stamp 40 now); every slot is then of age 0, and position 1's miss takes the lowest, slot 0.
+    case = Case(stamps=(30, 40, 40, 40))
+    with pytest.raises(ValueError, match="positions 1..1 evicted a row that an earlier group of positions returned"):
+        case.run([[10], [21]], group=1)
+    # With the precondition (stamps below s) the same call is served.
+    fine = Case(stamps=(30, 39, 39, 39))
+    assert fine.run([[10], [21]], group=1).tolist() == [[[50], [51]]]
+
+
+def test_a_group_outside_the_positions_is_refused():
+    for group in (0, 3):
+        with pytest.raises(ValueError, match=f"group {group} outside \\[1, 2\\]"):
+            Case().run([[10], [11]], group=group)
+
+
+def _union_of_every_position(case, counters):
+    """swap_in_positions before groups existed: every position's history as one swap_in row."""
+    out = torch.full(tuple(case.top_k.shape), -1, dtype=torch.int32)
+    positions = case.top_k.shape[1]
+    offsets = torch.arange(positions).reshape(-1, 1)
+    for b in range(min(int(case.num_real_reqs[0]), case.top_k.shape[0])):
+        req, committed = int(case.req_pool_indices[b]), int(case.seq_lens[b])
+        tokens = case.top_k[b].to(torch.int64)
+        valid = (tokens >= 0) & (tokens <= committed + offsets)
+        buf = int(case.buffer_of_req[req])
+        if buf < 0:
+            out[b][valid] = case.device_row_of_loc[case.req_to_token[req, tokens[valid]].to(torch.int64)]
+            continue
+        history = valid & (tokens < committed - 1)
+        row = torch.where(history, tokens, torch.full_like(tokens, -1)).reshape(1, -1).to(torch.int32)
+        rows = reference.swap_in(row, case.seq_lens[b : b + 1], case.req_pool_indices[b : b + 1],
+                                 torch.ones(1, dtype=torch.int32), case.tables, counters=counters)
+        out[b][history] = rows.reshape(positions, -1)[history]
+        out[b][valid & (tokens == committed - 1)] = case.slot_rows[buf, case.slot_tokens.shape[1]]
+        verify = valid & (tokens >= committed)
+        out[b][verify] = case.slot_rows[buf, case.slot_tokens.shape[1] + 1 + (tokens[verify] - committed)]
+    return out
+
+
+def _positions_case(positions, top_k=64, seed=0, **options):
+    from hisparse_sglang.testing.cases import make_positions_case
+
+    options = dict(dict(page_size=8, miss_rate=0.4, overlap=0.5, resident_fraction=0.25, duplicate_fraction=0.03,
+                        padding_fraction=0.02, out_of_range_fraction=0.01, num_real=4), **options)
+    return make_positions_case(5, positions, top_k, positions * top_k, 16, seed=seed, **options)
+
+
+@pytest.mark.parametrize("positions", [1, 2, 3, 4])
+def test_one_group_of_every_position_is_the_union_as_before(positions):
+    case = _positions_case(positions, seed=positions)
+    before, counters_before = case.clone(), torch.zeros(2, dtype=torch.int64)
+    expected = _union_of_every_position(before, counters_before)
+    for group in (positions, None):  # None: positions_per_group, T here (64 entries per position fit easily)
+        grouped, counters = case.clone(), torch.zeros(2, dtype=torch.int64)
+        out = reference.swap_in_positions(*grouped.args(), counters=counters, group=group)
+        assert torch.equal(out, expected)
+        for name in ("slot_tokens", "slot_stamps", "token_slot", "device_kv"):
+            assert torch.equal(getattr(grouped, name), getattr(before, name)), name
+        assert torch.equal(counters, counters_before)
+        assert int(counters[1]) == case.expected_misses
+
+
+@pytest.mark.parametrize("positions,group", [(3, 1), (3, 2), (4, 1), (4, 2), (4, 3)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_groups_serve_the_right_kv_copy_each_group_once_and_keep_earlier_rows(positions, group, seed):
+    from hisparse_sglang.testing.cases import union_misses
+
+    case = _positions_case(positions, seed=100 * positions + 10 * group + seed)
+    state, counters = case.clone(), torch.zeros(2, dtype=torch.int64)
+    buffer_size = case.slot_tokens.shape[1]
+    out = reference.swap_in_positions(*state.args(), counters=counters, group=group)
+    changed = (state.device_kv != case.device_kv).any(dim=1)
+    history_entries = 0
+    for b in range(int(case.num_real_reqs[0])):
+        req, committed = int(case.req_pool_indices[b]), int(case.seq_lens[b])
+        buf = int(case.buffer_of_req[req])
+        tokens = case.top_k[b].to(torch.int64)
+        valid = (tokens >= 0) & (tokens <= committed + torch.arange(positions).reshape(-1, 1))
+        history = valid & (tokens < committed - 1)
+        if buf < 0:
+            continue
+        history_entries += int(history.sum())
+        # Every history row returned, by any group, holds its token after the last group: its slot still names
+        # the token, and its KV is the token's host row.
+        rows = out[b][history].to(torch.int64)
+        slot_of_row = {int(row): slot for slot, row in enumerate(case.slot_rows[buf, :buffer_size].tolist())}
+        slots = torch.tensor([slot_of_row[int(row)] for row in rows])
+        assert torch.equal(state.slot_tokens[buf, slots].to(torch.int64), tokens[history])
+        host_rows = case.req_to_token[req, tokens[history]].to(torch.int64)
+        assert torch.equal(state.device_kv[rows], case.host_kv[host_rows])
+        # A token names one row in every position, whichever group served it.
+        for token in torch.unique(tokens[history]).tolist():
+            assert torch.unique(out[b][history & (tokens == token)]).numel() == 1, token
+        verify = valid & (tokens >= committed)
+        assert torch.equal(out[b][verify], case.slot_rows[buf, buffer_size + 1 + (tokens[verify] - committed)])
+        assert bool((out[b][valid & (tokens == committed - 1)] == case.slot_rows[buf, buffer_size]).all())
+    assert bool((out[int(case.num_real_reqs[0]):] == -1).all())
+    # Lookups: every position's history entries, as in one group. Misses: one copy per device row written (no
+    # row is written twice: a later group never takes an earlier group's row), at least the union's misses.
+    assert int(counters[0]) == history_entries
+    assert int(counters[1]) == int(changed.sum()) >= union_misses(case)
+    # The same call in one group copies exactly the union's misses: a group can only add copies.
+    single = torch.zeros(2, dtype=torch.int64)
+    reference.swap_in_positions(*case.clone().args(), counters=single, group=positions)
+    assert int(single[1]) == union_misses(case) <= int(counters[1]) and int(single[0]) == history_entries
+
+
+def test_top_k_2048_with_three_and_four_positions_goes_one_position_per_group_by_default():
+    from hisparse_sglang.ops.swap_in_plan import positions_per_group
+    from hisparse_sglang.testing.cases import make_positions_case
+
+    for positions in (3, 4):
+        assert positions_per_group(positions, 2048, positions * 2048) == 1
+        case = make_positions_case(2, positions, 2048, positions * 2048, 16, miss_rate=0.3, overlap=0.6,
+                                   resident_fraction=0.0, seed=positions)
+        by_default, one_each = case.clone(), case.clone()
+        counters = [torch.zeros(2, dtype=torch.int64) for _ in range(2)]
+        out = reference.swap_in_positions(*by_default.args(), counters=counters[0])
+        assert torch.equal(out, reference.swap_in_positions(*one_each.args(), counters=counters[1], group=1))
+        for name in ("slot_tokens", "slot_stamps", "token_slot", "device_kv"):
+            assert torch.equal(getattr(by_default, name), getattr(one_each, name)), name
+        assert torch.equal(counters[0], counters[1])
+    assert positions_per_group(2, 2048, 4096) == 2  # T = 2 keeps one group
 
 
 # ------------------------------------------------------------------------------------ bind / commit

@@ -1,7 +1,7 @@
 """What the CUDA verify ops (ops/swap_in.py, CudaOps.swap_in_positions / commit_accepted) check before any
-launch, on the CPU: the same refusals, with the same messages, as their reference twins; the CUDA-only
-refusals (the shared-memory plan of T x top_k entries) are in tests/test_swap_in_plan.py, the launches in
-tests/gpu/test_swap_in_positions.py."""
+launch, on the CPU: the same refusals, with the same messages, as their reference twins, and the same
+default group of positions; the CUDA-only refusals (the shared-memory plan of a group's G x top_k entries)
+are in tests/test_swap_in_plan.py, the launches in tests/gpu/test_swap_in_positions.py."""
 
 import dataclasses
 
@@ -72,3 +72,34 @@ def test_the_same_layer_mismatch_message_as_the_reference():
     with pytest.raises(ValueError) as cuda:
         commit_row_bytes(2, slot_rows, 64, layers(2, 4, 16), layers(1, 4, 16))
     assert str(cuda.value) == str(twin.value)
+
+
+def test_both_twins_choose_the_same_group_of_positions_by_default(monkeypatch):
+    """The CUDA op's default group is swap_in_plan.positions_per_group with its GPU's shared memory per block;
+    on an H100 or H200 (232,448 B, sm_90's) that is the reference twin's default, so the coordinator passes
+    no group and both give the same result."""
+    from hisparse_sglang.ops import swap_in as cuda_module
+    from hisparse_sglang.ops.swap_in_plan import SM90_SHARED_MEMORY_PER_BLOCK, positions_per_group
+
+    monkeypatch.setattr(cuda_module, "shared_memory_per_block", lambda index=None: SM90_SHARED_MEMORY_PER_BLOCK)
+    ops = cuda_module.CudaOps.__new__(cuda_module.CudaOps)  # no GPU here: only the group choice is exercised
+    ops.device = torch.device("cuda", 0)
+    shapes = [(1, 2048, 4096), (2, 2048, 4096), (2, 2048, 8192), (3, 2048, 6144), (4, 2048, 8192), (4, 1024, 4096),
+              (8, 1024, 8192), (4, 16, 64)]
+    for positions, top_k, buffer_size in shapes:
+        assert ops.positions_group(positions, top_k, buffer_size) == positions_per_group(positions, top_k, buffer_size)
+    assert [ops.positions_group(*shape) for shape in shapes] == [1, 2, 1, 1, 1, 4, 2, 4]
+
+
+@pytest.mark.parametrize("positions", [2, 3])
+def test_the_reference_default_group_is_positions_per_group(positions):
+    """reference.swap_in_positions without a group == with positions_per_group's (here T: 16 entries fit)."""
+    from hisparse_sglang.ops.swap_in_plan import positions_per_group
+
+    built = case(positions, buffer_size=64)
+    group = positions_per_group(positions, 16, 64)
+    assert group == positions
+    default, explicit = built.clone(), built.clone()
+    out = reference.swap_in_positions(*default.args())
+    assert torch.equal(out, reference.swap_in_positions(*explicit.args(), group=group))
+    assert torch.equal(default.slot_tokens, explicit.slot_tokens) and torch.equal(default.device_kv, explicit.device_kv)

@@ -4,7 +4,9 @@ in SGLang's, with the calls that run, reset and check both kernels on it.
 The shape is the one every swap-in benchmark uses (top_k 2048, device buffer 4096, seq_len 8192,
 page 64); the inputs come from ``hisparse_sglang.testing.cases.make_case``, so a cell holds exactly
 what the GPU tests check bit for bit. :class:`PositionsCell` is the same cell verifying ``T`` positions
-per request (``swap_in_positions``; ``make_positions_case``): its position 0 is the cell's top-k row.
+per request (``swap_in_positions``; ``make_positions_case``): its position 0 is the cell's top-k row while
+``T x top_k`` fits the benchmark's buffer (``T <= 2``); beyond, the buffer is ``T x top_k`` slots and the
+length grows by as much (:func:`positions_shape`), so position 0 is drawn anew.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from swap_in import baseline
 
 __all__ = [
     "TOP_K", "BUFFER", "PAGE", "SEQ_LEN", "SGLANG_BLOCK_SIZE", "Cell", "PositionsCell", "cell_seed", "load_sglang",
-    "unique_first",
+    "unique_first", "positions_shape",
 ]
 
 TOP_K = 2048
@@ -26,6 +28,15 @@ BUFFER = 4096
 PAGE = 64
 SEQ_LEN = 8192
 SGLANG_BLOCK_SIZE = 960  # the in-tree default swap_in_block_size of SGLang 0.5.17 (build_baseline reads it)
+
+
+def positions_shape(num_positions: int) -> tuple[int, int]:
+    """``(device_buffer_size, committed length s)`` of a ``T``-position cell: the buffer must hold the union of
+    a request's positions (``T x TOP_K``, at least :data:`BUFFER`), and ``s`` exceeds it by as much as the
+    one-position cell's ``SEQ_LEN`` exceeds ``BUFFER``, so as many history tokens lie outside the buffer
+    (misses are drawn from them). ``T <= 2``: the one-position cell's shape."""
+    buffer_size = max(BUFFER, -(-num_positions * TOP_K // PAGE) * PAGE)
+    return buffer_size, SEQ_LEN + buffer_size - BUFFER
 
 
 def cell_seed(batch: int, miss_percent: float) -> int:
@@ -177,33 +188,41 @@ class Cell:
 class PositionsCell:
     """The (batch, miss rate, row size) cell verifying ``num_positions`` positions per request at once
     (one layer of a target-verify forward, ``swap_in_positions``), with the cell's seed: position 0 of
-    each request is :class:`Cell`'s top-k row, position ``j`` keeps a share ``overlap`` of its entries and
-    replaces the rest with history tokens (misses at the cell's miss rate) and names the verify tokens
-    ``s .. s + j`` (``make_positions_case``). The committed length ``s`` is the cell's ``seq_len``.
+    each request is :class:`Cell`'s top-k row (``T <= 2``; beyond, the shape of :func:`positions_shape` and
+    its own draws), position ``j`` keeps a share ``overlap`` of its entries and replaces the rest with history
+    tokens (misses at the cell's miss rate) and names the verify tokens ``s .. s + j``
+    (``make_positions_case``). The op serves the positions in groups of :attr:`group`
+    (``swap_in_plan.positions_per_group``: 2 at ``T = 2``, 1 at ``T = 3, 4`` on sm_90), one launch each.
     """
 
     def __init__(self, num_positions: int, batch: int, miss_rate: float, row_bytes: int, seed: int, host_cache: dict,
                  overlap: float, module=None):
+        self.buffer_size, seq_len = positions_shape(num_positions)
+        host_key = (batch, row_bytes) if seq_len == SEQ_LEN else (batch, row_bytes, seq_len)
         case = make_positions_case(
-            batch, num_positions, TOP_K, BUFFER, row_bytes, page_size=PAGE, miss_rate=miss_rate, overlap=overlap,
-            seq_len=SEQ_LEN, newest_fraction=0.0, newest_count=1, seed=seed, extra_slots=0,
-            host_kv=host_cache.get((batch, row_bytes)),
+            batch, num_positions, TOP_K, self.buffer_size, row_bytes, page_size=PAGE, miss_rate=miss_rate,
+            overlap=overlap, seq_len=seq_len, newest_fraction=0.0, newest_count=1, seed=seed, extra_slots=0,
+            host_kv=host_cache.get(host_key),
         )
+        host_cache.setdefault(host_key, case.host_kv)
         self.num_positions = num_positions
         self.ops = CudaOps(module=module)
-        self.misses = case.expected_misses
+        self.group = self.ops.positions_group(num_positions, TOP_K, self.buffer_size)
+        self.misses = case.expected_misses  # the union's distinct misses: one group copies exactly these
+        self.copies = None  # rows a call copies (counted by verify): the union's misses, more with groups
         self.gpu = case.clone(device="cuda")
-        pinned = host_cache.get(("pinned", batch, row_bytes))
+        pinned = host_cache.get(("pinned",) + host_key)
         if pinned is None:
             pinned = case.host_kv.pin_memory()
-            host_cache[("pinned", batch, row_bytes)] = pinned
+            host_cache[("pinned",) + host_key] = pinned
         self.gpu.host_kv = pinned
         self.saved = [t.clone() for t in (self.gpu.slot_tokens, self.gpu.slot_stamps, self.gpu.token_slot)]
         self.out = torch.empty((batch, num_positions, TOP_K), dtype=torch.int32, device="cuda")
         self.counters = torch.zeros(2, dtype=torch.int64, device="cuda")
 
     def default_splits(self, threads: int = DEFAULT_THREADS) -> int:
-        return self.ops.choose_splits(self.gpu.top_k.shape[0], TOP_K, BUFFER, threads, num_positions=self.num_positions)
+        return self.ops.choose_splits(self.gpu.top_k.shape[0], TOP_K, self.buffer_size, threads,
+                                      num_positions=self.num_positions)
 
     def reset(self) -> None:
         for table, saved in zip((self.gpu.slot_tokens, self.gpu.slot_stamps, self.gpu.token_slot), self.saved):
@@ -215,14 +234,18 @@ class PositionsCell:
 
     def verify(self) -> None:
         """After a call from the saved state: every history entry's row holds its token's host bytes, every
-        verify token's row is its verify slot's, and the call copied exactly the cell's misses."""
+        verify token's row is its verify slot's, and the call copied exactly the cell's misses (in one group;
+        in groups at least those: a later group re-copies what an earlier group's misses evicted)."""
         self.counters.zero_()
         self.reset()
         self.run()
         torch.cuda.synchronize()
-        if int(self.counters[1]) != self.misses:
+        self.copies = int(self.counters[1])
+        one_group = self.group >= self.num_positions
+        if (self.copies != self.misses) if one_group else (self.copies < self.misses):
             raise AssertionError(
-                f"swap_in_positions copied {int(self.counters[1])} rows, the cell has {self.misses} misses"
+                f"swap_in_positions in groups of {self.group} copied {self.copies} rows, the cell has {self.misses} "
+                f"misses"
             )
         top_k = self.gpu.top_k.to(torch.int64)
         committed = self.gpu.seq_lens.to(torch.int64).reshape(-1, 1, 1)
@@ -235,6 +258,6 @@ class PositionsCell:
         limit = committed + torch.arange(self.num_positions, device=top_k.device).reshape(1, -1, 1)
         verify = (top_k >= committed) & (top_k <= limit)
         buffers = self.gpu.buffer_of_req[slots[verify]].to(torch.int64)
-        want = self.gpu.slot_rows[buffers, BUFFER + VERIFY_SLOT_BASE + (top_k - committed)[verify]]
+        want = self.gpu.slot_rows[buffers, self.buffer_size + VERIFY_SLOT_BASE + (top_k - committed)[verify]]
         if not torch.equal(self.out[verify], want):
             raise AssertionError("a verify token did not map to its verify slot")

@@ -36,8 +36,9 @@ def format_row(r: dict) -> str:
     if "against_us" in r:
         extra += f" against {r['against_us']:.1f} us ours/against {r['ours_us'] / r['against_us']:.3f}"
     for count, p in r.get("positions", {}).items():
+        groups = f", groups of {p['group']}" if p.get("group", int(count)) < int(count) else ""
         extra += (f" | T={count} {p['us']:.1f} us = {p['us'] / r['ours_us']:.2f} x one position "
-                  f"(splits {p['splits']}, {p['missed_rows']} misses)")
+                  f"(splits {p['splits']}, {p['missed_rows']} misses{groups})")
     extra += f" clock {r.get('sm_clock_mhz_after', '?')} MHz"
     return (f"row {r['row_bytes']:5d} bs {r['batch']:4d} miss {r['miss_percent']:5.1f}% | ours {r['ours_us']:8.1f} us "
             f"(splits {r['splits']}) | sglang {sglang} us | copy-only {copy} | floor {r['floor_us']:8.1f} us | "
@@ -119,9 +120,10 @@ def against_markdown(results: list) -> str:
 
 def positions_markdown(results: list) -> str:
     """The verify-position table of ``--positions``: per cell and ``T``, the one-position call and
-    ``swap_in_positions`` with ``T`` positions per request on the same requests (best round median each,
-    in the same rounds), their ratio, the union's distinct misses against the one-position call's, and the
-    split. Empty when no record has positions."""
+    ``swap_in_positions`` with ``T`` positions per request (best round median each, in the same rounds; the
+    same requests for ``T <= 2``, a buffer of ``T x top_k`` slots beyond), their ratio, the rows copied
+    against the one-position call's misses, the buffer ``D``, the positions per launch ``G`` and the split.
+    Empty when no record has positions."""
     timed = [r for r in results if r.get("positions")]
     if not timed:
         return ""
@@ -131,17 +133,21 @@ def positions_markdown(results: list) -> str:
         f"cell's top-k, each later one repeats a share {', '.join(f'{o:g}' for o in overlaps)} of its entries and "
         "names the verify tokens; µs, best round median, in the same rounds as the one-position call):",
         "",
-        "| row B | batch | miss % | T | one position µs | T positions µs | T / one | misses (one) | misses (T) "
-        "| splits |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| row B | batch | miss % | T | D | G | one position µs | T positions µs | T / one | misses (one) "
+        "| copies (T) | splits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in timed:
         for count, p in sorted(r["positions"].items(), key=lambda item: int(item[0])):
             lines.append(
-                f"| {r['row_bytes']} | {r['batch']} | {r['miss_percent']:g} | {count} | {r['ours_us']:.1f} | "
-                f"{p['us']:.1f} | {p['us'] / r['ours_us']:.2f} | {r['missed_rows']} | {p['missed_rows']} | "
-                f"{p['splits']} |"
+                f"| {r['row_bytes']} | {r['batch']} | {r['miss_percent']:g} | {count} | {p.get('buffer', BUFFER)} | "
+                f"{p.get('group', count)} | {r['ours_us']:.1f} | {p['us']:.1f} | {p['us'] / r['ours_us']:.2f} | "
+                f"{r['missed_rows']} | {p['missed_rows']} | {p['splits']} |"
             )
+    lines += ["", "D = device_buffer_size of the T-position cells (T x top_k when above the one-position cell's), G = "
+                  "positions per launch (swap_in_plan.positions_per_group; the positions go in ceil(T / G) launches); "
+                  "copies (T) = rows the call copied (the union's misses with G = T; with groups, also tokens a later "
+                  "group missed because an earlier group's misses evicted them)."]
     return "\n".join(lines) + "\n"
 
 

@@ -11,9 +11,10 @@ splits/threads variants of our kernel in every cell. ``--against DIR`` adds a th
 rounds: ours built from the sources in DIR (``git archive <commit> csrc | tar -x -C DIR/..``), for a
 before/after on one GPU in one run (columns "against" and "ours / against"). ``--positions T ...`` adds
 ``swap_in_positions`` with ``T`` verify positions per request to the rounds of every cell (the same
-requests, position 0 the cell's top-k row: ``cells.PositionsCell``) and reports its time over the
-one-position call's; a ``T`` the kernel cannot plan at this shape (``T = 3, 4`` at top_k 2048) is
-reported with the reason and skipped.
+requests, position 0 the cell's top-k row, for ``T <= 2``; ``T = 3, 4`` with a buffer of ``T x 2048`` slots,
+served one position per launch: ``cells.PositionsCell``) and reports its time over the one-position call's;
+a ``T`` the kernel cannot serve at top_k 2048 (``T > 6``, or above the page's verify slots) is reported with
+the reason and skipped.
 
 SGLang's kernel comes from ``.baseline/`` (compiled from the installed sglang package by
 ``build-baseline``, never copied here); without it the table has no SGLang column.
@@ -32,7 +33,7 @@ from hisparse_sglang.ops.swap_in import DEFAULT_THREADS, CudaOps
 from hisparse_sglang.ops.swap_in_plan import check_swap_in_positions_fits, shared_memory_per_block
 from swap_in import report
 from swap_in.against import adapt
-from swap_in.cells import BUFFER, PAGE, SEQ_LEN, TOP_K, Cell, PositionsCell, cell_seed, load_sglang
+from swap_in.cells import BUFFER, PAGE, SEQ_LEN, TOP_K, Cell, PositionsCell, cell_seed, load_sglang, positions_shape
 from swap_in.timing import gather_bandwidth, host_us, median_us, memcpy_bandwidth, sm_clock_mhz, warm_up
 
 SWEEP_THREADS = (512, 1024)
@@ -56,14 +57,15 @@ def sweep_variants(cell: Cell, default_splits: int, reps: int) -> dict[str, floa
 
 
 def supported_positions(requested: list[int]) -> list[int]:
-    """The verify-position counts of ``--positions`` that ``swap_in_positions`` plans at the benchmark's
-    shape on this GPU, in order; prints why each other one is skipped."""
+    """The verify-position counts of ``--positions`` that ``swap_in_positions`` serves at the benchmark's
+    top_k on this GPU (with the buffer of ``cells.positions_shape``), in order; prints why each other one is
+    skipped."""
     kept = []
     for positions in requested:
         try:
             if not 1 <= positions <= PAGE - 1:
                 raise ValueError(f"T must be in [1, page size - 1 = {PAGE - 1}]")
-            check_swap_in_positions_fits(positions, TOP_K, BUFFER, PAGE, DEFAULT_THREADS,
+            check_swap_in_positions_fits(positions, TOP_K, positions_shape(positions)[0], PAGE, DEFAULT_THREADS,
                                          limit=shared_memory_per_block(torch.cuda.current_device()),
                                          device_name=torch.cuda.get_device_name())
         except (HiSparseError, ValueError) as exc:
@@ -169,8 +171,9 @@ def run(args) -> int:
                         str(position_cell.num_positions): {
                             "us": min(position_rounds[position_cell.num_positions]),
                             "rounds_us": position_rounds[position_cell.num_positions],
-                            "missed_rows": position_cell.misses, "splits": position_cell.default_splits(),
-                            "overlap": args.overlap,
+                            "missed_rows": position_cell.copies, "union_misses": position_cell.misses,
+                            "splits": position_cell.default_splits(), "overlap": args.overlap,
+                            "buffer": position_cell.buffer_size, "group": position_cell.group,
                         }
                         for position_cell in position_cells
                     }

@@ -28,9 +28,11 @@ VARIANTS = {
 }
 RUNS = (("production", 1), ("production", 4), ("production", 17), ("late copiers", 4), ("late arrivals", 5),
         ("late arrivals", 17), ("late planner", 5))
-# swap_in_positions: T = 2 verify positions of top_k 2048 (4096 entries per request, the largest plan).
+# swap_in_positions: T = 2 verify positions of top_k 2048 (4096 entries per request in one launch, the largest
+# plan), and T = 4 with device_buffer_size 8192 (one launch per position, each finding the previous one's rows).
 POSITION_RUNS = (("production", 1), ("production", 5), ("late copiers", 4), ("late arrivals", 5),
                  ("late planner", 5))
+POSITION_SHAPES = ((2, 4096), (4, 8192))  # (T, device_buffer_size), top_k 2048
 
 
 def main() -> int:
@@ -108,10 +110,15 @@ def decode_rows_match(case, ops: CudaOps) -> bool:
 
 
 def positions_match(ops: dict) -> bool:
-    """swap_in_positions (T = 2) on 3 requests, one resident, one padded row: every build of RUNS' kinds."""
+    """swap_in_positions (each of POSITION_SHAPES) on 3 requests, one resident, one padded row: every build of
+    RUNS' kinds."""
+    return all(positions_shape_match(ops, positions, buffer_size) for positions, buffer_size in POSITION_SHAPES)
+
+
+def positions_shape_match(ops: dict, positions: int, buffer_size: int) -> bool:
     case = make_positions_case(
-        4, 2, 2048, 4096, 1152, miss_rate=0.3, overlap=0.7, duplicate_fraction=0.02, padding_fraction=0.01,
-        out_of_range_fraction=0.01, resident_fraction=0.34, num_real=3, seed=43,
+        4, positions, 2048, buffer_size, 1152, miss_rate=0.3, overlap=0.7, duplicate_fraction=0.02,
+        padding_fraction=0.01, out_of_range_fraction=0.01, resident_fraction=0.34, num_real=3, seed=43,
     )
     expected = case.clone()
     expected_counters = torch.zeros(2, dtype=torch.int64)
@@ -131,7 +138,7 @@ def positions_match(ops: dict) -> bool:
             ("launch workspace", torch.zeros_like(ops[name]._sync.cpu()), ops[name]._sync),
         ):
             if not torch.equal(want, got.cpu()):
-                print(f"MISMATCH swap_in_positions {name} build, splits={splits}: {what}")
+                print(f"MISMATCH swap_in_positions T={positions} {name} build, splits={splits}: {what}")
                 return False
     return True
 

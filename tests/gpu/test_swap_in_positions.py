@@ -2,10 +2,12 @@
 their reference twins in ops/reference.py, bit for bit (GPU only).
 
 swap_in_positions: outputs, slot tokens, stamps, the token -> slot map, the whole device KV tensor and the
-counters, on bf16 (1152-B) and fp8 (656-B) rows, T = 1 .. the most the plan takes for the top_k (2 for
-top_k 2048, 4 for 1024), resident and offloaded requests in one batch, padded rows, tokens shared by
-several positions, every split and the test-hook builds, CUDA-graph replay with drifting top-k and lengths
-growing by 1..T per replay; and the shapes it refuses before any launch. bind_verify_slots and
+counters, on bf16 (1152-B) and fp8 (656-B) rows, T = 1 .. 4 at top_k 2048 (T = 3, 4 with
+device_buffer_size T x 2048: one launch per position, the reference twin with the same group) and at top_k
+1024 (one launch, or explicit groups of 1 .. 3), resident and offloaded requests in one batch, padded rows,
+tokens shared by several positions, every split and the test-hook builds, CUDA-graph replay with drifting
+top-k and lengths growing by 1..T per replay; and the shapes it refuses before any launch (only where not
+even one position fits a launch). bind_verify_slots and
 commit_accepted: the location -> row table, every host and device layer, padded rows, accept lengths 0..T,
 graph replay.
 """
@@ -62,18 +64,32 @@ def assert_workspace_clear(ops):
 
 
 # ------------------------------------------------------------------------------------ swap_in_positions
-def run_both(case, splits=None, threads=None, module=None):
+def default_group(case):
+    """The group both twins choose when given none (swap_in_plan.positions_per_group, sm_90's limit)."""
+    from hisparse_sglang.ops.swap_in_plan import positions_per_group
+
+    _, positions, top_k = case.top_k.shape
+    return positions_per_group(positions, top_k, case.slot_tokens.shape[1])
+
+
+def run_both(case, splits=None, threads=None, module=None, group=None):
     """The reference on CPU copies, the kernel (of ``module``, default the production build) on GPU
-    copies with a sentinel-filled output; both states, the workspace checked clear."""
+    copies with a sentinel-filled output, both with ``group`` (None: each twin's default, which must be the
+    same); both states, the workspace checked clear."""
     expected = case.clone()
     expected_counters = torch.zeros(2, dtype=torch.int64)
-    expected_out = reference.swap_in_positions(*expected.args(), counters=expected_counters)
+    expected_out = reference.swap_in_positions(*expected.args(), counters=expected_counters, group=group)
 
     actual = case.clone(device="cuda", pin_host=True)
     counters = torch.zeros(2, dtype=torch.int64, device="cuda")
     out = torch.full(tuple(case.top_k.shape), 777, dtype=torch.int32, device="cuda")
     ops = cuda_ops(module)
-    result = ops.swap_in_positions(*actual.args(), out=out, counters=counters, splits=splits, threads=threads)
+    _, positions, top_k = case.top_k.shape
+    assert ops.positions_group(positions, top_k, case.slot_tokens.shape[1]) == default_group(case), (
+        "this GPU's shared memory per block gives another default group than the reference's (sm_90's)"
+    )
+    result = ops.swap_in_positions(*actual.args(), out=out, counters=counters, splits=splits, threads=threads,
+                                   group=group)
     assert result is out
     torch.cuda.synchronize()
     assert_workspace_clear(ops)
@@ -89,8 +105,37 @@ def check(case, **kwargs):
     assert_same("device_kv", exp.device_kv, act.device_kv)
     assert_same("counters", exp_counters, counters)
     assert torch.equal(act.host_kv, case.host_kv), "the kernel wrote host memory"
-    assert int(exp_counters[1]) == case.expected_misses
+    group = kwargs.get("group") or default_group(case)
+    if group >= case.top_k.shape[1]:
+        assert int(exp_counters[1]) == case.expected_misses  # one group: the union's misses, each once
+    else:
+        # Groups: every union miss is copied (once per group that misses it; a later group may miss a token an
+        # earlier group's misses evicted), and every returned row still holds its token after the last group.
+        assert int(exp_counters[1]) >= case.expected_misses
+    assert_history_rows_hold_their_kv(case, act, out)
     return exp_out
+
+
+def assert_history_rows_hold_their_kv(case, state, out):
+    """After the call (after its last group): every history entry's row, whichever group returned it, holds its
+    token's host row, and every verify entry maps to its verify slot."""
+    positions = case.top_k.shape[1]
+    buffer_size = case.slot_tokens.shape[1]
+    device_kv = state.device_kv.cpu()
+    for b in range(min(int(case.num_real_reqs[0]), case.top_k.shape[0])):
+        req, committed = int(case.req_pool_indices[b]), int(case.seq_lens[b])
+        buf = int(case.buffer_of_req[req])
+        if buf < 0:
+            continue
+        tokens = case.top_k[b].to(torch.int64)
+        valid = (tokens >= 0) & (tokens <= committed + torch.arange(positions).reshape(-1, 1))
+        history = valid & (tokens < committed - 1)
+        rows = out[b][history].to(torch.int64)
+        want = case.host_kv[case.req_to_token[req, tokens[history]].to(torch.int64)]
+        if not torch.equal(device_kv[rows], want):
+            raise AssertionError(f"batch row {b}: a returned history row does not hold its token's KV")
+        verify = valid & (tokens >= committed)
+        assert torch.equal(out[b][verify], case.slot_rows[buf, buffer_size + 1 + (tokens[verify] - committed)])
 
 
 CORRECTNESS = [
@@ -104,6 +149,15 @@ CORRECTNESS = [
     (3, 4, 1024, 4096, 1152, 1.0),
     (6, 4, 1024, 4096, 656, 0.0),
     (7, 4, 512, 2048, 64, 0.4),
+    # T = 3, 4 at top_k 2048 (--speculative-num-steps 2, 3) with D = T x K: one launch per position.
+    (3, 3, 2048, 6144, 1152, 0.2),
+    (4, 3, 2048, 6144, 656, 0.5),
+    (2, 4, 2048, 8192, 1152, 0.3),
+    (5, 4, 2048, 8192, 656, 0.2),
+    (2, 4, 2048, 8192, 656, 1.0),
+    (3, 4, 2048, 8192, 1152, 0.0),
+    # T = 2 with a buffer beyond the 2-position plan (refused before groups): one position per launch.
+    (3, 2, 2048, 8192, 1152, 0.3),
 ]
 
 
@@ -119,10 +173,24 @@ def test_matches_reference(batch, positions, top_k, buffer_size, row_bytes, miss
 
 @pytest.mark.parametrize("threads", [256, 512, 1024])
 @pytest.mark.parametrize("row_bytes", [1152, 656])
-def test_every_block_size_and_row_size(threads, row_bytes):
-    case = make_positions_case(4, 2, 2048, 4096, row_bytes, miss_rate=0.3, resident_fraction=0.25,
-                               duplicate_fraction=0.02, seed=threads + row_bytes)
+@pytest.mark.parametrize("positions,buffer_size", [(2, 4096), (4, 8192)])
+def test_every_block_size_and_row_size(threads, row_bytes, positions, buffer_size):
+    case = make_positions_case(4, positions, 2048, buffer_size, row_bytes, miss_rate=0.3, resident_fraction=0.25,
+                               duplicate_fraction=0.02, seed=threads + row_bytes + positions)
     check(case, threads=threads)
+
+
+@pytest.mark.parametrize("positions,top_k,buffer_size,group", [
+    (4, 1024, 4096, 1), (4, 1024, 4096, 2), (4, 1024, 4096, 3), (3, 1024, 4096, 2), (3, 2048, 6144, 1),
+    (4, 2048, 8192, 1), (2, 2048, 4096, 1),
+])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_explicit_groups_match_the_reference_with_the_same_group(positions, top_k, buffer_size, group, splits):
+    """Both twins in groups of ``group`` positions (the last group shorter where it does not divide T)."""
+    case = make_positions_case(3, positions, top_k, buffer_size, 656, miss_rate=0.4, overlap=0.6,
+                               resident_fraction=0.34, duplicate_fraction=0.02, padding_fraction=0.02,
+                               seed=positions * 10 + group + top_k)
+    check(case, group=group, splits=splits)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 5, 17, 65])
@@ -135,10 +203,13 @@ def test_every_split_matches_reference(splits):
     (LATE_COPIERS, 2), (LATE_COPIERS, 17), (LATE_COPIERS, 65), (LATE_ARRIVALS, 3), (LATE_ARRIVALS, 17),
     (LATE_PLANNER, 5),
 ])
-def test_late_copiers_arrivals_and_planner(defines, splits):
-    """The planner/copier handshake over T x K entries: copiers that look up late (the planner waits),
-    claim late (the planner copies their chunks), or a planner that announces itself late."""
-    case = make_positions_case(3, 2, 2048, 4096, 656, miss_rate=0.3, resident_fraction=0.34, seed=80 + splits)
+@pytest.mark.parametrize("positions,buffer_size", [(2, 4096), (4, 8192)])
+def test_late_copiers_arrivals_and_planner(defines, splits, positions, buffer_size):
+    """The planner/copier handshake over a launch's G x K entries: copiers that look up late (the planner
+    waits), claim late (the planner copies their chunks), or a planner that announces itself late; with T = 4
+    in every one of the four launches, each reusing the workspace the previous one reset."""
+    case = make_positions_case(3, positions, 2048, buffer_size, 656, miss_rate=0.3, resident_fraction=0.34,
+                               seed=80 + splits + positions)
     check(case, splits=splits, module=variant(defines))
 
 
@@ -178,6 +249,11 @@ def test_padded_rows_output_minus_one_and_touch_nothing():
     case = make_positions_case(8, 2, 1024, 2048, 1152, miss_rate=0.5, resident_fraction=0.25, num_real=3, seed=93)
     out = check(case)
     assert bool((out[3:] == -1).all())
+    for positions, row_bytes in ((3, 656), (4, 1152)):  # every launch of a group writes its padded rows' -1
+        case = make_positions_case(6, positions, 2048, positions * 2048, row_bytes, miss_rate=0.4,
+                                   resident_fraction=0.25, num_real=3, seed=93 + positions)
+        out = check(case)
+        assert bool((out[3:] == -1).all())
     empty = make_positions_case(4, 2, 512, 1024, 64, miss_rate=0.5, num_real=0, seed=94)
     assert bool((check(empty) == -1).all())
 
@@ -200,11 +276,13 @@ def drift(top_k, committed, generator, keep=0.8):
 
 
 @pytest.mark.parametrize("positions,top_k,buffer_size,row_bytes", [(2, 1024, 2048, 656), (2, 2048, 4096, 1152),
-                                                                   (4, 512, 2048, 1152)])
+                                                                   (4, 512, 2048, 1152), (3, 2048, 6144, 1152),
+                                                                   (4, 2048, 8192, 656)])
 def test_graph_replays_with_drifting_top_k_and_growing_lengths(positions, top_k, buffer_size, row_bytes):
     """Capture once, replay 12 verifies: each request's s grows by its accept length 1..T, the top-k drifts
     (20 % fresh entries within each position's causal range), and the number of real rows changes; every
-    replay bit for bit against the reference, the workspace clear."""
+    replay bit for bit against the reference, the workspace clear. T = 3, 4 at top_k 2048 capture one launch
+    per position."""
     batch = 4
     base = make_positions_case(batch, positions, top_k, buffer_size, row_bytes, miss_rate=0.3, resident_fraction=0.25,
                                seq_len=buffer_size + 40, context_slack=128, seed=96)
@@ -239,6 +317,7 @@ def test_graph_replays_with_drifting_top_k_and_growing_lengths(positions, top_k,
         for name in ("slot_tokens", "slot_stamps", "token_slot", "device_kv"):
             assert_same(f"{name} step {step}", getattr(ref, name), getattr(gpu, name))
         assert_same(f"counters step {step}", ref_counters, counters)
+        assert_history_rows_hold_their_kv(ref, gpu, out.cpu())
         assert_workspace_clear(ops)
     assert int(ref_counters[1]) > 0, "the replays never missed"
 
@@ -247,22 +326,33 @@ def test_shapes_the_kernel_cannot_plan_are_refused_before_any_launch():
     from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
 
     ops = cuda_ops()
-    # T = 3 with top_k 2048: 6144 entries do not fit the plan with any buffer.
-    case = make_positions_case(1, 3, 2048, 6144, 64, miss_rate=0.5, seed=98)
+    # T = 3, 4 with top_k 2048 are served (one position per launch): reserve checks them without raising.
+    ops.reserve(4, 2048, 6144, num_positions=3)
+    ops.reserve(4, 2048, 8192, num_positions=4)
+    # T = 7 with top_k 2048: a buffer of 7 x 2048 = 14336 slots is too large for even one position's launch.
+    case = make_positions_case(1, 7, 2048, 14336, 64, miss_rate=0.5, seed=98)
     gpu = case.clone(device="cuda", pin_host=True)
     out = torch.full(tuple(case.top_k.shape), 777, dtype=torch.int32, device="cuda")
     with pytest.raises(UnsupportedSetupError) as info:
         ops.swap_in_positions(*gpu.args(), out=out)
-    for fragment in ("3 verify positions", "3 x 2048 = 6144", "num_draft_tokens <= 2", "232,448 B"):
+    for fragment in ("7 verify positions", "7 x 2048 = 14336", "even one position's launch", "num_draft_tokens <= 6",
+                     "232,448 B"):
         assert fragment in str(info.value), str(info.value)
     with pytest.raises(UnsupportedSetupError):
-        ops.reserve(4, 2048, 6144, num_positions=3)
+        ops.reserve(4, 2048, 14336, num_positions=7)
+    # An explicit group too large for a launch (2 x 2048 entries with 8192 slots).
+    case4 = make_positions_case(1, 4, 2048, 8192, 64, miss_rate=0.5, seed=98)
+    gpu4 = case4.clone(device="cuda", pin_host=True)
+    out4 = torch.full(tuple(case4.top_k.shape), 777, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="groups of 2 verify positions do not fit.*the largest group that fits is 1"):
+        ops.swap_in_positions(*gpu4.args(), out=out4, group=2)
     torch.cuda.synchronize()
-    assert bool((out == 777).all()), "a refused call launched"
+    assert bool((out == 777).all()) and bool((out4 == 777).all()), "a refused call launched"
     assert torch.equal(gpu.slot_tokens.cpu(), case.slot_tokens)
-    # T x top_k above device_buffer_size, and a buffer too large for the plan of 4096 entries.
+    assert torch.equal(gpu4.slot_tokens.cpu(), case4.slot_tokens)
+    # T x top_k above device_buffer_size, and a buffer too large for even one position's plan.
     for buffer_size, fragment in ((2048, "device_buffer_size (2048) must be at least"),
-                                  (8192, "device_buffer_size <= 5760")):
+                                  (16384, "device_buffer_size <= 14272")):
         case = make_positions_case(1, 2, 2048, buffer_size, 64, miss_rate=0.5, seed=99)
         with pytest.raises(HiSparseConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
             ops.swap_in_positions(*case.clone(device="cuda", pin_host=True).args())

@@ -71,6 +71,7 @@ class VerifyOps(Protocol):
         out: torch.Tensor | None = None,
         counters: torch.Tensor | None = None,
         *,
+        group: int | None = None,
         splits: int | None = None,
         threads: int | None = None,
     ) -> torch.Tensor:
@@ -90,7 +91,16 @@ class VerifyOps(Protocol):
                 pinned, ``device_kv`` uint8 ``[rows, row bytes]``); ``slot_tokens``, ``slot_stamps``,
                 ``token_slot`` and ``device_kv`` are written.
             out: int32 ``[B, T, K]``, written and returned.
-            counters: int64 ``[2]``, incremented: history entries looked up, distinct misses copied.
+            counters: int64 ``[2]``, incremented: history entries looked up, misses copied (each
+                group's distinct misses).
+            group: ``G``, the positions served together: the positions go in consecutive groups of ``G``,
+                group after group, each as one row of its ``G x K`` entries (``reference.swap_in_positions``
+                states the rules). It changes the result, so both twins must use the same: None (what the
+                coordinator passes) is ``swap_in_plan.positions_per_group(T, K, D)``, the largest group that
+                fits one launch of the CUDA twin, in both twins (the CUDA twin with its GPU's shared memory,
+                the same 227 KiB as the reference's sm_90 default on an H100 or H200): ``G = T`` wherever
+                ``T x K`` fits one launch (top_k 2048: ``T <= 2``), ``G = 1`` for ``T = 3, 4`` at top_k
+                2048 with ``D = T x K``.
             splits, threads: launch parameters; they never change the result.
 
         Returns:

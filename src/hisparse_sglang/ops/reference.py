@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from hisparse_sglang.ops.swap_in_plan import positions_per_group
 from hisparse_sglang.ops.tables import SwapInTables
 
 __all__ = ["swap_in", "copy_rows", "backup_newest", "bind_rows", "AGE_CAP", "BIND_BUFFER_SLOT"]
@@ -328,6 +329,7 @@ def swap_in_positions(
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     *,
+    group: int | None = None,
     splits: int | None = None,
     threads: int | None = None,
 ) -> torch.Tensor:
@@ -346,9 +348,14 @@ def swap_in_positions(
             for ``T`` verify slots after slot ``D`` (``T <= P - 1``).
         out: optional int32 ``[B, T, K]`` to write into.
         counters: optional int64 ``[2]``: incremented for offloaded rows by the number of history
-            entries looked up (``[0]``, every position counted) and of distinct misses copied
-            (``[1]``, each token once however many positions missed it).
-        splits, threads: launch parameters of the CUDA twin; ignored here.
+            entries looked up (``[0]``, every position counted) and of misses copied (``[1]``: each
+            group's distinct misses, so a token is copied once however many positions of a group missed
+            it, and a token an earlier group copied is a later group's hit).
+        group: ``G``, positions per group (below); None: ``swap_in_plan.positions_per_group(T, K, D)``,
+            the largest group whose ``G x K`` entries fit one launch of the CUDA twin on sm_90, which is
+            what the CUDA twin chooses by default too (``G = T``, one group, wherever ``T x K`` fits one
+            launch: top_k 2048 with ``T <= 2``; ``G = 1`` for ``T = 3, 4`` at top_k 2048 with ``D = T x K``).
+        splits, threads: launch parameters of the CUDA twin; they never change the result (ignored here).
 
     Returns:
         int32 ``[B, T, K]``: the device row of every entry, -1 for padding. Entries of one request
@@ -364,26 +371,44 @@ def swap_in_positions(
       - verify tokens ``t >= s``: ``slot_rows[buf, D + 1 + (t - s)]`` (:func:`bind_verify_slots`
         bound their locations there, so the forward wrote their KV into these rows);
       - the newest accepted token ``t == s - 1``: ``slot_rows[buf, D]``;
-      - history ``t < s - 1``: the request's positions share one buffer, so the history entries of
-        all ``T`` positions are served together, exactly as :func:`swap_in` serves one row made of
-        them in position-major order (position 0's entries first) with length ``s``: hits keep their
-        slot and take stamp ``s``; the distinct tokens no slot holds are the misses, in first
-        occurrence order over that row, each copied once from its host row; they take the least
-        recently used slots that no position hit. Every output row stays valid for the whole
-        forward: no position's miss evicts a token another position reads.
+      - history ``t < s - 1``: the positions are served in consecutive groups of ``G`` positions
+        (``0 .. G - 1``, ``G .. 2G - 1``, ...; the last may be shorter), one group after another. A
+        group's positions share one buffer, so their history entries are served together, exactly as
+        :func:`swap_in` serves one row made of them in position-major order (the group's first
+        position's entries first) with length ``s``: hits keep their slot and take stamp ``s``; the
+        distinct tokens no slot holds are the misses, in first occurrence order over that row, each
+        copied once from its host row; they take the least recently used slots that no position of
+        the group hit. Every output row stays valid for the whole forward: no position's miss evicts a
+        token another position reads. Within a group the union guarantees it. Across groups: every
+        slot an earlier group returned carries stamp ``s``, the newest there is (age 0), while every
+        slot this call has not used is older (stamps below ``s``, precondition); and at least as many
+        such older slots exist as a later group has misses, because the tokens of the earlier groups'
+        slots, of the later group's hit slots and its misses are distinct history tokens of the
+        request, at most ``D`` of them (precondition; ``D >= T x K`` guarantees it). The least recently
+        used slots are therefore never an earlier group's. A token
+        an earlier group copied is a hit for a later group (copied once overall); a token the buffer
+        held that an earlier group's misses evicted (no position of that group named it) is a later
+        group's miss. With ``G = T`` (one group) this is the union of every position at once.
 
     Preconditions (as :func:`swap_in`'s, plus): the distinct history tokens of one request's ``T``
-    positions number at most ``D`` (guaranteed when ``D >= T * K``); slot ``D`` holds position
-    ``s - 1``; every position ``< s - 1`` is on its host row.
+    positions number at most ``D`` (guaranteed when ``D >= T * K``); with more than one group, every
+    slot stamp of the request's buffer is below ``s`` before the call (each earlier call of the
+    request had a smaller committed length: a verify accepts at least its root token); slot ``D``
+    holds position ``s - 1``; every position ``< s - 1`` is on its host row.
 
     Raises:
-        ValueError: ``T`` exceeds the verify slots of a buffer, or a request's history does not fit
-            its buffer.
+        ValueError: ``T`` exceeds the verify slots of a buffer, ``group`` is outside ``[1, T]``, a
+            request's history does not fit its buffer, or a later group evicted a row an earlier group
+            returned (only when the stamp precondition does not hold; the tables are then changed).
     """
     batch, num_positions, num_top_k = top_k.shape
     buffer_size = tables.slot_tokens.shape[1]
     if tables.slot_rows.shape[0]:
         _check_verify_positions(num_positions, tables.slot_rows, buffer_size)
+    if group is None:
+        group = positions_per_group(num_positions, num_top_k, buffer_size)
+    elif not 1 <= group <= num_positions:
+        raise ValueError(f"swap_in_positions: group {group} outside [1, {num_positions}] (the verify positions).")
     if out is None:
         out = torch.empty((batch, num_positions, num_top_k), dtype=torch.int32, device=top_k.device)
     out.fill_(-1)
@@ -401,26 +426,44 @@ def swap_in_positions(
             out[b][valid] = tables.device_row_of_loc[locs].to(torch.int32)
             continue
 
-        # History of every position, position-major, as one swap_in row of length s; the newest
-        # accepted token and the verify tokens are left out (-1) and filled in below.
+        # History of every position; the newest accepted token and the verify tokens are left out (-1)
+        # and filled in below.
         history = valid & (tokens < committed - 1)
-        union_row = torch.where(history, tokens, torch.full_like(tokens, -1)).reshape(1, -1)
-        distinct = torch.unique(union_row[union_row >= 0]).numel()
+        distinct = torch.unique(tokens[history]).numel()
         if distinct > buffer_size:
             raise ValueError(
                 f"request slot {req}: its {num_positions} verify positions select {distinct} distinct history "
                 f"tokens but its buffer has {buffer_size} slots; device_buffer_size must be at least "
                 f"num_draft_tokens x top_k ({num_positions} x {num_top_k} = {num_positions * num_top_k})."
             )
-        rows = swap_in(
-            union_row.to(torch.int32),
-            seq_lens[b : b + 1],
-            req_pool_indices[b : b + 1],
-            torch.ones(1, dtype=torch.int32, device=num_real_reqs.device),
-            tables,
-            counters=counters,
-        ).reshape(num_positions, num_top_k)
-        out[b][history] = rows[history]
+        # Each group's history, position-major, as one swap_in row of length s.
+        returned_tokens = torch.empty(0, dtype=torch.int64, device=tokens.device)
+        returned_slots = returned_tokens
+        for first in range(0, num_positions, group):
+            last = min(first + group, num_positions)
+            mine = history[first:last]
+            union_row = torch.where(mine, tokens[first:last], torch.full_like(tokens[first:last], -1))
+            rows = swap_in(
+                union_row.reshape(1, -1).to(torch.int32),
+                seq_lens[b : b + 1],
+                req_pool_indices[b : b + 1],
+                torch.ones(1, dtype=torch.int32, device=num_real_reqs.device),
+                tables,
+                counters=counters,
+            ).reshape(last - first, num_top_k)
+            out[b, first:last][mine] = rows[mine]
+            # The rows earlier groups returned still hold their tokens (the argument of the docstring).
+            if returned_tokens.numel():
+                held = tables.token_slot[buf, returned_tokens].to(torch.int64)
+                if not bool((held == returned_slots).all()):
+                    raise ValueError(
+                        f"request slot {req}: positions {first}..{last - 1} evicted a row that an earlier group of "
+                        f"positions returned; serving {num_positions} verify positions in groups of {group} needs "
+                        f"every slot stamp of the request's buffer below its committed length {committed} before "
+                        f"the call."
+                    )
+            returned_tokens = torch.unique(torch.cat([returned_tokens, tokens[first:last][mine]]))
+            returned_slots = tables.token_slot[buf, returned_tokens].to(torch.int64)
 
         newest = valid & (tokens == committed - 1)
         out[b][newest] = tables.slot_rows[buf, buffer_size]

@@ -2,9 +2,9 @@
 
 Besides the decode step's ops (``swap_in``, ``copy_rows``, ``backup_newest``, ``bind_rows``), the verify
 step of speculative decoding (``coordinator.speculative.VerifyOps``): ``swap_in_positions`` (the same
-kernel over the ``T x top_k`` entries of a request's verify positions; ``T x top_k`` must fit its
-shared-memory plan, ``swap_in_plan.check_swap_in_positions_fits``), ``bind_verify_slots`` and
-``commit_accepted``.
+kernel over the ``G x top_k`` entries of each group of ``G`` consecutive verify positions of a request, one
+launch per group; ``swap_in_plan.positions_per_group`` chooses ``G``, ``check_swap_in_positions_fits``
+refuses a shape where not even one position fits), ``bind_verify_slots`` and ``commit_accepted``.
 
 The kernels are compiled on first use (``ops.jit``). :class:`CudaOps` launches them on one GPU and
 owns what its launches keep between calls (the swap-in workspace, the checked shared-memory plans,
@@ -29,6 +29,7 @@ from hisparse_sglang.ops.swap_in_plan import (
     SYNC_COUNTERS_PER_ROW,
     check_swap_in_fits,
     check_swap_in_positions_fits,
+    positions_per_group,
     shared_memory_per_block,
 )
 from hisparse_sglang.ops.tables import SwapInTables
@@ -121,8 +122,8 @@ class CudaOps:
         self._sync: torch.Tensor | None = None
         self._retired: list[torch.Tensor] = []
         self._plans: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._positions_plans: dict[tuple[int, int, int, int], torch.Tensor] = {}
-        self._occupancy: dict[tuple[int, int, int, int | None], int] = {}
+        self._positions_plans: dict[tuple[int, int, int, int, int], torch.Tensor] = {}
+        self._occupancy: dict[tuple[int, int, int, int | None, int | None], int] = {}
         self._multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
         self._no_counters = torch.empty(0, dtype=torch.int64, device=device)
         self._layer_pointers: dict[tuple[int, ...], torch.Tensor] = {}
@@ -149,8 +150,9 @@ class CudaOps:
         this GPU for the shape and query its occupancy for ``threads`` per block (call before CUDA-graph
         capture; a shape that does not fit raises HiSparseConfigError naming the key and the fix, the
         largest device_buffer_size that fits in multiples of ``page_size``). With ``num_positions``
-        (``T``, speculative decoding) the shape checked is ``swap_in_positions``' (``T x top_k`` entries
-        per request; :meth:`positions_plan` says what it raises) instead of ``swap_in``'s."""
+        (``T``, speculative decoding) the shape checked is ``swap_in_positions``' (``T`` positions of
+        ``top_k`` entries per request in the groups :meth:`positions_group` chooses; :meth:`positions_plan`
+        says what it raises) instead of ``swap_in``'s."""
         self._workspace(max_batch)
         if buffer_size is not None:
             threads = threads or DEFAULT_THREADS
@@ -190,44 +192,64 @@ class CudaOps:
             plan = self._plans[key] = torch.tensor(checked.as_ints(), dtype=torch.int64)
         return plan
 
+    def positions_group(self, num_positions: int, top_k: int, buffer_size: int) -> int:
+        """``G``, the verify positions one ``swap_in_positions`` launch serves by default:
+        ``swap_in_plan.positions_per_group`` with this GPU's shared memory per block (on an H100 or H200 the
+        reference twin's choice: ``G = T`` for ``T <= 2`` at top_k 2048, ``G = 1`` for ``T = 3, 4`` with
+        ``device_buffer_size = T x top_k``)."""
+        return positions_per_group(num_positions, top_k, buffer_size, shared_memory_per_block(self.device.index))
+
     def positions_plan(
-        self, num_positions: int, top_k: int, buffer_size: int, threads: int, page_size: int = DEFAULT_PAGE_SIZE
+        self, num_positions: int, top_k: int, buffer_size: int, threads: int, page_size: int = DEFAULT_PAGE_SIZE,
+        group: int | None = None,
     ) -> torch.Tensor:
-        """``swap_in_positions``' shared-memory plan for ``num_positions`` (``T``) x ``top_k`` entries per
-        request (int64 CPU tensor, swap_in_plan.PLAN_FIELDS), checked once per shape against this GPU.
+        """The shared-memory plan of one ``swap_in_positions`` launch for ``num_positions`` (``T``) verify
+        positions of ``top_k`` entries per request served in groups of ``group`` (``G``, default
+        :meth:`positions_group`): the plan of ``G x top_k`` entries (int64 CPU tensor,
+        swap_in_plan.PLAN_FIELDS), checked once per shape against this GPU.
 
         Raises:
-            UnsupportedSetupError: ``T x top_k`` entries fit the kernel's plan with no buffer on this GPU
-                (``swap_in_plan.largest_num_positions`` says how many positions do: 2 for top_k 2048 on
-                an H100 or H200).
-            HiSparseConfigError: device_buffer_size below ``T x top_k``, or too large for the plan.
+            UnsupportedSetupError: not even one position fits a launch with a buffer that holds ``T x top_k``
+                on this GPU (``swap_in_plan.largest_num_positions`` says how many positions do: 6 for
+                top_k 2048 on an H100 or H200).
+            HiSparseConfigError: device_buffer_size below ``T x top_k``, or too large for the plan of one
+                position.
+            ValueError: an explicit ``group`` outside ``[1, T]`` or too large for a launch.
         """
-        key = (num_positions, top_k, buffer_size, threads)
+        if group is None:
+            group = self.positions_group(num_positions, top_k, buffer_size)
+        key = (num_positions, top_k, buffer_size, threads, group)
         plan = self._positions_plans.get(key)
         if plan is None:
             index = self.device.index
             checked = check_swap_in_positions_fits(
                 num_positions, top_k, buffer_size, page_size, threads, limit=shared_memory_per_block(index),
-                device_name=torch.cuda.get_device_name(index),
+                device_name=torch.cuda.get_device_name(index), group=group,
             )
             plan = self._positions_plans[key] = torch.tensor(checked.as_ints(), dtype=torch.int64)
         return plan
 
-    def resident_ctas(self, top_k: int, buffer_size: int, threads: int, *, num_positions: int | None = None) -> int:
+    def resident_ctas(
+        self, top_k: int, buffer_size: int, threads: int, *, num_positions: int | None = None, group: int | None = None
+    ) -> int:
         """How many swap-in CTAs of this shape the GPU runs at once (multiprocessors x occupancy); with
-        ``num_positions``, of ``swap_in_positions``' kernel for that many positions of ``top_k`` entries."""
-        key = (threads, top_k, buffer_size, num_positions)
+        ``num_positions``, of ``swap_in_positions``' kernel for a launch of ``group`` (default
+        :meth:`positions_group`) positions of ``top_k`` entries."""
+        if num_positions is not None and group is None:
+            group = self.positions_group(num_positions, top_k, buffer_size)
+        key = (threads, top_k, buffer_size, num_positions, group)
         if key not in self._occupancy:
             if num_positions is None:
                 plan = self.launch_plan(top_k, buffer_size, threads)
                 self._occupancy[key] = int(self.module.swap_in_occupancy(threads, plan))
             else:
-                plan = self.positions_plan(num_positions, top_k, buffer_size, threads)
+                plan = self.positions_plan(num_positions, top_k, buffer_size, threads, group=group)
                 self._occupancy[key] = int(self.module.swap_in_positions_occupancy(threads, plan))
         return max(1, self._multiprocessors * self._occupancy[key])
 
     def choose_splits(
-        self, batch: int, top_k: int, buffer_size: int, threads: int, *, num_positions: int | None = None
+        self, batch: int, top_k: int, buffer_size: int, threads: int, *, num_positions: int | None = None,
+        group: int | None = None,
     ) -> int:
         """CTAs per request: a planner, plus copier CTAs while the batch is small and they fit.
 
@@ -242,10 +264,10 @@ class CudaOps:
         follow the order in which a request's CTAs start, and a CTA waits only for CTAs that have
         started; docs/kernels.md, "Forward progress"). A CTA that starts after its planner closed the
         claims leaves, and the planner copies that chunk itself: correct, but slower than a copier.
-        ``num_positions``: the split of ``swap_in_positions`` (the same rule, its kernel's occupancy; not
-        tuned by a sweep of its own).
+        ``num_positions``: the split of each ``swap_in_positions`` launch (of ``group`` positions, default
+        :meth:`positions_group`; the same rule, its kernel's occupancy; not tuned by a sweep of its own).
         """
-        resident = self.resident_ctas(top_k, buffer_size, threads, num_positions=num_positions)
+        resident = self.resident_ctas(top_k, buffer_size, threads, num_positions=num_positions, group=group)
         batch = max(batch, 1)
         splits = min(MAX_SPLITS, 1 + -(-TARGET_COPIERS // batch))
         while splits > 1 and batch * splits > resident:
@@ -309,22 +331,27 @@ class CudaOps:
         out: torch.Tensor | None = None,
         counters: torch.Tensor | None = None,
         *,
+        group: int | None = None,
         splits: int | None = None,
         threads: int | None = None,
     ) -> torch.Tensor:
-        """CUDA twin of :func:`hisparse_sglang.ops.reference.swap_in_positions` (one launch; see there
-        and ``coordinator.speculative.VerifyOps`` for shapes and rules).
+        """CUDA twin of :func:`hisparse_sglang.ops.reference.swap_in_positions` (see there and
+        ``coordinator.speculative.VerifyOps`` for shapes and rules): one launch per group of ``group``
+        (``G``) consecutive positions, ``ceil(T / G)`` launches in stream order, fixed for the shape.
 
-        The kernel is ``swap_in``'s, run on one row of ``T x K`` entries per request, so each row of
-        ``top_k`` and ``out`` must hold its ``T x K`` entries contiguously (``[B, T, K]`` views of
-        contiguous ``[B * T, K]`` tensors do). ``seq_lens`` is ``s``, the committed length.
-        Differences from the reference twin, all refused before any launch: ``T x K`` must be at
-        most ``device_buffer_size`` (the twin refuses only a request whose distinct history tokens
-        exceed it, which the kernel cannot check) and must fit the kernel's shared-memory plan
-        (:meth:`positions_plan`: ``T <= 2`` for top_k 2048 on sm_90).
+        The kernel is ``swap_in``'s, run on one row of ``G x K`` entries per request and launch, so each
+        row of ``top_k`` and ``out`` must hold its ``T x K`` entries contiguously (``[B, T, K]`` views of
+        contiguous ``[B * T, K]`` tensors do). ``seq_lens`` is ``s``, the committed length. ``group``
+        None: :meth:`positions_group`, the reference twin's default choice on an H100 or H200 (pass the
+        same ``group`` to both twins elsewhere). Differences from the reference twin, all refused before
+        any launch: ``T x K`` must be at most ``device_buffer_size`` (the twin refuses only a request whose
+        distinct history tokens exceed it, which the kernel cannot check) and a launch of ``G`` positions
+        must fit the kernel's shared-memory plan (:meth:`positions_plan`: at top_k 2048 on sm_90 one
+        position fits with ``device_buffer_size`` up to 14272, so ``T <= 6``).
 
         Raises:
-            ValueError: ``top_k`` is not ``[B, T, K]``, or ``T`` exceeds a buffer's verify slots.
+            ValueError: ``top_k`` is not ``[B, T, K]``, ``T`` exceeds a buffer's verify slots, or
+                ``group`` is outside ``[1, T]`` or too large for a launch.
             UnsupportedSetupError, HiSparseConfigError: :meth:`positions_plan`.
         """
         if top_k.device != self.device:
@@ -335,11 +362,13 @@ class CudaOps:
         threads = threads or DEFAULT_THREADS
         buffer_size = tables.slot_tokens.shape[1]
         page_size = tables.slot_rows.shape[1] - buffer_size
-        plan = self.positions_plan(num_positions, k, buffer_size, threads, page_size)
+        if group is None:
+            group = self.positions_group(num_positions, k, buffer_size)
+        plan = self.positions_plan(num_positions, k, buffer_size, threads, page_size, group=group)
         if out is None:
             out = torch.empty((batch, num_positions, k), dtype=torch.int32, device=self.device)
         if splits is None:
-            splits = self.choose_splits(batch, k, buffer_size, threads, num_positions=num_positions)
+            splits = self.choose_splits(batch, k, buffer_size, threads, num_positions=num_positions, group=group)
         self.module.swap_in_positions(
             top_k,
             seq_lens,
@@ -350,6 +379,7 @@ class CudaOps:
             self._no_counters if counters is None else counters,
             self._workspace(batch),
             plan,
+            group,
             splits,
             threads,
             torch.cuda.current_stream(self.device).cuda_stream,
