@@ -209,11 +209,10 @@ def test_dsa_models_with_kda_layers_or_pooled_index_keys_are_refused_by_name():
 
 # Speculative decoding (docs/speculative.md 2.1): each setup with its verdict on SGLang 0.5.22 and 0.5.23,
 # written out (None: accepted; else the error and fragments of its message). T = steps + 1 verify positions;
-# the verify swap-in kernel is taken to serve T <= 2. Before 0.5.22 every one of them is refused, naming
-# the releases that serve it.
+# the verify swap-in kernel serves T <= 4 (in groups of positions from T = 3 at top_k 2048), and the buffer must
+# hold T x top_k. Before 0.5.22 every one of them is refused, naming the releases that serve it.
 EAGLE_1 = dict(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2)
-NOT_SERVED_YET = "is not served yet: hisparse-sglang's verify swap-in kernel handles at most 2 positions"
-WAY_OUT = "use --speculative-num-steps 1 --speculative-num-draft-tokens 2"
+WAY_OUT = "use --speculative-num-steps 3 --speculative-num-draft-tokens 4"
 SPECULATIVE_CASES = {
     "EAGLE 1 step": (EAGLE_1, None),
     "NEXTN 1 step": (dict(EAGLE_1, speculative_algorithm="NEXTN"), None),
@@ -223,10 +222,14 @@ SPECULATIVE_CASES = {
     "default buffer (2 x top_k)": (dict(EAGLE_1, hisparse_config=None), None),
     "buffer exactly T x top_k": (dict(EAGLE_1, hisparse_config='{"device_buffer_size": 4096}'), None),
     "shared host pool, one TP rank": (dict(EAGLE_1, hisparse_config='{"share_host_pool_across_tp": true}', tp_size=1), None),
-    "2 steps": (dict(EAGLE_1, speculative_num_steps=2, speculative_num_draft_tokens=3),
-                (UnsupportedSetupError, ["--speculative-num-steps 2 (3 verify positions per request)", NOT_SERVED_YET, WAY_OUT])),
-    "3 steps": (dict(EAGLE_1, speculative_num_steps=3, speculative_num_draft_tokens=4),
-                (UnsupportedSetupError, ["--speculative-num-steps 3 (4 verify positions per request)", NOT_SERVED_YET, WAY_OUT])),
+    "2 steps, buffer 3 x top_k": (dict(EAGLE_1, speculative_num_steps=2, speculative_num_draft_tokens=3,
+                                       hisparse_config='{"device_buffer_size": 6144}'), None),
+    "3 steps, buffer 4 x top_k (the recommended DeepSeek launch)": (
+        dict(EAGLE_1, speculative_num_steps=3, speculative_num_draft_tokens=4, hisparse_config='{"device_buffer_size": 8192}'),
+        None),
+    "3 steps, buffer 2 x top_k": (dict(EAGLE_1, speculative_num_steps=3, speculative_num_draft_tokens=4),
+                                  (HiSparseConfigError, ["device_buffer_size (4096) must be >= --speculative-num-draft-tokens "
+                                                         "(4) x top_k (2048) = 8192", "set device_buffer_size to 8192"])),
     "4 steps": (dict(EAGLE_1, speculative_num_steps=4, speculative_num_draft_tokens=5),
                 (UnsupportedSetupError, ["--speculative-num-steps 1 to 3", "got --speculative-num-steps 4", WAY_OUT])),
     "0 steps": (dict(EAGLE_1, speculative_num_steps=0, speculative_num_draft_tokens=1),

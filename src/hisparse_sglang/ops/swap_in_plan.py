@@ -68,11 +68,10 @@ MAX_DEVICE_BUFFER_SIZE = 32767
 # shared-memory plan caps top_k lower (4096, see largest_top_k).
 MAX_TOP_K = 8192
 # Verify positions T (--speculative-num-draft-tokens) the CUDA verify swap-in serves per request
-# (docs/speculative.md 2.9). Its planner plans the union of a request's T * top_k entries: with T <= 2
-# (--speculative-num-steps 1) that is today's shared-memory plan (4096 entries with a buffer of 4096:
-# 215,424 B); T = 3, 4 need the union claimed in global memory. Startup validation refuses a larger T
-# naming this limit; the kernel work widens it, and nothing else changes.
-MAX_VERIFY_POSITIONS = 2
+# (docs/speculative.md 2.9): T <= 2 at top_k 2048 in one launch (the union of 4096 entries with a buffer of
+# 4096 plans 215,424 B), T = 3, 4 in groups of positions (positions_per_group). 4 is the design's range
+# (--speculative-num-steps 1 to 3); startup validation refuses a larger T naming this limit.
+MAX_VERIFY_POSITIONS = 4
 # 227 KiB: cudaDevAttrMaxSharedMemoryPerBlockOptin of every sm_90 GPU (H100, H200), the most
 # shared memory one block may opt in to. Used where no GPU is at hand: config validation runs in
 # SGLang's main process, which must not initialise CUDA (the schedulers it starts would inherit it).
