@@ -508,15 +508,11 @@ void launch_decode_rows(void (*kernel)(Params), const Params& params, int64_t bl
   check_cuda(cudaGetLastError(), op, "launch (" + what + ")");
 }
 
-}  // namespace
-
-// Copies each real batch row's newest token (position seq_lens[b] - 1 of request slot
-// req_pool_indices[b]) of one layer from its device row to its host row (its logical location);
-// fence_system != 0 fences the stores system-wide (a host pool other processes read).
-void hisparse_backup_newest(
-    TensorView req_pool_indices, TensorView seq_lens, TensorView num_real_reqs, TensorView req_to_token,
-    TensorView device_row_of_loc, TensorView device_kv, TensorView host_kv, int64_t fence_system, int64_t stream) {
-  constexpr const char* op = "backup_newest";
+// What the per-request row kernels (backup_newest, bind_verify_slots, commit_accepted) check of their
+// batch: the index tensors and the request -> location and location -> device-row tables. Returns B.
+int64_t check_row_batch(const char* op, const TensorView& req_pool_indices, const TensorView& seq_lens,
+                        const TensorView& num_real_reqs, const TensorView& req_to_token,
+                        const TensorView& device_row_of_loc) {
   require_tensor(on_cuda(req_pool_indices) && req_pool_indices.ndim() == 1 && is_index(req_pool_indices) &&
                      (req_pool_indices.size(0) == 0 || req_pool_indices.stride(0) == 1),
                  op, "req_pool_indices", "a contiguous int32/int64 [B] tensor on CUDA", req_pool_indices);
@@ -531,6 +527,20 @@ void hisparse_backup_newest(
                  op, "req_to_token", "int32 [R, C] on CUDA, rows contiguous", req_to_token);
   require_tensor(on_cuda(device_row_of_loc) && device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32), op,
                  "device_row_of_loc", "int32 [N + 1] on CUDA", device_row_of_loc);
+  return batch;
+}
+
+}  // namespace
+
+// Copies each real batch row's newest token (position seq_lens[b] - 1 of request slot
+// req_pool_indices[b]) of one layer from its device row to its host row (its logical location);
+// fence_system != 0 fences the stores system-wide (a host pool other processes read).
+void hisparse_backup_newest(
+    TensorView req_pool_indices, TensorView seq_lens, TensorView num_real_reqs, TensorView req_to_token,
+    TensorView device_row_of_loc, TensorView device_kv, TensorView host_kv, int64_t fence_system, int64_t stream) {
+  constexpr const char* op = "backup_newest";
+  const int64_t batch =
+      check_row_batch(op, req_pool_indices, seq_lens, num_real_reqs, req_to_token, device_row_of_loc);
   require_tensor(on_cuda(device_kv), op, "device_kv", "a KV tensor on CUDA", device_kv);
   require_tensor(host_accessible(host_kv) && !on_cuda(host_kv), op, "host_kv", "pinned host memory", host_kv);
   cudaPointerAttributes host_attributes{};
@@ -612,20 +622,8 @@ int64_t check_verify_batch(const char* op, const TensorView& req_pool_indices, c
                            const TensorView& num_real_reqs, int64_t num_positions, const TensorView& req_to_token,
                            const TensorView& device_row_of_loc, const TensorView& buffer_of_req,
                            const TensorView& slot_rows, int64_t buffer_size) {
-  require_tensor(on_cuda(req_pool_indices) && req_pool_indices.ndim() == 1 && is_index(req_pool_indices) &&
-                     (req_pool_indices.size(0) == 0 || req_pool_indices.stride(0) == 1),
-                 op, "req_pool_indices", "a contiguous int32/int64 [B] tensor on CUDA", req_pool_indices);
-  const int64_t batch = req_pool_indices.size(0);
-  require_tensor(on_cuda(seq_lens) && seq_lens.ndim() == 1 && seq_lens.size(0) == batch && is_index(seq_lens) &&
-                     (batch == 0 || seq_lens.stride(0) == 1),
-                 op, "seq_lens", "a contiguous int32/int64 [B] tensor on CUDA, B as req_pool_indices", seq_lens);
-  require_tensor(on_cuda(num_real_reqs) && num_real_reqs.numel() == 1 && is_int(num_real_reqs, 32), op,
-                 "num_real_reqs", "an int32 [1] tensor on CUDA", num_real_reqs);
-  require_tensor(on_cuda(req_to_token) && req_to_token.ndim() == 2 && is_int(req_to_token, 32) &&
-                     req_to_token.stride(1) == 1,
-                 op, "req_to_token", "int32 [R, C] on CUDA, rows contiguous", req_to_token);
-  require_tensor(on_cuda(device_row_of_loc) && device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32), op,
-                 "device_row_of_loc", "int32 [N + 1] on CUDA", device_row_of_loc);
+  const int64_t batch =
+      check_row_batch(op, req_pool_indices, seq_lens, num_real_reqs, req_to_token, device_row_of_loc);
   require_tensor(on_cuda(buffer_of_req) && buffer_of_req.ndim() == 1 && is_int(buffer_of_req, 32), op, "buffer_of_req",
                  "int32 [R] on CUDA", buffer_of_req);
   require(buffer_size >= 0, op, "buffer_size must be >= 0; got " + std::to_string(buffer_size));
