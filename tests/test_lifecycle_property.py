@@ -70,29 +70,8 @@ def build(params, max_context: int = 160) -> SimulatedServer:
 
 def run(params, operations) -> None:
     server = build(params)
-    for op in operations:
-        live = sorted(server.requests)
-        kind = op[0]
-        if kind == "add":
-            server.add_request(op[1], op[2])
-        elif kind == "step":
-            for _ in range(op[1]):
-                server.step()
-                server.check_invariants()
-        elif kind == "readmit":
-            server.readmit_retracted()
-        elif live:
-            uid = live[op[1] % len(live)]
-            getattr(server, kind)(uid)
-        server.check_invariants()
-    drain(server)
-
-
-def drain(server: SimulatedServer) -> None:
-    """Run until every admitted request has ended, within the progress bound; nothing may leak."""
-    server.run_until_idle(check=server.check_invariants)
-    server.check_every_admitted_request_ended()
-    server.check_all_free()
+    server.apply(operations)
+    server.drain()
 
 
 @settings(
@@ -122,7 +101,7 @@ def test_decode_to_completion_under_memory_pressure(params, prompts):
     params = dict(params, device_pages=min(params["device_pages"], 14))
     server = build(params)
     uids = [server.submit(prompt_len, output_len) for prompt_len, output_len in prompts]
-    drain(server)
+    server.drain()
     assert set(uids) == set(server.finished) | set(server.rejected)
     for uid, (prompt_len, output_len) in zip(uids, prompts):
         # rejected at once exactly when too large; later only after a retraction made its prompt too long
@@ -162,7 +141,7 @@ def test_issue_stalls_end_within_the_bound(name):
     overrides, max_context, prompts = STALLS[name]
     server = build(regression_setup(**overrides), max_context=max_context)
     uids = [server.submit(prompt_len, output_len) for prompt_len, output_len in prompts]
-    drain(server)
+    server.drain()
     assert set(uids) == set(server.finished) | set(server.rejected)
     assert set(uids) & set(server.finished), "nothing finished"
 

@@ -88,32 +88,9 @@ def build(params, max_context: int = 160, accept=None) -> SimulatedServer:
 
 def run(params, operations) -> SimulatedServer:
     server = build(params)
-    for op in operations:
-        live = sorted(server.requests)
-        kind = op[0]
-        if kind == "add":
-            server.add_request(op[1], op[2])
-        elif kind == "pd":
-            server.admit_transferred(op[1], op[2])
-        elif kind == "step":
-            for _ in range(op[1]):
-                server.step()
-                server.check_invariants()
-        elif kind == "readmit":
-            server.readmit_retracted()
-        elif live:
-            uid = live[op[1] % len(live)]
-            getattr(server, kind)(uid)
-        server.check_invariants()
-    drain(server)
+    server.apply(operations)
+    server.drain()
     return server
-
-
-def drain(server: SimulatedServer) -> None:
-    """Run until every admitted request has ended, within the progress bound; nothing may leak."""
-    server.run_until_idle(check=server.check_invariants)
-    server.check_every_admitted_request_ended()
-    server.check_all_free()
 
 
 def note_coverage(server: SimulatedServer) -> None:
@@ -153,7 +130,7 @@ def test_speculative_decode_to_completion_under_memory_pressure(params, prompts)
     for transferred, prompt_len, output_len in prompts:
         uid = server.admit_transferred(prompt_len, output_len) if transferred else None
         uids.append(uid if uid is not None else server.submit(prompt_len, output_len))
-    drain(server)
+    server.drain()
     note_coverage(server)
     assert set(uids) == set(server.finished) | set(server.rejected)
 
@@ -181,7 +158,7 @@ def test_speculative_demotions_then_promotions(params, long_requests, head_start
         server.check_invariants()
     for prompt_len, output_len in burst:
         server.submit(prompt_len, output_len)
-    drain(server)
+    server.drain()
     note_coverage(server)
 
 
@@ -211,7 +188,7 @@ def test_extreme_accept_lengths(script, resident_first, host_lag):
     }[script]
     server = build(scenario(resident_first=resident_first, host_lag=host_lag), accept=accept)
     uids = [server.submit(30, 20), server.submit(14, 25), server.admit_transferred(26, 12)]
-    drain(server)
+    server.drain()
     assert set(server.finished) == set(uids)
     if resident_first:
         assert server.coordinator.telemetry.demotions > 0, "the scenario should demote under pressure"
@@ -234,7 +211,7 @@ def test_a_demotion_decided_behind_the_device_refreshes_slot_d():
     server.step()  # the verify reads s - 1 from slot D (checked by the step)
     assert not record.spec.slot_d_stale
     server.check_invariants()
-    drain(server)
+    server.drain()
 
 
 def test_a_promotion_completes_with_the_reserve_mapped():
@@ -255,7 +232,7 @@ def test_a_promotion_completes_with_the_reserve_mapped():
     assert record.mode == "resident" and server.coordinator.telemetry.promotions == 1
     locs = server.req_to_token[slot, : record.allocated_len].long()
     assert bool((server.allocator.translate(locs) > 0).all())
-    drain(server)
+    server.drain()
 
 
 @pytest.mark.parametrize("end", ["finish", "abort", "retract"])
@@ -295,4 +272,4 @@ def test_a_host_row_of_a_rejected_token_is_never_written():
             untouched = past[torch.isin(past, locs)]
             assert bool((layer[untouched] == 0x5A).all()), "a host row past s was written"
         assert request.seq_len >= committed
-    drain(server)
+    server.drain()

@@ -533,6 +533,37 @@ class SimulatedServer:
                 check()
         return steps
 
+    def apply(self, operations) -> None:
+        """Runs a lifecycle script (the property tests' operations), checking the invariants after each.
+
+        Each operation is a tuple: ``("add", prompt_len, output_len)``, ``("pd", prompt_len, output_len)``
+        (a PD-transferred request), ``("step", n)`` (``n`` steps, checked after each), ``("readmit",)``,
+        or ``(name, i)`` with ``name`` a request-ending method (``finish``, ``abort``, ``retract``, ...)
+        applied to the ``i``-th live request modulo their count (nothing when none is live).
+        """
+        for op in operations:
+            kind = op[0]
+            if kind == "add":
+                self.add_request(op[1], op[2])
+            elif kind == "pd":
+                self.admit_transferred(op[1], op[2])
+            elif kind == "step":
+                for _ in range(op[1]):
+                    self.step()
+                    self.check_invariants()
+            elif kind == "readmit":
+                self.readmit_retracted()
+            elif self.requests:
+                live = sorted(self.requests)
+                getattr(self, kind)(live[op[1] % len(live)])
+            self.check_invariants()
+
+    def drain(self) -> None:
+        """Runs until every admitted request has ended, within the progress bound; nothing may leak."""
+        self.run_until_idle(check=self.check_invariants)
+        self.check_every_admitted_request_ended()
+        self.check_all_free()
+
     def check_every_admitted_request_ended(self) -> None:
         """Every request admitted so far finished, was aborted or was rejected (none is lost)."""
         ended = set(self.finished) | set(self.aborted) | set(self.rejected)
