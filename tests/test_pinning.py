@@ -89,6 +89,37 @@ def test_every_unit_is_registered_once_from_worker_threads_and_released_on_close
     assert not region.pinned
 
 
+_COLLECTED_INSIDE_SUBMIT = """
+import concurrent.futures.thread, gc, sys
+sys.path.insert(0, {tests!r})
+from test_pinning import RecordingRegistrar
+from hisparse_sglang.memory.pinning import HostRegion
+registrar = RecordingRegistrar()
+region = HostRegion(4 << 20, registrar=registrar, threads=2)
+region.cycle = region  # collected only by the garbage collector, as the sim's pools are
+addresses = [address for address, _, _ in registrar.registered]
+del region
+gc.disable()
+# What ThreadPoolExecutor.submit holds while it starts a worker thread, where the collection ran.
+with concurrent.futures.thread._global_shutdown_lock:
+    gc.collect()
+assert sorted(registrar.unregistered) == sorted(addresses), (registrar.unregistered, addresses)
+print("released")
+"""
+
+
+def test_a_region_collected_inside_a_thread_pool_submit_unregisters_without_deadlock(tmp_path):
+    """On an H100 a garbage collection inside ThreadPoolExecutor.submit (which holds concurrent.futures'
+    module-wide lock) ran HostRegion.__del__, whose unregistration pool then waited for that lock forever."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = _COLLECTED_INSIDE_SUBMIT.format(tests=str(pathlib.Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "released" in done.stdout, done.stderr[-2000:]
+
+
 def test_a_failed_registration_releases_the_rest_and_names_the_size_and_fix():
     registrar = RecordingRegistrar(fail_at=3)
     units = [(layer * 2 * MiB, 2 * MiB) for layer in range(5)]

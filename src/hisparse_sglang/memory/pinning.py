@@ -306,7 +306,16 @@ class HostRegion:
                 pool.map(self.registrar.unregister, registered)
 
     def __del__(self) -> None:
+        # The garbage collector runs this wherever an allocation triggers it, for example inside
+        # another thread pool's submit() while it holds concurrent.futures' module-wide lock: a
+        # pool started here would wait for that lock forever (seen on an H100 in
+        # tests/gpu/test_coordinator_gpu.py). So no thread: unregister in the calling thread.
+        # cudaHostUnregister needs no particular device (the registrations are portable).
+        registered, self._registered = self._registered, []
+        if not registered or self.registrar is None:
+            return
         try:
-            self.close()
+            for address in registered:
+                self.registrar.unregister(address)
         except Exception:  # interpreter shutdown: CUDA may be gone; the process ends anyway
             pass
