@@ -68,7 +68,8 @@ def sass_by_kernel(sources: pathlib.Path, defines: tuple[str, ...], scratch: pat
         if match:
             current = kernels.setdefault(match.group(1), [])
         elif current is not None:
-            current.append(line)
+            # cuobjdump pads every line to the widest instruction of the whole file: compare the tokens.
+            current.append(" ".join(line.split()))
     return kernels
 
 
