@@ -41,7 +41,10 @@
 // g); entry i belongs to query position j = g + i / K, whose causal limit is s + j (s = seq_lens[b], the
 // committed length). The same planner and copiers run on the row with length s: history entries
 // (t < s - 1) of the group's positions are looked up, deduplicated and copied together, in position-major
-// order, exactly as swap_in serves one row of them; the newest accepted token (t == s - 1) maps to slot D
+// order, as swap_in serves one row of them, each token's row copied once: a token several positions
+// missed is copied by the owner of its first entry, and a copier keeping a later entry only writes that
+// entry's output (the planner hands it kDuplicateBase - row; without this a launch of G = 2 positions
+// copied nearly twice one position's bytes, measured on an H100). The newest accepted token (t == s - 1) maps to slot D
 // and a verify token t in [s, s + j] to slot D + kVerifySlotBase + (t - s), both in the hit path; a
 // resident request translates every entry up to its position's limit. A later group finds what an earlier
 // one copied as hits and never evicts a row an earlier one returned (those carry stamp s, the newest, and
@@ -309,7 +312,7 @@ __device__ __forceinline__ int copier_chunk(int top_k, int splits) {
 // Copier `c` (block part c + 1) of an offloaded request, owning entries [begin, end) of a chunk of
 // `chunk` entries; see the file comment. Returns with the block converged, and whether it touched the
 // row's claims or flag (the caller counts it done with release then).
-template <int THREADS>
+template <int THREADS, bool POSITIONS>
 __device__ __forceinline__ bool copier(const SwapInParams& p, int b, int c, int begin, int end, int chunk,
                                        const int32_t* top_k, const int32_t (&first_batch)[kBatch],
                                        const int32_t* positions_to_loc, const int16_t* token_slot, int32_t newest,
@@ -407,17 +410,38 @@ __device__ __forceinline__ bool copier(const SwapInParams& p, int b, int c, int 
   HISPARSE_MARK(2);
   wait_until_at_least(p.flags + b, kPlanReady);
   HISPARSE_MARK(3);
-  for (int m = tid; m < num_miss; m += THREADS) list_device[m] = __ldcg(out + list_entry[m]);
+  for (int m = tid; m < num_miss; m += THREADS) {
+    int32_t row = __ldcg(out + list_entry[m]);
+    if constexpr (POSITIONS) {
+      // A token this group's positions missed more than once: the planner marked every entry of it
+      // but the first (kDuplicateBase) where the entry's chunk is a copier's; the first entry's owner
+      // copies the row, this copier only writes the entry's output (no other CTA reads it).
+      if (row <= kDuplicateBase) {
+        row = kDuplicateBase - row;
+        out[list_entry[m]] = row;
+        row = -1;
+      }
+    }
+    list_device[m] = row;
+  }
   __syncthreads();
+  // list_device[m] < 0 (POSITIONS only): a duplicate, neither loaded nor stored.
   copy_rows_by<THREADS>(
       staged_rows, vectors_per_row, [&](int m, int v) { return staged[m * vectors_per_row + v]; },
-      [&](int m, int v, int4 value) { store_piece(p.device_kv, list_device[m], p.row_bytes, v, value); });
+      [&](int m, int v, int4 value) {
+        if (!POSITIONS || list_device[m] >= 0) store_piece(p.device_kv, list_device[m], p.row_bytes, v, value);
+      });
   copy_rows_by<THREADS>(
       num_miss - staged_rows, vectors_per_row,
       [&](int m, int v) {
+        if (POSITIONS && list_device[staged_rows + m] < 0) return int4{};
         return load_piece(p.host_kv, missed_host_row(list_host[staged_rows + m], staged_rows + m), p.row_bytes, v);
       },
-      [&](int m, int v, int4 value) { store_piece(p.device_kv, list_device[staged_rows + m], p.row_bytes, v, value); });
+      [&](int m, int v, int4 value) {
+        if (!POSITIONS || list_device[staged_rows + m] >= 0) {
+          store_piece(p.device_kv, list_device[staged_rows + m], p.row_bytes, v, value);
+        }
+      });
   HISPARSE_MARK(4);
   HISPARSE_DUMP("copy");
   return true;
@@ -719,15 +743,31 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
   HISPARSE_MARK(6);
 
   // M6: outputs of the missed entries; with copiers they are the plan, published by the flag.
-  for (int i = entry_begin; i < entry_end; ++i) {
-    if (entry_state[i] <= kMissBase) out[i] = hash_device_row[entry_hash[i]];
+  if constexpr (POSITIONS) {
+    // Several positions of a group miss the same token: the copier that keeps the chunk of a later
+    // entry must not copy the row again (a launch of G = 2 positions copied nearly twice the bytes of
+    // one position), so such an entry's output carries kDuplicateBase - row, which that copier turns
+    // back into the row after reading it (copier, C3). The first entry's owner copies the row.
+    const int copier_entries = p.splits > 1 ? copier_chunk(K, p.splits) : K;
+    for (int i = entry_begin; i < entry_end; ++i) {
+      if (entry_state[i] <= kMissBase) {
+        const int h = entry_hash[i];
+        const int32_t row = hash_device_row[h];
+        const bool duplicate = p.splits > 1 && first[h] != i && chunk_kept(kept, i / copier_entries);
+        out[i] = duplicate ? kDuplicateBase - row : row;
+      }
+    }
+  } else {
+    for (int i = entry_begin; i < entry_end; ++i) {
+      if (entry_state[i] <= kMissBase) out[i] = hash_device_row[entry_hash[i]];
+    }
   }
   if (tid == 0 && p.counters != nullptr) atomicAdd(p.counters + 1, static_cast<unsigned long long>(num_miss));
 
   // The rows the planner copies: a copier copies every missed entry of the chunk it keeps, so the
   // planner copies the misses first seen in a chunk no copier kept (hash indices in `mine`: all of
-  // miss_hash with splits == 1, else compacted into victim_slot, free after M5). A token also missed in
-  // a kept chunk is then written twice, with the same bytes.
+  // miss_hash with splits == 1, else compacted into victim_slot, free after M5). swap_in: a token also
+  // missed in a kept chunk is then written twice, with the same bytes (swap_in_positions: once, M6).
   const int16_t* mine = miss_hash;
   int mine_count = num_miss;
   if (p.splits > 1) {
@@ -847,8 +887,9 @@ __device__ __forceinline__ void swap_in_cta(const SwapInParams& p) {
   int16_t* token_slot = p.token_slot + int64_t(buffer) * p.token_slot_stride;
 
   if (part != 0) {
-    const bool released = copier<THREADS>(p, b, part - 1, entries_begin, entries_end, chunk, top_k, first_batch,
-                                          positions_to_loc, token_slot, newest, smem, warp_sums, selection);
+    const bool released = copier<THREADS, POSITIONS>(p, b, part - 1, entries_begin, entries_end, chunk, top_k,
+                                                     first_batch, positions_to_loc, token_slot, newest, smem,
+                                                     warp_sums, selection);
     if (tid == 0) arrive_done(p, b, released);
     return;
   }

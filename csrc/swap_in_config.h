@@ -40,6 +40,11 @@ constexpr int32_t kDone = -1;
 constexpr int32_t kNewest = -2;
 constexpr int32_t kMissBase = -3;
 
+// swap_in_positions only: the planner's output for a repeated miss a copier will read (swap_in.cuh,
+// M6 and the copier's C3) is kDuplicateBase - row, below every real output (rows >= 0, padding -1);
+// the copier restores the row. No output leaves the kernel encoded.
+constexpr int32_t kDuplicateBase = -2;
+
 // A copier CTA's area (from plan.role): its miss list, kCopierListInts int32 per entry of its chunk
 // (entry, host row, device row), then staged rows from the next kPieceBytes boundary to the end of
 // the plan (ops/swap_in_plan.COPIER_LIST_INTS: the plan reserves the list of a whole top-k).
