@@ -1,5 +1,6 @@
-"""hisparse-plan's arithmetic against what the tiny models got on the GPU (the committed e2e results: SGLang's
-token capacity and KV memory per arm, the most requests running at once), and its use of the package's own
+"""hisparse-plan's arithmetic against what the tiny models got on the GPU (the e2e runs' server commands and
+reports, extracted into tests/data/e2e_runs.json from benchmarks/results/e2e_*.json of the commit its header names:
+SGLang's token capacity and KV memory per arm, the most requests running at once), and its use of the package's own
 start-up checks. SGLang's own sizing code is compared in tests/sglang/test_plan_sglang.py."""
 
 from __future__ import annotations
@@ -13,20 +14,20 @@ import pytest
 from hisparse_sglang import plan
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+RUNS = REPO / "tests" / "data" / "e2e_runs.json"  # tests/test_data_files.py checks it against git
 ARMS_WITH_HISPARSE = {"b", "c", "d", "pd-b", "pd-c"}
 
 
 def recorded_arms():
-    """(file, arm, its server command, what SGLang reported, the capacity phase) of every committed e2e run
+    """(file, arm, its server command, what SGLang reported, the capacity phase) of every e2e run of the extract
     whose server reported its memory use (of a PD arm: the decode instance, which the harness asks)."""
-    for path in sorted(RESULTS.glob("e2e_*.json")):
-        for arm, result in json.loads(path.read_text()).get("arms", {}).items():
+    for name, run in sorted(json.loads(RUNS.read_text())["files"].items()):
+        for arm, result in run["arms"].items():
             usage = ((result or {}).get("server_internal") or {}).get("memory_usage")
             cmd = (result or {}).get("cmd")
             cmd = cmd.get("decode") if isinstance(cmd, dict) else cmd
             if usage and isinstance(cmd, str):
-                yield pytest.param(path.name, arm, cmd, usage, result.get("capacity"), id=f"{path.stem}-{arm}")
+                yield pytest.param(name, arm, cmd, usage, result.get("capacity"), id=f"{Path(name).stem}-{arm}")
 
 
 def spec_of(cmd: str, **overrides) -> plan.PlanInput:

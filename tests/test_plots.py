@@ -1,4 +1,5 @@
-"""benchmarks/plots.py: the series it reads from the committed results, and the PNGs it draws."""
+"""benchmarks/plots.py: the series it reads from e2e results (GPU runs, extracted into tests/data/e2e_runs.json,
+which tests/test_data_files.py checks against git), and the PNGs it draws of the committed results."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import plots  # noqa: E402
 
 
 def load(name: str) -> dict:
-    return json.loads((plots.RESULTS / name).read_text())
+    """The extract of one e2e result file, as tests/data/e2e_runs.json keeps it."""
+    return json.loads((REPO / "tests" / "data" / "e2e_runs.json").read_text())["files"][name]
 
 
 def test_throughput_levels_per_arm():
