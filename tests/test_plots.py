@@ -26,7 +26,7 @@ def test_throughput_levels_per_arm():
     assert sorted(series) == ["b", "c", "d"]
     c = series["c"]
     assert (c["phase"], c["input_len"], c["output_len"]) == ("throughput", 16384, 256)
-    # docs/gpu-e2e.md: c at concurrency 1 and 8: 411.1 tok/s, 2.12 ms; 1526.7 tok/s, 3.86 ms (median TPOT)
+    # docs/lab-notes/gpu-e2e-2026-11-22.md: c at concurrency 1 and 8: 411.1 tok/s, 2.12 ms; 1526.7 tok/s, 3.86 ms (median TPOT)
     assert c["points"][:2] == [(1, [411.1], [2.122]), (8, [1526.7], [3.861])]
     assert [point[0] for point in c["points"]] == [1, 8, 32, 36]
 
@@ -35,7 +35,7 @@ def test_repeated_levels_keep_every_run():
     series = plots.level_series(load("e2e_saturation_cd_H100_2026-11-22.json"))
     levels = {level: throughput for level, throughput, _ in series["c"]["points"]}
     assert sorted(levels) == [8, 35] and all(len(runs) == 2 for runs in levels.values())
-    assert sorted(levels[8]) == pytest.approx([2244, 2301], abs=1)  # docs/resident-first.md
+    assert sorted(levels[8]) == pytest.approx([2244, 2301], abs=1)  # docs/lab-notes/gpu-e2e-2026-11-22.md
     lowload = plots.level_series(load("e2e_H200_2026-11-24.json"))
     assert sorted(lowload) == ["a", "b", "c", "d"] and lowload["a"]["phase"] == "lowload"
     assert all(len(runs) == 3 for _, runs, _ in lowload["a"]["points"])  # 3 repeats per level
