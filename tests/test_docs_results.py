@@ -1,6 +1,8 @@
 """Every result file the docs cite exists, and every file in benchmarks/results/ is cited by one of them
 (docs: README.md and docs/**/*.md; STYLE.md: a result file is committed only when a doc states a figure
-from it).
+from it). benchmarks/results/ holds at most MAX_RESULT_FILES files (issue #29): a new run replaces the files
+whose figures it supersedes, and the prose that quoted them moves to a lab note that cites them from git
+history (below); tests read their GPU data from tests/data/, not from there.
 
 What counts as a citation, anywhere in a doc's text:
 
@@ -16,7 +18,7 @@ What counts as a citation, anywhere in a doc's text:
   it.
 
 ``python tests/test_docs_results.py [ROOT]`` prints what is dangling or uncited in another checkout (a copy
-with files deleted, say) and exits 1 if anything is.
+with files deleted, say), and whether its results hold too many files, and exits 1 if anything is wrong.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path("benchmarks") / "results"
+MAX_RESULT_FILES = 25  # issue #29: the files a doc quotes, not every run ever made
 
 _NAME = r"[\w.{},*/+-]"
 CITATION = re.compile(
@@ -103,6 +106,21 @@ def cited_files(results: Path, name: str) -> list[Path]:
     return []
 
 
+def result_files(root: Path) -> list[Path]:
+    results = root / RESULTS
+    return sorted(path for path in results.rglob("*") if path.is_file()) if results.is_dir() else []
+
+
+def too_many_files(root: Path) -> str | None:
+    """Why benchmarks/results/ holds too many files, or None."""
+    count = len(result_files(root))
+    if count <= MAX_RESULT_FILES:
+        return None
+    return (f"{RESULTS.as_posix()}/ holds {count} files, at most {MAX_RESULT_FILES}: remove those whose figures a "
+            f"newer run supersedes, and move the prose that quotes them into a lab note that cites them as "
+            f"<commit>:{RESULTS.as_posix()}/<name>")
+
+
 def check(root: Path) -> Report:
     results = root / RESULTS
     dangling, history, cited = [], [], set()
@@ -114,8 +132,7 @@ def check(root: Path) -> Report:
         if not files:
             dangling.append(citation)
         cited.update(files)
-    present = sorted(path for path in results.rglob("*") if path.is_file()) if results.is_dir() else []
-    uncited = [path.relative_to(results).as_posix() for path in present if path not in cited]
+    uncited = [path.relative_to(results).as_posix() for path in result_files(root) if path not in cited]
     return Report(dangling, uncited, history)
 
 
@@ -143,6 +160,11 @@ def test_every_result_file_is_cited():
         "in benchmarks/results/ but cited by no doc (README.md, docs/**/*.md): state a figure from it, or "
         "delete it:\n" + "\n".join(uncited)
     )
+
+
+def test_results_hold_at_most_the_files_allowed():
+    reason = too_many_files(REPO)
+    assert reason is None, reason
 
 
 def _full_history() -> str | None:
@@ -218,6 +240,15 @@ def test_a_glob_or_stem_that_matches_nothing_is_dangling(tmp_path):
     assert [c.name for c in check(root).dangling] == ["sweep_*_2026-01-03.md", "e2e_fp8_H100_2026-01-02"]
 
 
+def test_one_file_over_the_limit_is_too_many(tmp_path):
+    names = [f"run{number:02d}_H100_2026-01-02.md" for number in range(MAX_RESULT_FILES + 1)]
+    root = make_tree(tmp_path, {"README.md": "`benchmarks/results/run*_H100_2026-01-02.md`\n"}, names)
+    assert check(root).uncited == []  # all cited: the limit alone refuses them
+    assert f"holds {MAX_RESULT_FILES + 1} files, at most {MAX_RESULT_FILES}:" in too_many_files(root)
+    (root / RESULTS / names[-1]).unlink()
+    assert too_many_files(root) is None
+
+
 def main(argv: list[str]) -> int:
     root = Path(argv[1]).resolve() if len(argv) > 1 else REPO
     report = check(root)
@@ -225,9 +256,12 @@ def main(argv: list[str]) -> int:
         print(f"dangling: {citation}")
     for name in report.uncited:
         print(f"uncited: {RESULTS.as_posix()}/{name}")
+    too_many = too_many_files(root)
+    if too_many:
+        print(too_many)
     print(f"{root}: {len(report.dangling)} dangling, {len(report.uncited)} uncited, "
-          f"{len(report.history)} cited from git history")
-    return 1 if report.dangling or report.uncited else 0
+          f"{len(report.history)} cited from git history, {len(result_files(root))} result files")
+    return 1 if report.dangling or report.uncited or too_many else 0
 
 
 if __name__ == "__main__":
