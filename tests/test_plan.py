@@ -96,7 +96,7 @@ def test_host_pool_rows_and_pinning_time():
     assert result.logical_tokens == 131072 * 8 and result.host_rows == 131072 * 8 + 64  # page 0 reserved
     assert result.host_pool_gib == pytest.approx(1_048_640 * 4 * 1152 / 2**30)
     assert result.pin_seconds == pytest.approx(result.host_pool_gib / 15.3)
-    # 16 GiB pinned in 1.05 s (benchmarks/bench_host_pool.py, docs/gpu-e2e.md)
+    # 16 GiB pinned in 1.05 s (benchmarks/bench_host_pool.py, docs/lab-notes/gpu-e2e-2026-11-24.md)
     assert plan.PIN_RATE_GIB_S * 1.05 == pytest.approx(16, rel=0.01)
 
 

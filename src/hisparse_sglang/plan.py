@@ -30,7 +30,7 @@ __all__ = ["ModelShape", "KNOWN_MODELS", "PlanInput", "Plan", "plan", "model_sha
 
 GIB = 2**30
 # Host-pool pinning rate measured by benchmarks/bench_host_pool.py (16 GiB in 1.05 s with 16 threads on
-# an H200 machine, 2026-11-24; docs/gpu-e2e.md, "Host pool start-up").
+# an H200 machine, 2026-11-24; docs/lab-notes/gpu-e2e-2026-11-24.md, "Host pool start-up").
 PIN_RATE_GIB_S = 15.3
 # SGLang's DSA indexer keys (DSATokenToKVPool): index_head_dim fp8 bytes plus one fp32 scale per block
 # of this many values, per token and layer, in GPU memory.
