@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 from test_coordinator_sglang import LAYERS, PAGE
-from test_speculative_sglang import SPEC_ARGS, T, SpecRun, random_accepts
+from test_speculative_sglang import SPEC_ARGS, SpecRun, T, random_accepts
 
 from hisparse_sglang.integration.sglang import compat
 from hisparse_sglang.integration.sglang import hooks_speculative as hooks
