@@ -29,8 +29,9 @@ from hisparse_sglang.integration.sglang import compat
 pytestmark = [
     pytest.mark.sglang,
     pytest.mark.skipif(
-        not compat.serves_speculative_decoding(),
-        reason=f"SGLang calls the HiSparse verify step from 0.5.22 (installed: {compat.sglang_version()})",
+        not compat.serves_speculative_decoding() or compat.speculative_verify_is_hooked(),
+        reason=f"SGLang calls the HiSparse verify step itself from 0.5.22 (installed: {compat.sglang_version()}; "
+        f"0.5.17 - 0.5.21: tests/sglang/test_speculative_hooks.py)",
     ),
 ]
 
@@ -192,7 +193,10 @@ class SpecRun:
         for b, a in enumerate(accept):
             accept_index[b, :a] = b * T + torch.arange(a, dtype=torch.int32)
         coordinator.commit_spec_accept_tokens(batch=batch, accept_indices=accept_index)
+        self.accepted(reqs, accept)
 
+    def accepted(self, reqs, accept: list[int]) -> None:
+        """The lengths after a committed verify, then the host check."""
         for b, req in enumerate(reqs):
             old = self.device_len[req.rid]
             self.device_len[req.rid] = old + accept[b]

@@ -207,10 +207,10 @@ def test_dsa_models_with_kda_layers_or_pooled_index_keys_are_refused_by_name():
         validate(server_args(hf_config=pooled))
 
 
-# Speculative decoding (docs/speculative.md 2.1): each setup with its verdict on SGLang 0.5.22 and 0.5.23,
-# written out (None: accepted; else the error and fragments of its message). T = steps + 1 verify positions;
+# Speculative decoding (docs/speculative.md 2.1): each setup with its verdict on every supported release
+# (0.5.17 - 0.5.21 through hooks_speculative.py, 0.5.22+ through SGLang's own calls), written out (None: accepted; else the error and fragments of its message). T = steps + 1 verify positions;
 # the verify swap-in kernel serves T <= 4 (in groups of positions from T = 3 at top_k 2048), and the buffer must
-# hold T x top_k. Before 0.5.22 every one of them is refused, naming the releases that serve it.
+# hold T x top_k.
 EAGLE_1 = dict(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2)
 WAY_OUT = "use --speculative-num-steps 3 --speculative-num-draft-tokens 4"
 SPECULATIVE_CASES = {
@@ -262,12 +262,7 @@ SPECULATIVE_CASES = {
 
 @pytest.mark.parametrize("name", SPECULATIVE_CASES)
 def test_speculative_setups_get_their_verdict(name):
-    from packaging.version import Version
-
     overrides, verdict = SPECULATIVE_CASES[name]
-    if installed_release() < Version("0.5.22"):
-        verdict = (UnsupportedSetupError, [f"with SGLang 0.5.22 or 0.5.23, not with the installed {installed_release()}",
-                                           "remove --speculative-algorithm"])
     if verdict is None:
         validate(server_args(**overrides))
         return
@@ -279,13 +274,21 @@ def test_speculative_setups_get_their_verdict(name):
 
 
 def test_speculative_decoding_is_refused_with_sglangs_overlap_plan_stream(monkeypatch):
-    from packaging.version import Version
-
-    served = installed_release() >= Version("0.5.22")
     monkeypatch.setenv("SGLANG_ENABLE_OVERLAP_PLAN_STREAM", "1")
-    with pytest.raises(UnsupportedSetupError, match="SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1.*unset it" if served else "0.5.22"):
+    with pytest.raises(UnsupportedSetupError, match="SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1.*unset it"):
         validate(server_args(**EAGLE_1))
     validate(server_args())  # without speculative decoding the variable does not matter
     monkeypatch.setenv("SGLANG_ENABLE_OVERLAP_PLAN_STREAM", "0")
-    if served:
+    validate(server_args(**EAGLE_1))
+
+
+def test_speculative_decoding_is_refused_on_a_release_outside_the_served_range(monkeypatch):
+    from hisparse_sglang.integration.sglang import compat
+
+    assert [compat.serves_speculative_decoding(v) for v in ("0.5.16", "0.5.17", "0.5.21", "0.5.23", "0.5.24")] == [
+        False, True, True, True, False]
+    assert [compat.speculative_verify_is_hooked(v) for v in ("0.5.17", "0.5.21", "0.5.22", "0.5.23")] == [
+        True, True, False, False]
+    monkeypatch.setattr(compat, "serves_speculative_decoding", lambda installed=None: False)
+    with pytest.raises(UnsupportedSetupError, match="remove --speculative-algorithm"):
         validate(server_args(**EAGLE_1))

@@ -107,6 +107,8 @@ class HiSparseTokenAllocator(BaseTokenToKVPoolAllocator):
     def alloc_extend(
         self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, num_new_pages=None
     ):
+        if self.runtime.reserving_logical_only:  # a speculative reserve on 0.5.17 - 0.5.21 (hook H1)
+            return self.alloc_logical_only(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)
         _, _, _, device_pages = _count_extend_pages(prefix_lens_cpu, seq_lens_cpu, self.page_size)
         core = self.runtime.core
         if device_pages > self.rows.device_rows.free_pages and core is not None:

@@ -24,11 +24,12 @@ OLDEST_SGLANG = "0.5.17"
 NEWEST_SGLANG = "0.5.23"
 # The release the CUDA kernels and the end-to-end runs were proven on (the GPU image's torch 2.11).
 GPU_PROVEN_SGLANG = "0.5.17"
-# The releases whose EAGLE worker calls the HiSparse coordinator's verify step (prepare_spec_verify,
-# the 3-D swap_in_selected_pages, commit_spec_accept_tokens: docs/speculative.md 1.2). Before, the
-# hooks of docs/speculative.md 2.7 would be needed; they are not built, so speculative decoding is
-# refused there at startup.
-SPECULATIVE_SGLANG = ">=0.5.22"
+# The releases on which hisparse-sglang serves speculative decoding (EAGLE / NEXTN, topk 1). From 0.5.22
+# SGLang's EAGLE worker calls the HiSparse coordinator's verify step itself (prepare_spec_verify, the 3-D
+# swap_in_selected_pages, commit_spec_accept_tokens: docs/speculative.md 1.2, 2.8); on the releases of
+# SPECULATIVE_HOOKED_SGLANG the hooks of hooks_speculative.py make the same calls (docs/speculative.md 2.7).
+SPECULATIVE_SGLANG = ">=0.5.17"
+SPECULATIVE_HOOKED_SGLANG = ">=0.5.17,<0.5.22"
 
 
 @functools.cache
@@ -280,7 +281,7 @@ class CoordinatorCalls:
     no scratch: a verify step's working set lives in the request's buffer (``device_buffer_size >=
     num_draft_tokens x top_k``, checked at startup), which ``padded_buffer_size`` already counts. The
     verify step itself (``prepare_spec_verify``, ``commit_spec_accept_tokens``, the 3-D swap-in) is
-    the adapter's (integration/sglang/coordinator.py); 0.5.17 - 0.5.21 never call it.
+    the adapter's (integration/sglang/coordinator.py); on 0.5.17 - 0.5.21 hooks_speculative.py calls it.
     """
 
     class _NoSpecScratch:
@@ -303,12 +304,31 @@ def next_spec_allocated_lens(reqs, page_size: int) -> list[int]:
     """
     if not serves_speculative_decoding():
         raise UnsupportedSetupError(
-            f"hisparse-sglang serves speculative decoding from SGLang 0.5.22 on, not on {sglang_version()}."
+            f"hisparse-sglang serves speculative decoding on sglang{SPECULATIVE_SGLANG}, not on {sglang_version()}."
         )
-    from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode, page_aligned_decode_alloc_lens
+    from sglang.srt.mem_cache import allocation_sizing
 
-    _, allocated, _ = page_aligned_decode_alloc_lens(reqs, reserve=get_alloc_reserve_per_decode(), page_size=page_size)
-    return [int(length) for length in allocated]
+    reserve = allocation_sizing.get_alloc_reserve_per_decode()
+    if hasattr(allocation_sizing, "page_aligned_decode_alloc_lens"):  # 0.5.22+
+        _, allocated, _ = allocation_sizing.page_aligned_decode_alloc_lens(reqs, reserve=reserve, page_size=page_size)
+        return [int(length) for length in allocated]
+    # 0.5.17 - 0.5.21: eagle_prepare_for_decode computes it inline, the same rule.
+    return [
+        max(req_kv_allocated_len(req), -(-(kv_committed_len(req) + reserve) // page_size) * page_size)
+        for req in reqs
+    ]
+
+
+def speculative_verify_is_hooked(installed: str | None = None) -> bool:
+    """Whether the verify step reaches the coordinator through hooks_speculative.py (0.5.17 - 0.5.21)
+    rather than SGLang's own calls (0.5.22+)."""
+    installed = sglang_version() if installed is None else installed
+    if not is_supported(installed):
+        return False
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(installed) in SpecifierSet(SPECULATIVE_HOOKED_SGLANG)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -505,3 +525,65 @@ def write_locations(loc_info):
     from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
 
     return unwrap_write_loc(loc_info)[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the speculative verify step on 0.5.17 - 0.5.21 (hooks_speculative.py)
+
+
+def forward_extend_topk_indices(args: tuple, kwargs: dict):
+    """The ``topk_indices`` of a ``DeepseekSparseAttnBackend.forward_extend`` call, given the arguments
+    after ``forward_batch`` (``save_kv_cache, q_rope, k_rope, topk_indices, ...`` in 0.5.17 - 0.5.21;
+    ``RadixAttention`` passes it by keyword).
+
+    Raises:
+        UnsupportedSetupError: the call has none (a TARGET_VERIFY forward of a DSA layer always has).
+    """
+    topk_indices = kwargs.get("topk_indices", args[3] if len(args) > 3 else None)
+    if topk_indices is None:
+        raise UnsupportedSetupError(
+            "a TARGET_VERIFY forward_extend of a DSA layer came without topk_indices; hisparse-sglang's verify "
+            "swap-in needs them (remove --speculative-algorithm)."
+        )
+    return topk_indices
+
+
+def hisparse_enabled() -> bool:
+    """``--enable-hisparse`` as this process published it."""
+    from sglang.srt.runtime_context import get_memory
+
+    return bool(get_memory().enable_hisparse)
+
+
+def hisparse_disabled():
+    """A context in which this process's published ``enable_hisparse`` reads false (SGLang's scoped override
+    of its config bag): the draft runner's KV pool is built as SGLang's plain DSA pool there, as 0.5.22+
+    builds it for every draft runner."""
+    from sglang.srt.runtime_context import get_memory
+
+    return get_memory().override(enable_hisparse=False)
+
+
+def staged_spec_input(future_map, spec_algorithm, req_pool_indices):
+    """The draft input of requests leaving HiSparse staging: their future-map entries are their request
+    slots, where the prefill's draft extend stored its outputs (what 0.5.22+'s
+    ``FutureMap.make_staged_spec_input`` builds; the future map's own FIXME says its indices are the slots)."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    return EagleDraftInput(
+        capture_hidden_mode=CaptureHiddenMode.NULL if spec_algorithm.is_standalone() else CaptureHiddenMode.LAST,
+        future_indices=req_pool_indices,
+        future_dsa_topk_indices_available=getattr(future_map, "dsa_topk_indices_buf", None) is not None,
+    )
+
+
+def mla_kv_row_bytes(kvc) -> int:
+    """Bytes of one token's MLA KV in one layer, as a KV-cache configurator ``kvc`` sizes it."""
+    import torch
+    from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
+
+    dim = calculate_mla_kv_cache_dim(
+        model_config=kvc.model_config, kv_cache_dtype=kvc.kv_cache_dtype, server_args=kvc.server_args
+    )
+    return dim * torch._utils._element_size(kvc.kv_cache_dtype)

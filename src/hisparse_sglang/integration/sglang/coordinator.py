@@ -300,7 +300,6 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         """
         if batch.forward_mode.is_idle() or batch.req_pool_indices.numel() == 0:
             return
-        self._check_speculative("commit_spec_accept_tokens")
         rows = batch.req_pool_indices.shape[0]
         if accept_indices is None or accept_indices.dim() != 2 or accept_indices.shape[0] != rows:
             shape = None if accept_indices is None else tuple(accept_indices.shape)
@@ -308,7 +307,21 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
                 f"commit_spec_accept_tokens of a batch of {rows} requests with accept_indices of shape {shape}; "
                 f"expected [{rows}, speculative_num_steps + 1]."
             )
-        accept_lens = (accept_indices >= 0).sum(dim=1)
+        self.commit_spec_accept_lens(batch, (accept_indices >= 0).sum(dim=1))
+
+    def commit_spec_accept_lens(self, batch, accept_lens) -> None:
+        """:meth:`commit_spec_accept_tokens` given each row's accepted count ``a`` (int ``[B]``, the root
+        included, ``0 <= a <= T``), as ``run_eagle_verify`` returns it (0.5.17 - 0.5.21: its result's
+        ``accept_lens``, hooks_speculative.py). An idle batch commits nothing."""
+        if batch.forward_mode.is_idle() or batch.req_pool_indices.numel() == 0:
+            return
+        self._check_speculative("commit_spec_accept_tokens")
+        rows = batch.req_pool_indices.shape[0]
+        if accept_lens.dim() != 1 or accept_lens.shape[0] != rows:
+            raise HiSparseMemoryError(
+                f"commit of a batch of {rows} requests with accept lengths of shape {tuple(accept_lens.shape)}; "
+                f"expected [{rows}]."
+            )
         self.core.commit_verify(batch.req_pool_indices, batch.seq_lens, accept_lens)
 
     def can_verify(self, reqs) -> bool:

@@ -9,30 +9,14 @@ applies each of them. ``docs/sglang-versions.md`` says what differs between the 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Callable
 
 from hisparse_sglang.errors import UnsupportedSetupError, UnsupportedSGLangError
 from hisparse_sglang.integration.sglang import compat
+from hisparse_sglang.integration.sglang.hook_spec import HookSpec
+from hisparse_sglang.integration.sglang.hooks_speculative import SPECULATIVE_HOOKS
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class HookSpec:
-    target: str
-    hook_type: str  # "BEFORE", "AFTER", "AROUND", "REPLACE"
-    factory: Callable[[], object]  # returns the hook (a function, or a class for class REPLACE)
-    why: str
-    upstream: str
-    scheduler_only: bool = True
-    versions: str = compat.SUPPORTED_SGLANG  # the SGLang releases (PEP 440 specifier) it applies to
-
-    def applies_to(self, sglang_version: str) -> bool:
-        from packaging.specifiers import SpecifierSet
-
-        return sglang_version in SpecifierSet(self.versions)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -93,13 +77,10 @@ def _maybe_init_hisparse_coordinator(self) -> None:
     if not self.enable_hisparse:
         return
     if getattr(self, "is_draft_worker", False):
-        # From 0.5.22 a draft runner's enable_hisparse is false (its NextN layer stays dense on the GPU:
-        # docs/speculative.md 2.6 A), so only 0.5.17 - 0.5.21 get here, where validation refuses
-        # speculative decoding first.
-        raise UnsupportedSetupError(
-            "hisparse-sglang serves speculative decoding from SGLang 0.5.22 on (a HiSparse draft worker was "
-            "created); upgrade SGLang or remove --speculative-algorithm."
-        )
+        # The draft (NextN) layer stays dense on the GPU over the logical space, without a coordinator
+        # (docs/speculative.md 2.6 A): from 0.5.22 a draft runner's enable_hisparse is false, so only
+        # 0.5.17 - 0.5.21 get here, where hooks H6 - H8 gave the draft runner that dense pool.
+        return
     from hisparse_sglang.integration.sglang.runtime import runtime_of
     from hisparse_sglang.integration.sglang.validation import hisparse_config
 
@@ -377,7 +358,7 @@ def _current_coordinator(tree_cache):
 
 
 # ---------------------------------------------------------------------------------------------------
-HOOKS: tuple[HookSpec, ...] = (
+_CORE_HOOKS: tuple[HookSpec, ...] = (
     HookSpec(
         "sglang.srt.arg_groups.hisparse_hook.validate_hisparse", "REPLACE", lambda: _validate_hisparse,
         why="reject unsupported setups and bad --hisparse-config before model load, with typed errors naming the fix",
@@ -482,6 +463,11 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream="a metrics extension point for the sparse coordinator",
     ),
 )
+
+
+# Every hook, in registry order: the core ones above, then the speculative verify step of 0.5.17 - 0.5.21
+# (hooks_speculative.py, docs/speculative.md 2.7).
+HOOKS: tuple[HookSpec, ...] = (*_CORE_HOOKS, *SPECULATIVE_HOOKS)
 
 
 # On an SGLang outside the supported range only this guard is registered (main process).

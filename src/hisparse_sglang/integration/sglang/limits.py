@@ -18,6 +18,8 @@ from hisparse_sglang.errors import HiSparseMemoryError, UnsupportedSetupError
 
 __all__ = [
     "our_coordinator",
+    "draft_pool_sizes",
+    "count_draft_kv_at_logical_size",
     "decode_request_capacity",
     "colocated_note",
     "decode_note",
@@ -37,6 +39,37 @@ def our_coordinator(coordinator):
     from hisparse_sglang.integration.sglang.coordinator import SGLangHiSparseCoordinator
 
     return coordinator if isinstance(coordinator, SGLangHiSparseCoordinator) else None
+
+
+def draft_pool_sizes(sizes, allocator, page_size: int):
+    """The draft runner's pool sizes (SGLang's ``_PoolSizes``, 0.5.17 - 0.5.21) when ``allocator`` is
+    hisparse-sglang's: the draft pool is indexed by the target's logical locations, so it spans the whole
+    logical space (``allocator.size_full``), rounded up to a page; else ``sizes`` unchanged."""
+    import msgspec
+
+    from hisparse_sglang.integration.sglang.runtime import runtime_of
+
+    if runtime_of(allocator) is None:
+        return sizes
+    logical = -(-int(allocator.size_full) // page_size) * page_size
+    return msgspec.structs.replace(sizes, max_total_num_tokens=logical)
+
+
+def count_draft_kv_at_logical_size(pool_configurator, kvc) -> None:
+    """Adds to a target's ``DefaultPoolConfigurator`` cell size (bytes per device token) what its EAGLE
+    draft layers' KV costs beyond the device size SGLang counted: a draft pool over the logical space holds
+    ``host_to_device_ratio`` tokens per device token, so ``draft layers x row bytes x (ratio - 1)`` more.
+    Nothing for a draft runner, without EAGLE, or without hisparse-sglang's allocator class in use."""
+    from hisparse_sglang.integration.sglang import compat
+    from hisparse_sglang.integration.sglang.validation import hisparse_config
+
+    if kvc.is_draft_worker or not kvc.spec_algorithm.is_eagle() or not compat.hisparse_enabled():
+        return
+    draft_layers = int(kvc.spec_aux_config.eagle_draft_num_layers or 0)
+    if draft_layers <= 0:
+        return
+    ratio = hisparse_config(kvc.server_args, kvc.model_config).host_to_device_ratio
+    pool_configurator._cell_size += draft_layers * compat.mla_kv_row_bytes(kvc) * (ratio - 1)
 
 
 def decode_request_capacity(coordinator, num_reserved_decode_tokens: int) -> int | None:

@@ -76,7 +76,11 @@ class HiSparseDevicePool(DSATokenToKVPool):
 
     # ---------------------------------------------------------------- translation (SGLang's names)
     def translate_loc_to_hisparse_device(self, loc: torch.Tensor) -> torch.Tensor:
-        """Device rows of logical locations, same shape; -1 stays -1 (extend page tables)."""
+        """Device rows of logical locations, same shape; -1 stays -1 (extend page tables). Inside a
+        TARGET_VERIFY ``forward_extend`` on 0.5.17 - 0.5.21 (hook H4): the verify swap-in's rows instead."""
+        rows = self.runtime.take_verify_rows(loc)
+        if rows is not None:
+            return rows
         return self.runtime.device_row_of_loc[loc.to(torch.int64)]
 
     _translate_loc_to_hisparse_device = translate_loc_to_hisparse_device

@@ -18,6 +18,7 @@ object they receive (a scheduler's ``hisparse_coordinator``, an allocator, a tre
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -68,6 +69,11 @@ class HiSparseRuntime:
         self.metrics = None
         self._pool = None
         self._allocator = None
+        # 0.5.17 - 0.5.21 only (hooks_speculative.py): while SGLang allocates a speculative reserve, its
+        # alloc_extend must hand out logical locations only; while a TARGET_VERIFY forward_extend runs, the
+        # pool's one translation of its page table returns the verify swap-in's rows instead.
+        self.reserving_logical_only = False
+        self._verify_rows: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- construction, in SGLang's order
     def attach_pool(self, pool) -> None:
@@ -119,6 +125,39 @@ class HiSparseRuntime:
     @property
     def device_row_of_loc(self) -> torch.Tensor:
         return self.rows.device_row_of_loc
+
+    @contextlib.contextmanager
+    def logical_only_reserve(self):
+        """Within: the allocator's ``alloc_extend`` allocates logical locations only (what 0.5.22+'s
+        ``alloc_for_spec_decode`` asks for with ``alloc_logical_only``; hook H1)."""
+        self.reserving_logical_only = True
+        try:
+            yield
+        finally:
+            self.reserving_logical_only = False
+
+    @contextlib.contextmanager
+    def verify_rows_for_translation(self, rows: torch.Tensor):
+        """Within: the pool's next ``translate_loc_to_hisparse_device`` returns ``rows`` (int32 ``[B * T, K]``,
+        the verify swap-in's device rows) instead of translating its argument (hook H4); the hand-over is
+        dropped on exit whether or not it was taken."""
+        self._verify_rows = rows
+        try:
+            yield
+        finally:
+            self._verify_rows = None
+
+    def take_verify_rows(self, loc: torch.Tensor) -> torch.Tensor | None:
+        """The rows :meth:`verify_rows_for_translation` handed over (once), or None. ``loc``, the page table
+        the caller would translate, must have their shape."""
+        rows, self._verify_rows = self._verify_rows, None
+        if rows is not None and tuple(loc.shape) != tuple(rows.shape):
+            raise ValueError(
+                f"the verify forward translates a page table of shape {tuple(loc.shape)} but the verify swap-in "
+                f"returned rows of shape {tuple(rows.shape)}; this SGLang's DSA forward_extend does not match "
+                f"hooks_speculative.py (remove --speculative-algorithm)."
+            )
+        return rows
 
     def remember_preallocated(self, slot: int, locations) -> None:
         """PD decode: the logical locations SGLang preallocated for a request (the host rows the

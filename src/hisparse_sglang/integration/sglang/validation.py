@@ -6,7 +6,8 @@ but hisparse-sglang does not (docs/sglang-versions.md): DeepSeek-V4, MiniMax-M3 
 (0.5.21+), DSA models with KDA linear-attention layers (GLM-5.3 / Glm5Next, 0.5.20+) or pooled indexer
 keys, the flashinfer_sparse_mla decode backend and the HiCache host-pool retraction backup (0.5.18+),
 and the speculative-decoding setups outside docs/speculative.md 2.1 (EAGLE / NEXTN, topk 1, a number
-of steps whose verify positions the kernel serves, not adaptive, SGLang 0.5.22+). Each message
+of steps whose verify positions the kernel serves, not adaptive; SGLang 0.5.17 - 0.5.21 through the
+hooks of hooks_speculative.py, 0.5.22+ through SGLang's own calls). Each message
 names the feature and the way out. Since this validation replaces SGLang's ``validate_hisparse``,
 SGLang's own speculative rules for HiSparse (topk 1, not adaptive) are among these.
 """
@@ -177,7 +178,7 @@ def _check_speculative(args, config: HiSparseConfig) -> None:
     """Speculative decoding (docs/speculative.md 2.1): EAGLE / NEXTN with ``--speculative-eagle-topk 1``,
     ``T = steps + 1`` verify positions with ``1 <= steps <= 3`` and ``T`` at most what the verify swap-in
     kernel serves (``swap_in_plan.MAX_VERIFY_POSITIONS``), not adaptive, not multi-layer, the plan stream
-    off, ``device_buffer_size >= T x top_k``, on SGLang 0.5.22+. ``args`` is the resolved view
+    off, ``device_buffer_size >= T x top_k``, on every release of ``compat.SPECULATIVE_SGLANG``. ``args`` is the resolved view
     (SGLang's automatic choice of steps, topk and draft tokens included)."""
     algorithm = getattr(args, "speculative_algorithm", None)
     if algorithm is None or str(algorithm).upper() == "NONE":
@@ -185,9 +186,9 @@ def _check_speculative(args, config: HiSparseConfig) -> None:
     installed = compat.sglang_version()
     if not compat.serves_speculative_decoding(installed):
         raise UnsupportedSetupError(
-            f"hisparse-sglang serves speculative decoding (--speculative-algorithm {algorithm}) with SGLang "
-            f"0.5.22 or 0.5.23, not with the installed {installed}: install one of them (pip install "
-            f"'sglang>=0.5.22,<0.5.24'), or remove --speculative-algorithm."
+            f"hisparse-sglang serves speculative decoding (--speculative-algorithm {algorithm}) with "
+            f"sglang{compat.SPECULATIVE_SGLANG}, not with the installed {installed}: install one of those "
+            f"releases (pip install 'sglang{compat.SPECULATIVE_SGLANG},<0.5.24'), or remove --speculative-algorithm."
         )
     if str(algorithm).upper() not in SPECULATIVE_ALGORITHMS:
         raise UnsupportedSetupError(

@@ -1,0 +1,175 @@
+"""The speculative verify step on SGLang 0.5.17 - 0.5.21 (docs/speculative.md 2.7, hooks H1 - H9).
+
+From 0.5.22 SGLang's EAGLE worker calls the HiSparse coordinator's verify step itself and keeps the
+draft (NextN) layer dense on the GPU; these releases do neither. The hooks below make the same calls
+at the same points and give the draft runner the same dense pool over the logical space. Each body
+only forwards: the verify step is the adapter's (``SGLangHiSparseCoordinator``: ``prepare_spec_verify``,
+the 3-D ``swap_in_selected_pages``, ``commit_spec_accept_lens``), the hand-overs inside one SGLang call
+are the runtime's (``HiSparseRuntime.logical_only_reserve``, ``verify_rows_for_translation``), and
+what reads or builds SGLang objects is in ``compat`` / ``limits``. Every hook is a no-op unless the
+object it receives belongs to hisparse-sglang (our allocator, or a coordinator started with ``T``).
+"""
+
+from __future__ import annotations
+
+from hisparse_sglang.integration.sglang import compat
+from hisparse_sglang.integration.sglang.hook_spec import HookSpec
+
+
+def _verify_coordinator(coordinator):
+    """``coordinator`` if it is hisparse-sglang's, started with speculative decoding; else None."""
+    from hisparse_sglang.integration.sglang import limits
+
+    ours = limits.our_coordinator(coordinator)
+    return ours if ours is not None and ours.num_draft_tokens else None
+
+
+def _alloc_for_spec_decode(original, tree_cache, req_to_token_pool, **kwargs):
+    """H1 AROUND alloc_for_spec_decode: the reserve gets logical locations only (0.5.22+ calls
+    ``alloc_logical_only``); the coordinator's prepare binds device rows per request mode."""
+    from hisparse_sglang.integration.sglang.runtime import runtime_of
+
+    runtime = runtime_of(tree_cache.token_to_kv_pool_allocator)
+    if runtime is None or _verify_coordinator(runtime.coordinator) is None:
+        return original(tree_cache, req_to_token_pool, **kwargs)
+    with runtime.logical_only_reserve():
+        return original(tree_cache, req_to_token_pool, **kwargs)
+
+
+def _eagle_prepare_for_verify_after(result, verify_input, req_to_token_pool, batch, target_worker):
+    """H2 AFTER eagle_prepare_for_verify: ``batch.out_cache_loc`` holds the verify locations and
+    ``batch.seq_lens`` is ``s``: bind them (0.5.22+ calls ``prepare_spec_verify(batch)`` there)."""
+    coordinator = _verify_coordinator(batch.hisparse_coordinator)
+    if coordinator is not None and not batch.forward_mode.is_idle():
+        coordinator.prepare_spec_verify(batch)
+    return result
+
+
+def _run_eagle_verify_after(result, batch, **kwargs):
+    """H3 AFTER run_eagle_verify: commit the accepted tokens (``result.accept_lens``, the root included;
+    ``batch.seq_lens`` is still ``s``), before the draft extend (0.5.22+: ``commit_spec_accept_tokens``)."""
+    coordinator = _verify_coordinator(batch.hisparse_coordinator)
+    if coordinator is not None:
+        coordinator.commit_spec_accept_lens(batch, result.accept_lens)
+    return result
+
+
+def _forward_extend(original, self, q, k, v, layer, forward_batch, *args, **kwargs):
+    """H4 AROUND DeepseekSparseAttnBackend.forward_extend: in a TARGET_VERIFY forward, swap in the rows of
+    the top-k positions (int32 ``[B, T, K]``, unfused by H5) and hand them to the pool's one translation
+    of the call's page table (0.5.22+ calls the 3-D ``swap_in_selected_pages`` in place of it)."""
+    coordinator = _verify_coordinator(self.hisparse_coordinator)
+    if coordinator is None or not forward_batch.forward_mode.is_target_verify():
+        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+    topk_indices = compat.forward_extend_topk_indices(args, kwargs)
+    batch = forward_batch.req_pool_indices.shape[0]
+    positions = coordinator.num_draft_tokens
+    rows = coordinator.swap_in_selected_pages(
+        forward_batch.req_pool_indices, self.forward_metadata.dsa_seqlens_expanded,
+        topk_indices.view(batch, positions, -1), layer.layer_id,
+    )
+    with coordinator.runtime.verify_rows_for_translation(rows.view(batch * positions, -1)):
+        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+
+
+def _get_indexer_metadata_after(result, self, layer_id, forward_batch):
+    """H5 AFTER DeepseekSparseAttnBackend.get_indexer_metadata: the verify's top-k must be positions
+    (the unfused top-k) for H4's swap-in, as for decode (0.5.22+ forces it for TARGET_VERIFY)."""
+    import dataclasses
+
+    if _verify_coordinator(self.hisparse_coordinator) is None or not forward_batch.forward_mode.is_target_verify():
+        return result
+    return dataclasses.replace(result, force_unfused_topk=True)
+
+
+def _build_dsa_kv_pool(original, self, *, max_total_num_tokens):
+    """H6 AROUND KVCacheConfigurator._build_dsa_kv_pool: the draft runner gets SGLang's plain DSA pool,
+    not a HiSparse one (0.5.22+: ``not self.is_draft_worker``)."""
+    if not (self.is_draft_worker and compat.hisparse_enabled()):
+        return original(self, max_total_num_tokens=max_total_num_tokens)
+    with compat.hisparse_disabled():
+        return original(self, max_total_num_tokens=max_total_num_tokens)
+
+
+def _derive_pool_sizes_after(result, self, *, config):
+    """H7 AFTER KVCacheConfigurator._derive_pool_sizes: the draft pool is indexed by the target's
+    logical locations, so it spans the allocator's logical space, page-rounded (0.5.22+: ``size_full``)."""
+    from hisparse_sglang.integration.sglang import limits
+
+    if not self.is_draft_worker:
+        return result
+    return limits.draft_pool_sizes(result, self.token_to_kv_pool_allocator, self.pool_page_size)
+
+
+def _default_pool_configurator_init_after(result, self, kvc):
+    """H8 AFTER DefaultPoolConfigurator.__init__: the memory budget counts the draft layers' KV at the
+    logical size (``host_to_device_ratio`` per device token), not at the device size."""
+    from hisparse_sglang.integration.sglang import limits
+
+    limits.count_draft_kv_at_logical_size(self, kvc)
+
+
+def _build_hisparse_decode_batch_after(result, self, reqs):
+    """H9 AFTER Scheduler._build_hisparse_decode_batch: a request leaving staging enters decode with its
+    draft state (the prefill's draft outputs, stored by request slot in the future map; 0.5.22+:
+    ``future_map.make_staged_spec_input``)."""
+    if self.spec_algorithm.is_none() or _verify_coordinator(getattr(self, "hisparse_coordinator", None)) is None:
+        return result
+    result.spec_info = compat.staged_spec_input(self.future_map, self.spec_algorithm, result.req_pool_indices)
+    return result
+
+
+_HOOKED = compat.SPECULATIVE_HOOKED_SGLANG
+_ATTENTION = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+
+SPECULATIVE_HOOKS: tuple[HookSpec, ...] = (
+    HookSpec(
+        "sglang.srt.mem_cache.allocation.alloc_for_spec_decode", "AROUND", lambda: _alloc_for_spec_decode,
+        why="H1: the speculative reserve comes from alloc_extend, which gives offloaded requests device pages the "
+        "verify binding would orphan",
+        upstream="done in 0.5.22 (alloc_logical_only under HiSparse)", versions=_HOOKED,
+    ),
+    HookSpec(
+        "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify", "AFTER", lambda: _eagle_prepare_for_verify_after,
+        why="H2: no coordinator call binds the verify locations",
+        upstream="0.5.22 prepare_spec_verify(batch)", versions=_HOOKED,
+    ),
+    HookSpec(
+        "sglang.srt.speculative.eagle_worker_common.run_eagle_verify", "AFTER", lambda: _run_eagle_verify_after,
+        why="H3: no coordinator call after acceptance; the accepted tokens' KV must reach the host",
+        upstream="0.5.22 commit_spec_accept_tokens", versions=_HOOKED,
+    ),
+    HookSpec(
+        f"{_ATTENTION}.forward_extend", "AROUND", lambda: _forward_extend,
+        why="H4: the verify translates locations (row 0 for an offloaded request's history) instead of swapping in",
+        upstream="0.5.22 3-D swap_in_selected_pages in TARGET_VERIFY", versions=_HOOKED,
+    ),
+    HookSpec(
+        f"{_ATTENTION}.get_indexer_metadata", "AFTER", lambda: _get_indexer_metadata_after,
+        why="H5: the verify's fused top-k yields locations; H4's swap-in needs positions",
+        upstream="0.5.22 forces the unfused top-k for TARGET_VERIFY", versions=_HOOKED,
+    ),
+    HookSpec(
+        f"{_CONFIGURATOR}._build_dsa_kv_pool", "AROUND", lambda: _build_dsa_kv_pool,
+        why="H6: the draft runner would build a HiSparse pool (a second HiSparse runtime, no location table)",
+        upstream="0.5.22 builds the HiSparse pool only when not is_draft_worker", versions=_HOOKED,
+    ),
+    HookSpec(
+        f"{_CONFIGURATOR}._derive_pool_sizes", "AFTER", lambda: _derive_pool_sizes_after,
+        why="H7: the draft pool has the device size but is indexed by logical locations",
+        upstream="0.5.22 sizes it by the HiSparse allocator's size_full", versions=_HOOKED,
+    ),
+    HookSpec(
+        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__", "AFTER",
+        lambda: _default_pool_configurator_init_after,
+        why="H8: the memory budget counts the draft layers' KV at the device size, not the logical size",
+        upstream="0.5.22 draft_loc_space_scale", versions=_HOOKED,
+    ),
+    HookSpec(
+        "sglang.srt.managers.scheduler.Scheduler._build_hisparse_decode_batch", "AFTER",
+        lambda: _build_hisparse_decode_batch_after,
+        why="H9: a request leaving staging would enter decode without its draft state",
+        upstream="0.5.22 future_map.make_staged_spec_input", versions=_HOOKED,
+    ),
+)

@@ -1,0 +1,267 @@
+"""The speculative verify step on SGLang 0.5.17 - 0.5.21 through hooks_speculative.py (docs/speculative.md 2.7),
+on CPU with SGLang's real Req / ScheduleBatch / ReqToTokenPool / DSAIndexerMetadata / EagleDraftInput, our pool,
+allocator and coordinator (reference ops).
+
+The verify steps are those of tests/sglang/test_speculative_sglang.py (0.5.22+), with every coordinator call
+made by the hook that makes it here: the reserve through H1 around SGLang's own ``alloc_paged_token_slots_extend``
+(what ``alloc_for_spec_decode`` calls), the binding through H2, each layer's swap-in through H4 around a
+``forward_extend`` stand-in that does what SGLang's does with the page table (one translation through the pool;
+the attention kernels have no CPU path), the commit through H3 with ``run_eagle_verify``'s ``accept_lens``. The
+same checks follow every step: each row holds the right KV, every committed token is on its host row, no host
+row holds a rejected draft's KV.
+"""
+
+import types
+
+import pytest
+import torch
+from test_coordinator_sglang import LAYERS, PAGE
+from test_speculative_sglang import SPEC_ARGS, SpecRun, T, random_accepts
+
+from hisparse_sglang.integration.sglang import compat
+from hisparse_sglang.integration.sglang import hooks_speculative as hooks
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(
+        not compat.speculative_verify_is_hooked(),
+        reason=f"the verify-step hooks cover SGLang 0.5.17 - 0.5.21 (installed: {compat.sglang_version()})",
+    ),
+]
+
+
+@pytest.fixture(autouse=True)
+def spec_server_args():
+    """The scheduler's published config: SGLang's sizing of the reserve reads it."""
+    from sglang.srt import runtime_context
+
+    compat.publish_single_rank_scheduler(compat.unresolved_server_args(enable_hisparse=True, **SPEC_ARGS))
+    yield
+    runtime_context.reset_context()
+
+
+def unreachable(*args, **kwargs):
+    raise AssertionError("the hook must not call SGLang's original here")
+
+
+class HookedRun(SpecRun):
+    """SpecRun with every coordinator call made by the 0.5.17 - 0.5.21 hook that makes it."""
+
+    def reserve(self, batch) -> None:
+        """alloc_for_spec_decode through H1: SGLang's lengths, SGLang's alloc_paged_token_slots_extend (which
+        calls the allocator's alloc_extend) for the locations; req_to_token written in torch (SGLang's
+        assign_req_to_token_pool_func is Triton)."""
+        from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend
+
+        stack = self.stack
+        cur = [compat.req_kv_allocated_len(req) for req in batch.reqs]
+        nxt = compat.next_spec_allocated_lens(batch.reqs, PAGE)
+        needed = sum(nxt) - sum(cur)
+
+        def alloc_for_spec_decode(tree_cache, req_to_token_pool, **kwargs):
+            if needed:
+                cur_t, nxt_t = torch.tensor(cur), torch.tensor(nxt)
+                last_loc = req_to_token_pool.req_to_token[batch.req_pool_indices, cur_t - 1].to(torch.int64)
+                locs = alloc_paged_token_slots_extend(tree_cache, cur_t, cur_t, nxt_t, nxt_t, last_loc, needed)
+                offset = 0
+                for slot, old, new in zip(batch.req_pool_indices.tolist(), cur, nxt):
+                    req_to_token_pool.req_to_token[slot, old:new] = locs[offset : offset + new - old].to(torch.int32)
+                    offset += new - old
+            for req, new in zip(batch.reqs, nxt):
+                req.kv.kv_allocated_len = max(req.kv.kv_allocated_len, new)
+
+        before = stack.allocator.rows.device_rows.free_pages
+        hooks._alloc_for_spec_decode(alloc_for_spec_decode, stack.cache, stack.req_to_token_pool, reqs=batch.reqs)
+        assert stack.allocator.rows.device_rows.free_pages == before, "the reserve took device pages"
+
+    def step(self, reqs, accept: list[int], padded: bool = False, reserve=None) -> None:
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        stack, coordinator = self.stack, self.coordinator
+        batch = self.batch(reqs)
+        batch.hisparse_coordinator = coordinator
+        assert self.fits(batch)
+        self.reserve(batch)
+        s = batch.seq_lens
+        positions = s[:, None] + torch.arange(T)
+        batch.out_cache_loc = stack.req_to_token_pool.req_to_token[batch.req_pool_indices[:, None], positions]
+        batch.out_cache_loc = batch.out_cache_loc.reshape(-1).to(torch.int64)
+        batch.forward_mode = ForwardMode.TARGET_VERIFY  # eagle_prepare_for_verify sets it before H2 runs
+        hooks._eagle_prepare_for_verify_after("result", None, stack.req_to_token_pool, batch, None)
+
+        for b, req in enumerate(reqs):
+            for j in range(T):
+                self.write(req, int(s[b]) + j, rejected=j >= accept[b])
+
+        rows_in_graph = len(reqs) + int(padded)
+        graph = types.SimpleNamespace(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            req_pool_indices=torch.cat([batch.req_pool_indices, torch.zeros(int(padded), dtype=torch.int64)]),
+        )
+        graph_s = torch.cat([s, torch.zeros(int(padded), dtype=torch.int64)])
+        backend = types.SimpleNamespace(
+            hisparse_coordinator=coordinator, token_to_kv_pool=stack.pool,
+            forward_metadata=types.SimpleNamespace(
+                dsa_seqlens_expanded=(graph_s[:, None] + torch.arange(T) + 1).reshape(-1).to(torch.int32)
+            ),
+        )
+        coordinator.num_real_reqs.fill_(len(reqs))
+        for layer in stack.layers:
+            top_k = self.top_k(graph_s, len(reqs))
+
+            def forward_extend(self_, q, k, v, layer_, forward_batch, **kwargs):
+                # What SGLang's does with its page table of the verify: translate it once through the pool.
+                page_table = kwargs["topk_indices"].view(rows_in_graph * T, -1)
+                return self_.token_to_kv_pool.translate_loc_to_hisparse_device(page_table)
+
+            rows = hooks._forward_extend(
+                forward_extend, backend, None, None, None, layer, graph, topk_indices=top_k.view(rows_in_graph * T, -1)
+            )
+            self.check_rows(reqs, s, accept, top_k, rows.view(rows_in_graph, T, -1), layer.layer_id)
+
+        result = types.SimpleNamespace(accept_lens=torch.tensor(accept, dtype=torch.int32))
+        assert hooks._run_eagle_verify_after(result, batch, target_worker=None) is result
+        self.accepted(reqs, accept)
+
+
+@pytest.mark.parametrize("host_lag", [False, True])
+@pytest.mark.parametrize("resident_first", [True, False])
+def test_verify_steps_through_the_hooks_serve_the_right_kv_and_commit_only_accepted_tokens(resident_first, host_lag):
+    run = HookedRun(host_lag=host_lag, resident_first=resident_first)
+    reqs = [run.admit("a", 3 * PAGE + 5), run.admit("b", 2 * PAGE - 1)]
+    for step, accept in enumerate(random_accepts(run, 8)):
+        run.step(reqs, [accept, max(1, T - accept)], padded=step % 2 == 1)
+    for req, how in zip(reqs, ("finish", "retract")):
+        run.end(req, how)
+    assert run.stack.allocator.rows.stats().device_rows_used == 0
+
+
+def test_the_hooks_hand_the_coordinator_sglangs_slots_lengths_and_accept_lengths():
+    run = HookedRun(host_lag=True, resident_first=False)
+    reqs = [run.admit("a", 2 * PAGE + 3), run.admit("b", PAGE + 1)]
+    run.step(reqs, [T, 1])
+    run.step(reqs, [1, T])
+    slots = [compat.req_slot(req) for req in reqs]
+    prepare = run.spies["prepare_verify"].calls
+    assert [call[:3] for call in prepare] == [
+        [slots, [2 * PAGE + 3, PAGE + 1], [3 * PAGE, 2 * PAGE]],
+        [slots, [2 * PAGE + 3, PAGE + 1], [3 * PAGE, 2 * PAGE]],  # c lags one verify
+    ]
+    assert [call[4] for call in prepare] == [[2 * PAGE + 3, PAGE + 1], [2 * PAGE + 3 + T, PAGE + 2]]
+    assert all(call[5] == T for call in prepare)
+    assert [call[2] for call in run.spies["commit_verify"].calls] == [[T, 1], [1, T]]
+    swaps = run.spies["swap_in_verify"].calls
+    assert len(swaps) == 2 * LAYERS and [call[3] for call in swaps[:LAYERS]] == list(range(LAYERS))
+    assert swaps[0][1] == [2 * PAGE + 3, PAGE + 1]  # s from dsa_seqlens_expanded
+
+
+def test_outside_a_verify_with_our_coordinator_the_hooks_call_sglang_unchanged():
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    run = HookedRun(host_lag=False)
+    req = run.admit("a", PAGE + 2)
+    batch = run.batch([req])
+    batch.hisparse_coordinator = run.coordinator
+    batch.forward_mode = ForwardMode.IDLE
+    hooks._eagle_prepare_for_verify_after(None, None, None, batch, None)
+    hooks._run_eagle_verify_after(types.SimpleNamespace(accept_lens=torch.zeros(0, dtype=torch.int32)), batch)
+    assert run.spies["prepare_verify"].calls == run.spies["commit_verify"].calls == []
+    # An EXTEND forward (prefill) is SGLang's own; so is everything without our coordinator.
+    backend = types.SimpleNamespace(hisparse_coordinator=run.coordinator)
+    extend = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND)
+    assert hooks._forward_extend(lambda *a, **k: "sglang", backend, 1, 2, 3, None, extend, topk_indices=None) == "sglang"
+    verify = types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY)
+    none = types.SimpleNamespace(hisparse_coordinator=None)
+    assert hooks._forward_extend(lambda *a, **k: "sglang", none, 1, 2, 3, None, verify) == "sglang"
+    without = run.stack.cache
+    run.stack.allocator.runtime.coordinator.num_draft_tokens = 0  # a coordinator started without speculation
+    hooks._alloc_for_spec_decode(lambda *a, **k: None, without, None)
+    assert not run.stack.allocator.runtime.reserving_logical_only
+    batch.forward_mode = ForwardMode.TARGET_VERIFY
+    hooks._eagle_prepare_for_verify_after(None, None, None, batch, None)
+    assert run.spies["prepare_verify"].calls == []
+
+
+def test_the_verify_top_k_is_unfused_only_in_a_verify_with_our_coordinator():
+    from sglang.srt.layers.attention.dsa.dsa_indexer_metadata import DSAIndexerMetadata
+    from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    run = HookedRun(host_lag=False)
+    metadata = DSAIndexerMetadata(attn_metadata=None, topk_transform_method=TopkTransformMethod.PAGED)
+    ours = types.SimpleNamespace(hisparse_coordinator=run.coordinator)
+    verify = types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY)
+    assert hooks._get_indexer_metadata_after(metadata, ours, 0, verify).force_unfused_topk is True
+    extend = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND)
+    assert hooks._get_indexer_metadata_after(metadata, ours, 0, extend) is metadata
+    theirs = types.SimpleNamespace(hisparse_coordinator=None)
+    assert hooks._get_indexer_metadata_after(metadata, theirs, 0, verify) is metadata
+
+
+def test_a_translation_of_another_shape_than_the_verify_rows_is_refused():
+    run = HookedRun(host_lag=False)
+    runtime = run.stack.allocator.runtime
+    with runtime.verify_rows_for_translation(torch.zeros(2 * T, 4, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="does not match hooks_speculative.py"):
+            run.stack.pool.translate_loc_to_hisparse_device(torch.zeros(2 * T, 5, dtype=torch.int64))
+    assert runtime.take_verify_rows(torch.zeros(1)) is None
+
+
+def test_a_request_leaving_staging_gets_its_draft_state_from_its_request_slot():
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    run = HookedRun(host_lag=False)
+    batch = types.SimpleNamespace(req_pool_indices=torch.tensor([3, 5]), spec_info=None)
+    scheduler = types.SimpleNamespace(
+        spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE"), hisparse_coordinator=run.coordinator,
+        future_map=types.SimpleNamespace(dsa_topk_indices_buf=None),
+    )
+    assert hooks._build_hisparse_decode_batch_after(batch, scheduler, []) is batch
+    assert isinstance(batch.spec_info, EagleDraftInput)
+    assert batch.spec_info.future_indices.tolist() == [3, 5]
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    assert batch.spec_info.capture_hidden_mode == CaptureHiddenMode.LAST
+    plain = types.SimpleNamespace(req_pool_indices=torch.tensor([3]), spec_info=None)
+    scheduler.spec_algorithm = SpeculativeAlgorithm.from_string("NONE")
+    hooks._build_hisparse_decode_batch_after(plain, scheduler, [])
+    assert plain.spec_info is None
+
+
+def test_the_draft_pool_is_sglangs_plain_pool_over_the_logical_space():
+    import msgspec
+    from sglang.srt.mem_cache.kv_cache_configurator import _PoolSizes
+
+    run = HookedRun(host_lag=False)
+    allocator = run.stack.allocator
+    seen = []
+
+    def build(self, *, max_total_num_tokens):
+        seen.append(compat.hisparse_enabled())
+        return "pool"
+
+    draft = types.SimpleNamespace(is_draft_worker=True, token_to_kv_pool_allocator=allocator, pool_page_size=PAGE)
+    target = types.SimpleNamespace(is_draft_worker=False, token_to_kv_pool_allocator=allocator, pool_page_size=PAGE)
+    assert hooks._build_dsa_kv_pool(build, draft, max_total_num_tokens=10) == "pool"
+    hooks._build_dsa_kv_pool(build, target, max_total_num_tokens=10)
+    assert seen == [False, True] and compat.hisparse_enabled()
+
+    fields = {name: None for name in _PoolSizes.__struct_fields__}
+    sizes = _PoolSizes(**dict(fields, max_total_num_tokens=allocator.device_tokens, max_running_requests=8))
+    logical = hooks._derive_pool_sizes_after(sizes, draft, config=None).max_total_num_tokens
+    assert logical == -(-allocator.size_full // PAGE) * PAGE and logical >= allocator.size_full > allocator.device_tokens
+    assert hooks._derive_pool_sizes_after(sizes, target, config=None) is sizes
+    theirs = types.SimpleNamespace(is_draft_worker=True, token_to_kv_pool_allocator=object(), pool_page_size=PAGE)
+    assert msgspec.structs.asdict(hooks._derive_pool_sizes_after(sizes, theirs, config=None)) == msgspec.structs.asdict(
+        sizes
+    )
+
+
+def test_the_model_runner_hook_leaves_the_draft_runner_without_a_coordinator():
+    from hisparse_sglang.integration.sglang.hooks import _maybe_init_hisparse_coordinator
+
+    draft = types.SimpleNamespace(enable_hisparse=True, is_draft_worker=True, hisparse_coordinator=None)
+    _maybe_init_hisparse_coordinator(draft)
+    assert draft.hisparse_coordinator is None
+
