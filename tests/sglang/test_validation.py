@@ -227,7 +227,12 @@ SPECULATIVE_CASES = {
     "3 steps, buffer 4 x top_k (the recommended DeepSeek launch)": (
         dict(EAGLE_1, speculative_num_steps=3, speculative_num_draft_tokens=4, hisparse_config='{"device_buffer_size": 8192}'),
         None),
-    "3 steps, buffer 2 x top_k": (dict(EAGLE_1, speculative_num_steps=3, speculative_num_draft_tokens=4),
+    "3 steps, default buffer (4 x top_k with 4 verify positions)": (
+        dict(EAGLE_1, speculative_num_steps=3, speculative_num_draft_tokens=4, hisparse_config=None), None),
+    "2 steps, default buffer (3 x top_k)": (
+        dict(EAGLE_1, speculative_num_steps=2, speculative_num_draft_tokens=3, hisparse_config=None), None),
+    "3 steps, buffer 2 x top_k": (dict(EAGLE_1, speculative_num_steps=3, speculative_num_draft_tokens=4,
+                                       hisparse_config='{"device_buffer_size": 4096}'),
                                   (HiSparseConfigError, ["device_buffer_size (4096) must be >= --speculative-num-draft-tokens "
                                                          "(4) x top_k (2048) = 8192", "set device_buffer_size to 8192"])),
     "4 steps": (dict(EAGLE_1, speculative_num_steps=4, speculative_num_draft_tokens=5),

@@ -187,6 +187,14 @@ def validation_inputs(server_args):
     return resolved_view(server_args), model_config(server_args)
 
 
+def published_server_args():
+    """This process's published server-argument record (``get_server_args()``), for the readers SGLang
+    calls without one (from 0.5.19 ``parse_hisparse_config()`` takes no argument)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    return get_server_args()
+
+
 def model_config(server_args=None):
     """SGLang's ``ModelConfig`` of the server being started, built on first use and memoized by SGLang
     on its server-argument record: ``get_model_config()`` up to 0.5.18, ``model_override_base.model_config_of``
@@ -197,9 +205,7 @@ def model_config(server_args=None):
             (``get_server_args()``; from 0.5.19 ``parse_hisparse_config()`` takes no argument).
     """
     if server_args is None:
-        from sglang.srt.runtime_context import get_server_args
-
-        server_args = get_server_args()
+        server_args = published_server_args()
     try:
         from sglang.srt.arg_groups.model_override_base import model_config_of
     except ImportError:  # 0.5.17, 0.5.18

@@ -53,7 +53,8 @@ def config_from_server_args(server_args, model_index_topk: int | None = None) ->
     """HiSparseConfig from ``--hisparse-config`` (where the installed release keeps it) and the
     model's ``index_topk``, its page size checked against SGLang's ``--page-size`` when
     ``server_args`` is given (raises HiSparseConfigError naming whichever of the two the user set)."""
-    config, page_size_set = _parsed(compat.hisparse_config_json(server_args), model_index_topk)
+    positions = verify_positions(server_args if server_args is not None else compat.published_server_args())
+    config, page_size_set = _parsed(compat.hisparse_config_json(server_args), model_index_topk, positions)
     if server_args is not None:
         _check_page_size(config.page_size, page_size_set, getattr(server_args, "page_size", None))
     return config
@@ -64,10 +65,24 @@ def config_from_server_args(server_args, model_index_topk: int | None = None) ->
 # object. The result is a function of the two arguments alone (no state to go stale); an invalid
 # text raises each time, since errors are not cached.
 @functools.lru_cache(maxsize=4)
-def _parsed(text: str | None, model_index_topk: int | None) -> tuple[HiSparseConfig, bool]:
+def _parsed(text: str | None, model_index_topk: int | None, positions: int) -> tuple[HiSparseConfig, bool]:
     """(the config, whether the text sets page_size)."""
     values = parse_config_text(text)
-    return HiSparseConfig.from_dict(values, model_index_topk=model_index_topk), "page_size" in values
+    config = HiSparseConfig.from_dict(values, model_index_topk=model_index_topk, verify_positions=positions)
+    return config, "page_size" in values
+
+
+def verify_positions(server_args) -> int:
+    """``T``, the query positions of a request per decode step: ``--speculative-num-draft-tokens`` with
+    speculative decoding, else 1. Every reader of the config passes the same settings (SGLang resolves
+    the draft-token count before the schedulers start; startup validation reads the resolved view), so
+    every reader gets the same default ``device_buffer_size``. A value speculative validation refuses
+    counts as 1 here; its own check names it."""
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if algorithm is None or str(algorithm).upper() == "NONE":
+        return 1
+    tokens = getattr(server_args, "speculative_num_draft_tokens", None)
+    return tokens if isinstance(tokens, int) and 1 <= tokens <= MAX_VERIFY_POSITIONS else 1
 
 
 def _check_page_size(config_page_size: int, set_in_config: bool, server_page_size: int | None) -> None:
