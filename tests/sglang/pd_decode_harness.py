@@ -13,6 +13,7 @@ import logging
 import types
 from array import array
 
+import drive
 from pd_peer import leak_report
 
 from hisparse_sglang.integration.sglang import compat
@@ -141,12 +142,12 @@ class DecodeQueues:
         )
         self.metadata_allocator = ReqToMetadataIdxAllocator(8)
         gloo_group = parallel_state.get_attn_tp_group().cpu_group
-        self.transfer_queue = compat.call(
+        self.transfer_queue = drive.call(
             DecodeTransferQueue, req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=self.metadata_buffers, scheduler=self.scheduler, tree_cache=self.tree_cache,
             optional=dict(gloo_group=gloo_group, tp_rank=0),
         )
-        self.prealloc_queue = compat.call(
+        self.prealloc_queue = drive.call(
             DecodePreallocQueue, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
             draft_token_to_kv_pool=None, req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=self.metadata_buffers, scheduler=self.scheduler, transfer_queue=self.transfer_queue,
@@ -253,7 +254,7 @@ class DecodeQueues:
 
     def finish(self, req) -> None:
         self.coordinator.request_finished(req)
-        compat.release_kv_cache(req, self.tree_cache)
+        drive.release_kv_cache(req, self.tree_cache)
         self.running.remove(req)
 
     def mode(self, req) -> str:
@@ -273,14 +274,14 @@ def init_single_rank_scheduler(server_args) -> None:
     from sglang.srt.distributed import parallel_state
     from sglang.srt.layers import dp_attention
 
-    compat.publish_single_rank_scheduler(server_args)
+    drive.publish_single_rank_scheduler(server_args)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     parallel_state.init_distributed_environment(
         world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
     )
-    compat.call(parallel_state.initialize_model_parallel, optional=dict(tensor_model_parallel_size=1))
+    drive.call(parallel_state.initialize_model_parallel, optional=dict(tensor_model_parallel_size=1))
     model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(), hidden_size=16, dtype=torch.bfloat16)
-    compat.call(dp_attention.initialize_dp_attention, server_args, optional=dict(model_config=model_config))
+    drive.call(dp_attention.initialize_dp_attention, server_args, optional=dict(model_config=model_config))
 

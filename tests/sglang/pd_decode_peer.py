@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 
+import drive
 import torch
 from pd_peer import (
     LAYERS,
@@ -155,7 +156,7 @@ class _Decode:
             req = self.admitted.pop(rid)
             self.side.waiting_queue.remove(req)
             self.side.coordinator.request_finished(req)
-            compat.release_kv_cache(req, self.side.tree_cache)
+            drive.release_kv_cache(req, self.side.tree_cache)
 
     def register_again(self, command) -> None:
         from hisparse_sglang.errors import MooncakeRegistrationError
@@ -208,7 +209,7 @@ class _Decode:
         # SGLang's failure path runs request_finished and release_kv_cache for these requests (from
         # 0.5.21 once the prefill acknowledged that its writes drained, or 30 s later if it cannot:
         # a dead prefill); "failed" reports the release
-        compat.resolve_deferred_releases(side.transfer_queue)
+        drive.resolve_deferred_releases(side.transfer_queue)
         for rid in [rid for rid in self.failing if compat.req_slot_or_none(self.reqs[rid]) is None]:
             message = self.failing.pop(rid)
             self.conn.send(

@@ -33,6 +33,7 @@ import traceback
 import types
 from array import array
 
+import drive
 import torch
 
 from hisparse_sglang.integration.sglang import compat
@@ -175,13 +176,13 @@ def start_process(mode: str, bootstrap_port: int, layout: Layout, env: dict[str,
         disaggregation_transfer_backend="mooncake_tcp",
         disaggregation_bootstrap_port=bootstrap_port,
         # resolved at launch from the KV pool from 0.5.18: CPU tensors for a DSA pool
-        **(dict(disaggregation_decode_retraction_backup="cpu_tensor") if compat.retraction_backup_is_configurable() else {}),
+        **(dict(disaggregation_decode_retraction_backup="cpu_tensor") if drive.retraction_backup_is_configurable() else {}),
     )
     # The dummy model skips __post_init__'s handlers; this one turns mooncake_tcp into mooncake +
     # MC_FORCE_TCP=1 (Mooncake's TCP transport, no RDMA device needed).
     handle_pd_disaggregation(server_args)
     init_single_rank_scheduler(server_args)
-    compat.call(maybe_init_shared_mooncake_transfer_engine, gpu_id=0, optional=dict(server_args=server_args))
+    drive.call(maybe_init_shared_mooncake_transfer_engine, gpu_id=0, optional=dict(server_args=server_args))
     return server_args
 
 
@@ -313,14 +314,14 @@ class _Prefill:
             kv_checksum_computer=None, kv_shard_widening=1, rust_server=None, tree_cache=None,
             processed_tokens_counter=0, disagg_prefill_pending_chunk_rids=set(), enable_staging=False,
         )
-        self.queue = compat.call(
+        self.queue = drive.call(
             PrefillBootstrapQueue, token_to_kv_pool=pool, draft_token_to_kv_pool=None,
             req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=metadata_buffers, gpu_id=0, bootstrap_port=bootstrap_port,
             max_total_num_tokens=PREFILL_TOKENS, scheduler=self.view, transfer_backend=TransferBackend.MOONCAKE,
             optional=dict(
                 tp_rank=0, tp_size=1, gloo_group=parallel_state.get_tp_group().cpu_group, pp_rank=0, pp_size=1,
-                scheduler_stage_metrics=compat.disabled_stage_metrics(),
+                scheduler_stage_metrics=drive.disabled_stage_metrics(),
             ),
         )
         self.view.disagg_prefill_bootstrap_queue = self.queue
@@ -354,7 +355,7 @@ class _Prefill:
             req.disagg_kv_sender.supports_host_tensor_indices = False
             # the "forward": chunked prefill sends finished pages first, then the rest
             if spec.chunk_end is not None:
-                compat.set_extend_range(req, 0, spec.chunk_end)
+                drive.set_extend_range(req, 0, spec.chunk_end)
                 self.view.send_kv_chunk(req, last_chunk=False)
             self.unsent_last_chunk.add(req.rid)
             if not spec.stall:
@@ -373,7 +374,7 @@ class _Prefill:
         req, spec = self.reqs[rid], self.specs[rid]
         self.unsent_last_chunk.discard(rid)
         req.output_ids.append(spec.first_token)
-        compat.set_extend_range(req, spec.chunk_end or 0, spec.tokens)
+        drive.set_extend_range(req, spec.chunk_end or 0, spec.tokens)
         self.view.send_kv_chunk(req, last_chunk=True)
 
     def _concluded(self, req, status: str) -> None:
@@ -446,7 +447,7 @@ class DecodeSide:
         )
         self.coordinator = self.pool.runtime.start(self.config, self.req_to_token_pool, "cpu")
         self.host = self.coordinator.host_pool
-        self.tree_cache = compat.disabled_prefix_cache(self.req_to_token_pool, self.allocator, PAGE)
+        self.tree_cache = drive.disabled_prefix_cache(self.req_to_token_pool, self.allocator, PAGE)
         self.metadata_buffers = MetadataBuffers(
             METADATA_SLOTS, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
         )
@@ -506,12 +507,12 @@ class DecodeSide:
             grammar_manager=types.SimpleNamespace(abort_requests=lambda recv_req: None),
         )
         gloo_group = parallel_state.get_attn_tp_group().cpu_group
-        self.transfer_queue = compat.call(
+        self.transfer_queue = drive.call(
             DecodeTransferQueue, req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=self.metadata_buffers, scheduler=self.view, tree_cache=self.tree_cache,
             optional=dict(gloo_group=gloo_group, tp_rank=0),
         )
-        self.prealloc_queue = compat.call(
+        self.prealloc_queue = drive.call(
             DecodePreallocQueue, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
             draft_token_to_kv_pool=None, req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=self.metadata_buffers, scheduler=self.view, transfer_queue=self.transfer_queue,

@@ -5,6 +5,7 @@ import array
 import pathlib
 import types
 
+import drive
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ def published():
     from sglang.srt import runtime_context
 
     def publish(**values):
-        args = compat.unresolved_server_args(**values)
+        args = drive.unresolved_server_args(**values)
         runtime_context.publish(args, role="scheduler")
         return args
 
@@ -48,10 +49,10 @@ def test_request_slot_and_prefill_fields_of_sglang_requests():
     pool.alloc([req])
     slot = compat.req_slot(req)
     assert 0 <= slot < pool.req_to_token.shape[0] and pool.req_to_token[slot].shape == (256,)
-    compat.begin_prefill(req, 100)
+    drive.begin_prefill(req, 100)
     assert compat.req_prefill_len(req) == 100
     assert compat.req_kv_allocated_len(req) == 100 and compat.kv_committed_len(req) == 100
-    compat.set_extend_range(req, 64, 96)  # a later chunk
+    drive.set_extend_range(req, 64, 96)  # a later chunk
     assert compat.req_prefill_len(req) == 96
 
 

@@ -10,6 +10,7 @@ import array
 import logging
 import types
 
+import drive
 import pytest
 import torch
 
@@ -73,7 +74,7 @@ class Stack:
         )
         assert isinstance(self.coordinator, SGLangHiSparseCoordinator)
         self.collective = collective or (lambda: None)
-        self.cache = compat.disabled_prefix_cache(self.req_to_token_pool, self.allocator, PAGE)
+        self.cache = drive.disabled_prefix_cache(self.req_to_token_pool, self.allocator, PAGE)
         self.layers = [types.SimpleNamespace(layer_id=i) for i in range(LAYERS)]
         self.lens: dict[str, int] = {}
         self.uids: dict[str, int] = {}
@@ -105,7 +106,7 @@ class Stack:
         )
         assert locs is not None
         self.req_to_token_pool.req_to_token[compat.req_slot(req), :prompt_len] = locs.to(torch.int32)
-        compat.begin_prefill(req, prompt_len)
+        drive.begin_prefill(req, prompt_len)
         self.write_kv(req, torch.arange(prompt_len))
         self.lens[req.rid] = prompt_len
         self.collective()  # the prefill forward's last all-reduce
@@ -124,7 +125,7 @@ class Stack:
         for r in reqs:
             self.lens[r.rid] += 1
             r.kv.kv_allocated_len += 1
-            compat.set_kv_committed_len(r, r.kv.kv_allocated_len)
+            drive.set_kv_committed_len(r, r.kv.kv_allocated_len)
             self.write_kv(r, torch.tensor([self.lens[r.rid] - 1]))
         self.coordinator.num_real_reqs.fill_(len(reqs))
         for layer in self.layers:
@@ -151,7 +152,7 @@ class Stack:
         from hisparse_sglang.integration.sglang.hooks import _alloc_for_decode_prealloc_after
 
         self.req_to_token_pool.alloc([req])
-        compat.set_kv_committed_len(req, fill_len)
+        drive.set_kv_committed_len(req, fill_len)
         prealloc = dict(req=req, fill_len=fill_len, uses_swa_tail=False, swa_tail_len=0)
         locs = alloc_for_decode_prealloc_hisparse(self.allocator, **prealloc)
         _alloc_for_decode_prealloc_after(locs, self.allocator, **prealloc)
@@ -175,7 +176,7 @@ class Stack:
 
     def release(self, req) -> None:
         """SGLang's release_kv_cache with the prefix cache --disable-radix-cache builds."""
-        compat.release_kv_cache(req, self.cache)
+        drive.release_kv_cache(req, self.cache)
 
     def assert_all_free(self) -> None:
         rows = self.allocator.rows
@@ -295,7 +296,7 @@ def publish_server_args(**values):
     declared defaults (not resolved against a model) with ``values``."""
     from sglang.srt import runtime_context
 
-    args = compat.unresolved_server_args(**values)
+    args = drive.unresolved_server_args(**values)
     runtime_context.publish(args, role="scheduler")
     return args
 
@@ -312,7 +313,7 @@ def published_server_args():
 def pd_decode_server_args():
     """A PD decode instance's config (retracted KV kept in CPU tensors, as resolved at launch from 0.5.18)."""
     values = dict(disaggregation_mode="decode")
-    if compat.retraction_backup_is_configurable():
+    if drive.retraction_backup_is_configurable():
         values["disaggregation_decode_retraction_backup"] = "cpu_tensor"
     return publish_server_args(**values)
 
@@ -346,11 +347,11 @@ def test_pd_decode_retraction_round_trip_restores_kv_and_indexer_keys(
 
     kept_pages = stack.pool.index_k_pages(stack.req_to_token_pool.req_to_token[compat.req_slot(req), : req.seqlen - 1])
     expected_index_k = [buffer[kept_pages].clone() for buffer in index_k]
-    compat.release_req(
+    drive.release_req(
         req=req, remaing_req_count=1, server_args=pd_decode_server_args, req_to_token_pool=stack.req_to_token_pool,
         token_to_kv_pool_allocator=stack.allocator, tree_cache=stack.cache, hisparse_coordinator=stack.coordinator,
     )
-    assert compat.req_slot_or_none(req) is None and compat.retraction_backup(req) is not None
+    assert compat.req_slot_or_none(req) is None and drive.retraction_backup(req) is not None
     stack.assert_all_free()
 
     # another request takes the freed locations and overwrites their host rows and indexer keys

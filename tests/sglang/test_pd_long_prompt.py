@@ -26,6 +26,7 @@ import traceback
 import types
 from array import array
 
+import drive
 import pytest
 from pd_decode_harness import (
     BUFFER_SIZE,
@@ -61,8 +62,6 @@ def _admit(decode: DecodeQueues, req) -> None:
 def _long_prompt(server_args) -> dict:
     """A 1500-token prompt (device pool 512): limits, admission, 45 decode steps, retraction round
     trip, then a prompt longer than the decode-side capacity."""
-    from hisparse_sglang.integration.sglang import compat
-
     LOG.take("")
     decode = DecodeQueues(server_args)
     report = {"worker_info": [decode.worker_info[i] for i in (0, 4, 5)]}
@@ -84,7 +83,7 @@ def _long_prompt(server_args) -> dict:
 
     # retraction round trip: SGLang's release_req (KV copied out), the prealloc queue's retracted
     # path (its capacity check), then resume (preallocate, load_kv_cache, admission by our hook)
-    compat.release_req(
+    drive.release_req(
         req=req, remaing_req_count=0, server_args=server_args, req_to_token_pool=decode.req_to_token_pool,
         token_to_kv_pool_allocator=decode.allocator, tree_cache=decode.tree_cache,
         hisparse_coordinator=decode.coordinator,
@@ -127,10 +126,8 @@ def _retract_under_device_pressure(server_args, hooked: bool, long_len: int) -> 
     while decode.decode_step():
         steps += 1
     report["steps_until_short"] = steps
-    from hisparse_sglang.integration.sglang import compat
-
     batch = decode.batch()
-    retracted, _, to_abort = compat.call(batch.retract_decode, optional=dict(server_args=server_args))
+    retracted, _, to_abort = drive.call(batch.retract_decode, optional=dict(server_args=server_args))
     report["retracted"] = [r.rid for r in retracted]
     report["aborted_by_retraction"] = [r.rid for r in to_abort]
     for req in retracted:
@@ -243,7 +240,7 @@ def _child(conn) -> None:
         from hisparse_sglang.integration.sglang import compat
 
         # SGLang resolves the retraction backup at launch from the KV pool (0.5.18+): CPU tensors for a DSA pool
-        backup = dict(disaggregation_decode_retraction_backup="cpu_tensor") if compat.retraction_backup_is_configurable() else {}
+        backup = dict(disaggregation_decode_retraction_backup="cpu_tensor") if drive.retraction_backup_is_configurable() else {}
         server_args = ServerArgs(
             model_path="dummy", device="cpu", host="127.0.0.1", page_size=PAGE, disaggregation_mode="decode",
             disaggregation_transfer_backend="fake", **backup,

@@ -8,11 +8,12 @@ from __future__ import annotations
 import types
 from pathlib import Path
 
+import drive
 import pytest
 import torch
 
 from hisparse_sglang import plan
-from hisparse_sglang.integration.sglang import compat, limits
+from hisparse_sglang.integration.sglang import limits
 
 pytestmark = pytest.mark.sglang
 
@@ -37,7 +38,7 @@ def sglang_configurator(model_dir: Path, kv_dtype: str, ratio: int | None):
               "enable_hisparse": ratio is not None}
     if ratio is not None:
         values["hisparse_config"] = f'{{"host_to_device_ratio": {ratio}}}'
-    server_args = compat.unresolved_server_args(**values)
+    server_args = drive.unresolved_server_args(**values)
     runtime_context.publish(server_args, role="scheduler")
     model_config = ModelConfig(str(model_dir))
     layers = model_config.num_hidden_layers
@@ -87,7 +88,7 @@ def test_request_slots_equal_sglangs_default(tokens, context, requested):
     kv_cache_configurator.model_config = types.SimpleNamespace(context_len=context)
     from sglang.srt import runtime_context
 
-    runtime_context.publish(compat.unresolved_server_args(max_running_requests=requested), role="scheduler")
+    runtime_context.publish(drive.unresolved_server_args(max_running_requests=requested), role="scheduler")
     expected = KVCacheConfigurator.resolve_max_num_reqs(kv_cache_configurator, tokens)
     assert plan._request_slots(tokens, context, requested, dp=1) == expected
 

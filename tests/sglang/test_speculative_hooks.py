@@ -13,6 +13,7 @@ row holds a rejected draft's KV.
 
 import types
 
+import drive
 import pytest
 import torch
 from test_coordinator_sglang import LAYERS, PAGE
@@ -35,7 +36,7 @@ def spec_server_args():
     """The scheduler's published config: SGLang's sizing of the reserve reads it."""
     from sglang.srt import runtime_context
 
-    compat.publish_single_rank_scheduler(compat.unresolved_server_args(enable_hisparse=True, **SPEC_ARGS))
+    drive.publish_single_rank_scheduler(drive.unresolved_server_args(enable_hisparse=True, **SPEC_ARGS))
     yield
     runtime_context.reset_context()
 

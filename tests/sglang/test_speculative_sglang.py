@@ -20,6 +20,7 @@ import multiprocessing
 import traceback
 import types
 
+import drive
 import pytest
 import torch
 from test_coordinator_sglang import LAYERS, PAGE, Stack, token_values
@@ -47,7 +48,7 @@ SPEC_ARGS = dict(
 def publish_spec_server_args():
     from sglang.srt import runtime_context
 
-    runtime_context.publish(compat.unresolved_server_args(**SPEC_ARGS), role="scheduler")
+    runtime_context.publish(drive.unresolved_server_args(**SPEC_ARGS), role="scheduler")
 
 
 @pytest.fixture(autouse=True)
@@ -202,7 +203,7 @@ class SpecRun:
             self.device_len[req.rid] = old + accept[b]
             # Under the overlap scheduler the host learns this verify's result after the next one launched.
             self.committed[req.rid] = old if self.host_lag else old + accept[b]
-            compat.set_kv_committed_len(req, self.committed[req.rid])
+            drive.set_kv_committed_len(req, self.committed[req.rid])
         self.check_host(reqs)
 
     # ------------------------------------------------------------------ KV and checks
@@ -423,7 +424,7 @@ def test_the_model_runner_hook_hands_the_coordinator_the_published_number_of_dra
     assert _speculative_num_draft_tokens() == T
     for algorithm in (None, "NONE"):
         runtime_context.reset_context()
-        args = compat.unresolved_server_args(**dict(SPEC_ARGS, speculative_algorithm=algorithm))
+        args = drive.unresolved_server_args(**dict(SPEC_ARGS, speculative_algorithm=algorithm))
         runtime_context.publish(args, role="scheduler")
         assert _speculative_num_draft_tokens() == 0
 

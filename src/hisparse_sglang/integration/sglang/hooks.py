@@ -81,10 +81,10 @@ def _maybe_init_hisparse_coordinator(self) -> None:
         # (docs/speculative.md 2.6 A): from 0.5.22 a draft runner's enable_hisparse is false, so only
         # 0.5.17 - 0.5.21 get here, where hooks H6 - H8 gave the draft runner that dense pool.
         return
-    from hisparse_sglang.integration.sglang.runtime import runtime_of
     from hisparse_sglang.integration.sglang.validation import hisparse_config
 
-    runtime = runtime_of(self.token_to_kv_pool_allocator)
+    # The allocator, not the model runner: its hisparse_coordinator is the one being made here.
+    runtime = _runtime_of(self.token_to_kv_pool_allocator)
     if runtime is None:
         raise UnsupportedSetupError(
             f"HiSparse expected its own KV allocator but SGLang built {type(self.token_to_kv_pool_allocator).__name__}; "
@@ -114,7 +114,7 @@ def _check_decode_mem(original, self, selected_indices=None):
     for resident requests (offloaded ones decode into their buffer). Under speculative decoding
     (0.5.22+) the logical rows are the reserve SGLang allocates next (its own count), and the device
     check is the coordinator's for that reserve."""
-    coordinator = self.hisparse_coordinator
+    coordinator = _coordinator_of(self)
     if coordinator is None:
         return original(self, selected_indices)
     from sglang.srt.managers import schedule_batch
@@ -133,14 +133,14 @@ def _check_decode_mem(original, self, selected_indices=None):
 def _release_kv_cache_before(req, tree_cache, *args, **kwargs):
     """BEFORE release_kv_cache: every release of a request's KV also releases its HiSparse state.
     (Its third argument is ``is_insert`` up to 0.5.21, the keyword ``checkpoint`` from 0.5.22.)"""
-    coordinator = _current_coordinator(tree_cache)
+    coordinator = _coordinator_of(tree_cache)
     if coordinator is not None:
         coordinator.release_request(req)
 
 
 def _abort_request_after(result, self, recv_req):
     """AFTER Scheduler.abort_request: abort requests still staging (SGLang 0.5.17 leaves them running)."""
-    coordinator = getattr(self, "hisparse_coordinator", None)
+    coordinator = _coordinator_of(self)
     if coordinator is None:
         return result
     for req in coordinator.staging_reqs():
@@ -152,9 +152,7 @@ def _abort_request_after(result, self, recv_req):
 def _alloc_for_decode_prealloc_after(result, allocator, *, req, fill_len, uses_swa_tail, swa_tail_len):
     """AFTER alloc_for_decode_prealloc_hisparse: remember the logical locations (= host rows) the
     prefill instance must write, before SGLang asks the host pool for them."""
-    from hisparse_sglang.integration.sglang.runtime import runtime_of
-
-    runtime = runtime_of(allocator)
+    runtime = _runtime_of(allocator)
     if runtime is not None and runtime.started:
         # None (no logical rows left) is kept too, so that alloc_paged_token_slots names the cause.
         runtime.remember_preallocated(compat.req_slot(req), result)
@@ -175,18 +173,16 @@ def _batch_register_after(result, self, ptrs, lengths):
 def _load_kv_cache_after(result, self, req_to_token_pool, token_to_kv_pool_allocator):
     """AFTER Req.load_kv_cache: a retracted PD-decode request resumed with its KV back in the host
     pool is admitted like a transferred one (SGLang 0.5.17 puts it in the waiting queue directly)."""
-    from hisparse_sglang.integration.sglang.runtime import runtime_of
-
-    runtime = runtime_of(token_to_kv_pool_allocator)
-    if runtime is not None and runtime.started:
-        runtime.coordinator.admit_request_direct(self)
+    coordinator = _coordinator_of(token_to_kv_pool_allocator)
+    if coordinator is not None:
+        coordinator.admit_request_direct(self)
     return result
 
 
 def _report_decode_stats_after(result, self, *args, **kwargs):
     """AFTER SchedulerMetricsReporter.report_decode_stats: the HiSparse log line and metrics. (Its
     third parameter is ``num_correct_drafts`` up to 0.5.19, ``num_generated_tokens`` from 0.5.20.)"""
-    coordinator = getattr(self.scheduler, "hisparse_coordinator", None)
+    coordinator = _coordinator_of(self.scheduler)
     if coordinator is None or self.forward_ct_decode % self.decode_log_interval != 0:
         return result
     if not (self.is_stats_logging_rank or self.current_scheduler_metrics_enabled):
@@ -202,54 +198,36 @@ def _get_worker_info_after(result, self):
     """AFTER TpModelWorker.get_worker_info: on a PD decode instance the request-length limits
     (items 4 and 5: max_req_len, max_req_input_len) come from the logical pool, not the device
     pool (item 0, kept: SGLang's invariant checks and metrics read it). Logs the limit once and
-    records it for the rejection message (both modes)."""
+    records it for the rejection message (both modes). The arithmetic is limits'."""
+    runtime = _runtime_of(self.model_runner)
+    if runtime is None or not runtime.started:
+        return result
     from hisparse_sglang.integration.sglang import limits
 
-    coordinator = limits.our_coordinator(getattr(self.model_runner, "hisparse_coordinator", None))
-    if coordinator is None:
-        return result
-    info = list(result)
+    max_req_len, max_req_input_len = result[limits.MAX_REQ_LEN_ITEM], result[limits.MAX_REQ_INPUT_LEN_ITEM]
     context_len = self.model_config.context_len
     device_tokens = self.model_runner.max_total_num_tokens
     mode = getattr(self.server_args, "disaggregation_mode", "null")
-    log = compat.tp_rank() == 0
-    note = None
     if mode == "decode":
         from sglang.srt.runtime_context import get_disagg
 
         reserved = get_disagg().num_reserved_decode_tokens
-        capacity = limits.decode_request_capacity(coordinator, reserved)
-        info[4], info[5], pool_bound = limits.decode_length_limits(info[4], info[5], context_len, capacity)
-        allocator = coordinator.allocator
-        if pool_bound:
-            note = limits.decode_note(info[5], capacity, allocator.size, reserved, allocator.host_to_device_ratio)
-        if log:
-            logger.info(
-                "HiSparse PD decode: requests of up to %d tokens are admitted (prompts shorter than %d), set by %s. "
-                "The GPU KV pool (%d tokens) holds only device buffers and resident requests here; the prefill "
-                "instance's own KV pool still limits prompts there.",
-                info[4], info[5],
-                f"the logical (host) KV pool: {allocator.size} tokens less --num-reserved-decode-tokens {reserved}"
-                if note else f"the context length ({context_len})",
-                device_tokens,
-            )
+        allocator = runtime.coordinator.allocator
+        request_limits = limits.decode_request_limits(
+            max_req_len, max_req_input_len, context_len=context_len, device_tokens=device_tokens,
+            capacity=limits.decode_request_capacity(runtime.coordinator, reserved), logical_tokens=allocator.size,
+            reserved=reserved, host_to_device_ratio=allocator.host_to_device_ratio,
+        )
     elif mode == "null":
-        if limits.colocated_pool_bound(info[4], context_len):
-            note = limits.colocated_note(info[5], device_tokens)
-        if log and note:
-            logger.info(
-                "HiSparse co-located: prompts shorter than %d tokens are admitted, set by the GPU KV pool (%d tokens; "
-                "the prefill writes the whole prompt there). Longer prompts need PD disaggregation with "
-                "hisparse-sglang on the decode instance (docs/pd.md).",
-                info[5], device_tokens,
-            )
-        elif log:
-            logger.info(
-                "HiSparse co-located: prompts shorter than %d tokens are admitted, set by the context length (%d).",
-                info[5], context_len,
-            )
-    coordinator.runtime.set_request_limit(info[5], note)
-    return tuple(info)
+        request_limits = limits.colocated_request_limits(
+            max_req_len, max_req_input_len, context_len=context_len, device_tokens=device_tokens
+        )
+    else:  # a prefill instance: SGLang's limits stand, nothing to explain
+        request_limits = limits.RequestLimits(max_req_len, max_req_input_len)
+    if request_limits.startup_line and compat.tp_rank() == 0:
+        logger.info(request_limits.startup_line)
+    runtime.set_request_limit(request_limits.max_req_input_len, request_limits.note)
+    return limits.with_request_limits(result, request_limits)
 
 
 def _init_req_max_new_tokens(original, self, req):
@@ -270,9 +248,7 @@ def _add_request_to_queue_before(self, req, *args, **kwargs):
     """BEFORE Scheduler._add_request_to_queue: a prompt SGLang rejected for a limit a KV pool sets
     (``validate_input_length``) gets the runtime's note on which pool and how to admit it appended
     to its abort message, which the client receives."""
-    from hisparse_sglang.integration.sglang.runtime import runtime_of
-
-    runtime = runtime_of(getattr(self, "hisparse_coordinator", None))
+    runtime = _runtime_of(self)
     abort = getattr(req, "to_finish", None)
     message = getattr(abort, "message", None)
     if runtime is not None and isinstance(message, str):
@@ -283,7 +259,7 @@ def _decode_prealloc_queue_init_after(result, self, *args, **kwargs):
     """AFTER DecodePreallocQueue.__init__: its max_total_num_tokens is read only by
     _check_if_req_exceed_kv_capacity (every new and every retracted request); make it the
     logical-pool capacity, which is what its preallocation budget uses."""
-    coordinator = _decode_coordinator(self.scheduler)
+    coordinator = _coordinator_of(self.scheduler)
     if coordinator is not None:
         from hisparse_sglang.integration.sglang import limits
 
@@ -295,7 +271,7 @@ def _resume_retracted_reqs(original, self, rids_to_check=None):
     order) whose device pages the coordinator can provide now; the others stay retracted until
     pages free. SGLang 0.5.17 checks only the logical budget, and the admission on load_kv_cache
     raised PoolExhaustedError (a scheduler crash) when the device pool was short."""
-    coordinator = _decode_coordinator(self.scheduler)
+    coordinator = _coordinator_of(self.scheduler)
     if coordinator is None or not self.retracted_queue:
         return original(self, rids_to_check)
     candidates = [req for req in self.retracted_queue if rids_to_check is None or req.rid in rids_to_check]
@@ -308,7 +284,7 @@ def _pop_transferred(original, self, rids_to_check=None):
     requests, in queue order, whose device pages the coordinator can provide now; the others stay
     in the transfer queue. Device pages budgeted at preallocation can be taken by resident requests
     growing while the transfer runs; SGLang 0.5.17 then admitted anyway, raising PoolExhaustedError."""
-    coordinator = _decode_coordinator(self.scheduler)
+    coordinator = _coordinator_of(self.scheduler)
     if coordinator is None or not self.queue:
         return original(self, rids_to_check)
     candidates = [entry.req for entry in self.queue if rids_to_check is None or entry.req.rid in rids_to_check]
@@ -325,21 +301,11 @@ def _admissible_rids(coordinator, candidates, kv_len, kind: str, before: str) ->
     return [req.rid for req in candidates[:count]]
 
 
-def _decode_coordinator(scheduler):
-    """hisparse-sglang's coordinator of a scheduler with HiSparse on, else None (the PD queues that
-    ask for it exist only on a decode instance)."""
-    if not getattr(scheduler, "enable_hisparse", False):
-        return None
-    from hisparse_sglang.integration.sglang import limits
-
-    return limits.our_coordinator(getattr(scheduler, "hisparse_coordinator", None))
-
-
 def _decode_capacity(scheduler) -> int | None:
     """Logical-pool request capacity of a PD decode scheduler with hisparse-sglang, else None."""
     if getattr(scheduler.server_args, "disaggregation_mode", "null") != "decode":
         return None
-    coordinator = _decode_coordinator(scheduler)
+    coordinator = _coordinator_of(scheduler)
     if coordinator is None:
         return None
     from sglang.srt.runtime_context import get_disagg
@@ -349,11 +315,16 @@ def _decode_capacity(scheduler) -> int | None:
     return limits.decode_request_capacity(coordinator, get_disagg().num_reserved_decode_tokens)
 
 
-def _current_coordinator(tree_cache):
-    """The coordinator of this scheduler process, found through the allocator the tree cache uses."""
+def _runtime_of(sglang_object):
+    """:func:`runtime.runtime_of`, imported in the process that runs the hook."""
     from hisparse_sglang.integration.sglang.runtime import runtime_of
 
-    runtime = runtime_of(getattr(tree_cache, "token_to_kv_pool_allocator", None))
+    return runtime_of(sglang_object)
+
+
+def _coordinator_of(sglang_object):
+    """The started coordinator of the runtime behind ``sglang_object`` (:func:`runtime.runtime_of`), else None."""
+    runtime = _runtime_of(sglang_object)
     return runtime.coordinator if runtime is not None else None
 
 

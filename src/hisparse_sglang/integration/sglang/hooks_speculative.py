@@ -18,10 +18,11 @@ from hisparse_sglang.integration.sglang.hook_spec import HookSpec
 
 def _verify_coordinator(coordinator):
     """``coordinator`` if it is hisparse-sglang's, started with speculative decoding; else None."""
-    from hisparse_sglang.integration.sglang import limits
+    from hisparse_sglang.integration.sglang.runtime import runtime_of
 
-    ours = limits.our_coordinator(coordinator)
-    return ours if ours is not None and ours.num_draft_tokens else None
+    runtime = runtime_of(coordinator)
+    started = runtime.coordinator if runtime is not None else None
+    return coordinator if started is not None and started.num_draft_tokens else None
 
 
 def _alloc_for_spec_decode(original, tree_cache, req_to_token_pool, **kwargs):

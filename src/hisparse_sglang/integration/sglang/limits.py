@@ -6,6 +6,8 @@ On a PD **decode** instance with hisparse-sglang a request's KV lives in the log
 and only its device buffer needs the GPU, so the decode-side limit is the logical pool less the
 tokens SGLang reserves for decoding (:func:`decode_request_capacity`). A **co-located** server
 prefills on the GPU, so the device pool stays its limit; the notes say why and what to do.
+:func:`decode_request_limits` and :func:`colocated_request_limits` compute, from plain integers, what
+the ``get_worker_info`` hook reports (:func:`with_request_limits`), records and logs.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ import pathlib
 from hisparse_sglang.errors import HiSparseMemoryError, UnsupportedSetupError
 
 __all__ = [
-    "our_coordinator",
     "draft_pool_sizes",
     "count_draft_kv_at_logical_size",
     "decode_request_capacity",
+    "RequestLimits",
+    "decode_request_limits",
+    "colocated_request_limits",
+    "with_request_limits",
     "colocated_note",
     "decode_note",
     "HostMemory",
@@ -32,13 +37,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def our_coordinator(coordinator):
-    """``coordinator`` if it is hisparse-sglang's (SGLang's in-tree one, or None, is not)."""
-    from hisparse_sglang.integration.sglang.coordinator import SGLangHiSparseCoordinator
-
-    return coordinator if isinstance(coordinator, SGLangHiSparseCoordinator) else None
 
 
 def draft_pool_sizes(sizes, allocator, page_size: int):
@@ -86,10 +84,12 @@ def decode_request_capacity(coordinator, num_reserved_decode_tokens: int) -> int
     Raises:
         UnsupportedSetupError: the logical pool is not larger than the reserve by a page.
     """
-    coordinator = our_coordinator(coordinator)
-    if coordinator is None:
+    from hisparse_sglang.integration.sglang.runtime import runtime_of
+
+    runtime = runtime_of(coordinator)
+    if runtime is None or not runtime.started:
         return None
-    allocator = coordinator.allocator
+    allocator = runtime.coordinator.allocator
     logical_tokens = allocator.size
     page_size = allocator.page_size
     capacity = (logical_tokens - num_reserved_decode_tokens) // page_size * page_size
@@ -150,6 +150,77 @@ def decode_note(max_req_input_len: int, capacity: int, logical_tokens: int, rese
         f"--num-reserved-decode-tokens ({reserved}) leaves {capacity}, which limits prompts to fewer than "
         f"{max_req_input_len} tokens. Raise host_to_device_ratio in --hisparse-config to admit longer prompts."
     )
+
+
+# The items of TpModelWorker.get_worker_info's tuple that hold the request-length limits (the same in
+# every supported release): max_req_len (prompt + new tokens) and max_req_input_len (prompts shorter).
+MAX_REQ_LEN_ITEM = 4
+MAX_REQ_INPUT_LEN_ITEM = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """A scheduler process's request-length limits as hisparse-sglang reports them.
+
+    Attributes:
+        max_req_len, max_req_input_len: items 4 and 5 of ``get_worker_info``.
+        note: when a KV pool (not the context length) sets the limit, what sets it and how to raise it
+            (appended to SGLang's rejection message); None otherwise.
+        startup_line: the line rank 0 logs at startup; None: nothing to log.
+    """
+
+    max_req_len: int
+    max_req_input_len: int
+    note: str | None = None
+    startup_line: str | None = None
+
+
+def decode_request_limits(
+    max_req_len: int, max_req_input_len: int, *, context_len: int, capacity: int, device_tokens: int,
+    logical_tokens: int, reserved: int, host_to_device_ratio: int,
+) -> RequestLimits:
+    """A PD decode instance's limits: the logical (host) pool's ``capacity`` (:func:`decode_request_capacity`
+    of ``logical_tokens`` less ``reserved`` decode tokens) or the context length, whichever is smaller
+    (:func:`decode_length_limits`); ``device_tokens``: the GPU KV pool, named in the startup line."""
+    limit, input_limit, pool_bound = decode_length_limits(max_req_len, max_req_input_len, context_len, capacity)
+    note = decode_note(input_limit, capacity, logical_tokens, reserved, host_to_device_ratio) if pool_bound else None
+    set_by = (
+        f"the logical (host) KV pool: {logical_tokens} tokens less --num-reserved-decode-tokens {reserved}"
+        if note else f"the context length ({context_len})"
+    )
+    line = (
+        f"HiSparse PD decode: requests of up to {limit} tokens are admitted (prompts shorter than {input_limit}), "
+        f"set by {set_by}. The GPU KV pool ({device_tokens} tokens) holds only device buffers and resident "
+        f"requests here; the prefill instance's own KV pool still limits prompts there."
+    )
+    return RequestLimits(limit, input_limit, note, line)
+
+
+def colocated_request_limits(max_req_len: int, max_req_input_len: int, *, context_len: int, device_tokens: int) -> RequestLimits:
+    """A co-located server's limits: SGLang's (the GPU KV pool of ``device_tokens`` holds the whole prompt),
+    with the note when that pool, not the context length, sets them."""
+    if colocated_pool_bound(max_req_len, context_len):
+        note = colocated_note(max_req_input_len, device_tokens)
+        line = (
+            f"HiSparse co-located: prompts shorter than {max_req_input_len} tokens are admitted, set by the GPU KV "
+            f"pool ({device_tokens} tokens; the prefill writes the whole prompt there). Longer prompts need PD "
+            f"disaggregation with hisparse-sglang on the decode instance (docs/pd.md)."
+        )
+        return RequestLimits(max_req_len, max_req_input_len, note, line)
+    line = (
+        f"HiSparse co-located: prompts shorter than {max_req_input_len} tokens are admitted, set by the context "
+        f"length ({context_len})."
+    )
+    return RequestLimits(max_req_len, max_req_input_len, None, line)
+
+
+def with_request_limits(worker_info: tuple, request_limits: RequestLimits) -> tuple:
+    """``get_worker_info``'s tuple with its request-length items replaced by ``request_limits``'s; the
+    other items (the device pool size in item 0 among them) unchanged."""
+    info = list(worker_info)
+    info[MAX_REQ_LEN_ITEM] = request_limits.max_req_len
+    info[MAX_REQ_INPUT_LEN_ITEM] = request_limits.max_req_input_len
+    return tuple(info)
 
 
 # ------------------------------------------------------------------------------ start-up sizing

@@ -18,7 +18,7 @@ import math
 
 logger = logging.getLogger("hisparse_sglang")
 
-__all__ = ["METRICS", "MetricSpec", "report"]
+__all__ = ["METRICS", "MetricSpec", "PrometheusExporter", "report"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ METRICS = (
 )
 
 
-class _Exporter:
+class PrometheusExporter:
     """This process's metrics and the running totals already added to the cumulative counters."""
 
     def __init__(self, label_names: list[str]) -> None:
@@ -134,8 +134,7 @@ def report(coordinator, log: bool, prometheus_labels: dict | None) -> dict:
             values["switch_ms_max"], values["step_host_ms"], values["step_host_ms_max"],
         )
     if prometheus_labels is not None:
-        runtime = coordinator.runtime
-        if runtime.metrics is None:
-            runtime.metrics = _Exporter(list(prometheus_labels))
-        runtime.metrics.export(values, prometheus_labels)
+        from hisparse_sglang.integration.sglang.runtime import runtime_of
+
+        runtime_of(coordinator).export_metrics(values, prometheus_labels)
     return values

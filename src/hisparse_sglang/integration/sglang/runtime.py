@@ -12,8 +12,9 @@ SGLang builds the pieces in its own order, through the classes and hooks this pa
    coordinator, and returns the object SGLang keeps as ``hisparse_coordinator``.
 
 The SGLang-facing classes only forward to the runtime; nothing reaches into another adapter or sets
-attributes on it, and no state lives at module level. Hooks find the runtime through the SGLang
-object they receive (a scheduler's ``hisparse_coordinator``, an allocator, a tree cache's allocator).
+attributes on it, and no state lives at module level. Every hook finds the runtime with
+:func:`runtime_of` on the SGLang object it receives (a scheduler, model runner, batch, tree cache,
+allocator or coordinator).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ class HiSparseRuntime:
         quarantine: host rows of PD requests whose transfer did not complete, held back before reuse.
         config: the validated ``--hisparse-config`` (once started).
         coordinator: the SGLang-facing coordinator (``hisparse_coordinator``; once started).
-        request_limit: the pool-set prompt limit of this process, if a pool sets it (recorded when
-            SGLang computes its limits), for the rejection message.
-        metrics: this process's Prometheus metrics, created on the first export.
+
+    The pool-set prompt limit (:meth:`set_request_limit`, read by :meth:`explain_rejection`) and the
+    Prometheus metrics (:meth:`export_metrics`) are the runtime's own, changed only through those methods.
     """
 
     def __init__(self, host_to_device_ratio: int) -> None:
@@ -65,8 +66,8 @@ class HiSparseRuntime:
         self.quarantine: RowQuarantine | None = None
         self.config: HiSparseConfig | None = None
         self.coordinator = None
-        self.request_limit: RequestLengthLimit | None = None
-        self.metrics = None
+        self._request_limit: RequestLengthLimit | None = None
+        self._metrics = None
         self._pool = None
         self._allocator = None
         # 0.5.17 - 0.5.21 only (hooks_speculative.py): while SGLang allocates a speculative reserve, its
@@ -167,13 +168,13 @@ class HiSparseRuntime:
     def set_request_limit(self, max_req_input_len: int, note: str | None) -> None:
         """Records the prompt limit SGLang computed for this process (``get_worker_info``) and, when a KV
         pool sets it, the note that explains it (``note``; None when the context length sets it)."""
-        self.request_limit = RequestLengthLimit(max_req_input_len, note) if note else None
+        self._request_limit = RequestLengthLimit(max_req_input_len, note) if note else None
 
     def explain_rejection(self, message: str | None, max_req_input_len: int) -> str | None:
         """SGLang's rejection of a prompt longer than ``max_req_input_len`` (``validate_input_length``'s
         message) with this process's note appended, when that limit is the one a KV pool sets; any
         other message is returned unchanged."""
-        limit = self.request_limit
+        limit = self._request_limit
         if (
             not message or limit is None or limit.max_req_input_len != max_req_input_len
             or f"the maximum allowed length ({max_req_input_len} tokens)" not in message or limit.note in message
@@ -181,14 +182,41 @@ class HiSparseRuntime:
             return message
         return f"{message} {limit.note}"
 
+    def export_metrics(self, values: dict, labels: dict) -> None:
+        """Export one report's figures (``SGLangHiSparseCoordinator.report()``) as this process's
+        Prometheus metrics with ``labels``; the metrics are created on the first export (in the scheduler
+        process, after SGLang set ``PROMETHEUS_MULTIPROC_DIR``), named by the first export's label names."""
+        if self._metrics is None:
+            from hisparse_sglang.integration.sglang.metrics import PrometheusExporter
+
+            self._metrics = PrometheusExporter(list(labels))
+        self._metrics.export(values, labels)
+
 
 def host_pages_for(device_tokens: int, host_to_device_ratio: int, page_size: int) -> int:
     """Pages of the logical (= host) space for a device pool of ``device_tokens``, page 0 included."""
     return device_tokens * host_to_device_ratio // page_size + 1
 
 
-def runtime_of(component) -> HiSparseRuntime | None:
-    """The runtime behind an SGLang object this package built (its pool, allocator or coordinator);
-    None for SGLang's own (the in-tree HiSparse's, or None)."""
-    runtime = getattr(component, "runtime", None)
+# The SGLang attributes through which an object reaches the component that holds the runtime, tried in
+# this order: the first one the object has decides (a batch whose ``hisparse_coordinator`` is None has
+# no runtime, whatever its allocator).
+_HOLDERS = ("hisparse_coordinator", "token_to_kv_pool_allocator")
+
+
+def runtime_of(sglang_object) -> HiSparseRuntime | None:
+    """The runtime of this process behind ``sglang_object``, the one lookup every hook uses.
+
+    * a pool, allocator or coordinator this package built: its own ``runtime``;
+    * a scheduler, model runner or ``ScheduleBatch``: the runtime of its ``hisparse_coordinator``
+      (None while that is None, e.g. before the model runner starts the coordinator);
+    * a tree cache (anything with a ``token_to_kv_pool_allocator`` and no ``hisparse_coordinator``):
+      the runtime of that allocator.
+
+    None for SGLang's own objects (the in-tree HiSparse's, or HiSparse off) and for None.
+    """
+    runtime = getattr(sglang_object, "runtime", None)
+    if not isinstance(runtime, HiSparseRuntime):
+        holder = next((name for name in _HOLDERS if hasattr(sglang_object, name)), None)
+        runtime = getattr(getattr(sglang_object, holder), "runtime", None) if holder else None
     return runtime if isinstance(runtime, HiSparseRuntime) else None
