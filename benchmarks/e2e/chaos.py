@@ -42,7 +42,7 @@ import time
 
 import scrape
 from arms import PD_ARMS, PLUGIN_ARMS, pd_ports
-from client import HTTPStatusError, PDPair, finish_type, generate_body, http_json, make_prompt
+from client import HTTPStatusError, PDPair, finish_type, generate_body, http_json, make_prompt, stream_events
 from client import loads as loads_of
 from common import HOST, Run, atomic_write
 from hostpool import live_pids
@@ -167,14 +167,7 @@ class Stream:
             if resp.status != 200:
                 self.error = resp.read()[:400].decode("utf-8", "replace")
                 return
-            for raw in resp:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                obj = json.loads(payload)
+            for obj in stream_events(resp):
                 if "error" in obj:
                     err = obj["error"]
                     self.error = str(err.get("message") if isinstance(err, dict) else err)[:400]

@@ -92,6 +92,18 @@ def generate(port: int, ids: list[int], max_new: int, *, logprobs: bool = False,
                      timeout=timeout)
 
 
+def stream_events(resp):
+    """The JSON objects of a streamed /generate response (its ``data:`` lines), up to ``[DONE]``."""
+    for raw in resp:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return
+        yield json.loads(payload)
+
+
 def read_stream(resp, t0: float, *, trace: bool = False, on_tokens: Callable[[int], None] | None = None) -> dict:
     """Per-request timings (TTFT, TPOT) and the token count of a streamed /generate response.
 
@@ -104,14 +116,7 @@ def read_stream(resp, t0: float, *, trace: bool = False, on_tokens: Callable[[in
     finish = None
     arrivals: list[tuple[float, int]] = []
     try:
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            obj = json.loads(payload)
+        for obj in stream_events(resp):
             if "error" in obj:
                 return {"error": str(obj["error"])[:300]}
             meta = obj.get("meta_info", {})
