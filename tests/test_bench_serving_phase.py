@@ -16,22 +16,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "e2e"))
 import bench_serving_phase as bsp  # noqa: E402
+from test_scrape import FIGURES as SCRAPE_FIGURES  # noqa: E402
+from test_scrape import LINE as SCRAPE_LINE  # noqa: E402
 
 from hisparse_sglang.integration.sglang.metrics import METRICS  # noqa: E402
 
-LINE = (
-    "[2026-11-25 10:00:00 TP0] HiSparse: hit rate 97.5%, moved 1.5 MiB, resident 3, offloaded 33 (promoting 1), "
-    "demotions 12.0/min, promotions 0.5/min, device rows 130944/131136, host rows 820352/1048640 (quarantined 0), "
-    "switch work max 0.41 ms/step, step host work 0.110 ms (max 0.20)"
-)
-# what the plugin exports with two such lines (gauges: the last line; the bytes counter: both lines' moved)
-FIGURES = {
-    "hit_rate": 0.975, "resident": 3, "offloaded": 33, "promoting": 1, "demotions_per_min": 12.0,
-    "promotions_per_min": 0.5, "device_rows_used": 130944, "device_rows_total": 131136, "host_rows_used": 820352,
-    "host_rows_total": 1048640, "host_rows_quarantined": 0, "switch_ms_max": 0.41, "step_host_ms": 0.11,
-    "step_host_ms_max": 0.2, "lookups": 4000, "misses": 100, "bytes_moved": 3 * 2**20, "demotions_total": 7,
-    "promotions_total": 2,
-}
+# test_scrape's line with nothing quarantined; what the plugin exports with two such lines (gauges: the last
+# line; the bytes counter: both lines' moved)
+LINE = SCRAPE_LINE.replace("(quarantined 128)", "(quarantined 0)")
+assert "(quarantined 0)" in LINE, "test_scrape.LINE changed: update this derivation"
+FIGURES = {**SCRAPE_FIGURES, "host_rows_quarantined": 0}
 LABELS = 'engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
 
 

@@ -162,3 +162,21 @@ def resolve_deferred_releases(transfer_queue) -> None:
     resolve = getattr(transfer_queue, "resolve_deferred_releases", None)
     if resolve is not None:
         resolve()
+
+
+def report_of_spawned(target, *args, name: str = "the child", timeout_s: float = 600, join_s: float = 60) -> dict:
+    """Runs ``target(conn, *args)`` in a spawned process (a fresh interpreter, as SGLang starts a scheduler)
+    and returns the one report it sends on ``conn``; the process is killed if it outlives ``join_s``."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    parent, child_conn = context.Pipe()
+    child = context.Process(target=target, args=(child_conn, *args))
+    child.start()
+    try:
+        assert parent.poll(timeout_s), f"{name} sent nothing within {timeout_s:g} s"
+        return parent.recv()
+    finally:
+        child.join(timeout=join_s)
+        if child.is_alive():
+            child.kill()

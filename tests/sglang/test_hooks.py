@@ -3,7 +3,6 @@ in the processes that load plugins: a scheduler, the main process, a light proce
 DP controller) and the main process of an SGLang outside the supported range."""
 
 import json
-import multiprocessing
 import os
 import pathlib
 import pkgutil
@@ -13,6 +12,7 @@ import textwrap
 import traceback
 import types
 
+import drive
 import pytest
 from packaging.specifiers import SpecifierSet
 
@@ -70,7 +70,7 @@ def test_entry_point_is_registered():
     assert names.get("hisparse") == "hisparse_sglang.integration.sglang.plugin:register"
 
 
-def _load_in_child(queue, title) -> None:
+def _load_in_child(conn, title) -> None:
     """Runs in a spawned child, like an SGLang scheduler process (or, with a title, a light one)."""
     os.environ["SGLANG_PLUGINS"] = "hisparse"
     if title:
@@ -99,17 +99,12 @@ def _load_in_child(queue, title) -> None:
             allocator=kv_cache_configurator.HiSparseTokenToKVPoolAllocator is HiSparseTokenAllocator,
             coordinator_wrapped=hasattr(ModelRunner.maybe_init_hisparse_coordinator, "__wrapped__"),
         )
-    queue.put(report)
+    conn.send(report)
+    conn.close()
 
 
 def _run_child(title=None) -> dict:
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    child = context.Process(target=_load_in_child, args=(queue, title))
-    child.start()
-    report = queue.get(timeout=600)
-    child.join(timeout=60)
-    return report
+    return drive.report_of_spawned(_load_in_child, title, name="the scheduler-like process")
 
 
 def test_load_plugins_applies_every_hook_covering_the_release_in_a_scheduler_like_process():
@@ -305,19 +300,8 @@ def test_sglang_and_the_coordinator_read_one_config_with_the_models_index_topk(t
     sizing) and the coordinator get the same values, from one object: once, SGLang's parsed without the
     model (top_k 2048, which this buffer cannot hold: the scheduler failed after validation passed)."""
     model_path = tiny_model_with_index_topk(tmp_path / "tiny-dsv32-topk512", 512)
-    context = multiprocessing.get_context("spawn")
-    parent, child_conn = context.Pipe()
-    child = context.Process(
-        target=_readers_in_a_scheduler_like_process, args=(child_conn, model_path, CONFIG_WITHOUT_TOP_K)
-    )
-    child.start()
-    try:
-        assert parent.poll(600), "the scheduler-like process sent nothing within 600 s"
-        report = parent.recv()
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
+    report = drive.report_of_spawned(_readers_in_a_scheduler_like_process, model_path, CONFIG_WITHOUT_TOP_K,
+                                     name="the scheduler-like process", join_s=30)
     assert "error" not in report, report.get("error")
     expected = {"top_k": 512, "device_buffer_size": 1024, "host_to_device_ratio": 4, "swap_in_block_size": None,
                 "page_size": 64}

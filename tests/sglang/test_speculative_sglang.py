@@ -16,7 +16,6 @@ host row in every layer, and no host row anywhere holds a rejected draft's KV. A
 abort, retract after verify steps) nothing leaks.
 """
 
-import multiprocessing
 import traceback
 import types
 
@@ -485,16 +484,6 @@ def _steps_with_sglangs_reserve(conn) -> None:
 
 def test_sglangs_own_reserve_composes_with_the_verify_step(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    context = multiprocessing.get_context("spawn")
-    parent, child_conn = context.Pipe()
-    child = context.Process(target=_steps_with_sglangs_reserve, args=(child_conn,))
-    child.start()
-    try:
-        assert parent.poll(600), "the child sent nothing within 600 s"
-        report = parent.recv()
-    finally:
-        child.join(timeout=60)
-        if child.is_alive():
-            child.kill()
+    report = drive.report_of_spawned(_steps_with_sglangs_reserve)
     assert "error" not in report, report.get("error")
     assert report == {"steps": 6}
