@@ -743,23 +743,17 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
   HISPARSE_MARK(6);
 
   // M6: outputs of the missed entries; with copiers they are the plan, published by the flag.
-  if constexpr (POSITIONS) {
-    // Several positions of a group miss the same token: the copier that keeps the chunk of a later
-    // entry must not copy the row again (a launch of G = 2 positions copied nearly twice the bytes of
-    // one position), so such an entry's output carries kDuplicateBase - row, which that copier turns
-    // back into the row after reading it (copier, C3). The first entry's owner copies the row.
-    const int copier_entries = p.splits > 1 ? copier_chunk(K, p.splits) : K;
-    for (int i = entry_begin; i < entry_end; ++i) {
-      if (entry_state[i] <= kMissBase) {
-        const int h = entry_hash[i];
-        const int32_t row = hash_device_row[h];
-        const bool duplicate = p.splits > 1 && first[h] != i && chunk_kept(kept, i / copier_entries);
-        out[i] = duplicate ? kDuplicateBase - row : row;
-      }
-    }
-  } else {
-    for (int i = entry_begin; i < entry_end; ++i) {
-      if (entry_state[i] <= kMissBase) out[i] = hash_device_row[entry_hash[i]];
+  // POSITIONS: several positions of a group miss the same token; the copier that keeps the chunk of a
+  // later entry must not copy the row again (a launch of G = 2 positions copied nearly twice the bytes
+  // of one position), so such an entry's output carries kDuplicateBase - row, which that copier turns
+  // back into the row after reading it (copier, C3). The first entry's owner copies the row.
+  const int copier_entries = p.splits > 1 ? copier_chunk(K, p.splits) : K;
+  for (int i = entry_begin; i < entry_end; ++i) {
+    if (entry_state[i] <= kMissBase) {
+      const int h = entry_hash[i];
+      const int32_t row = hash_device_row[h];
+      const bool duplicate = POSITIONS && p.splits > 1 && first[h] != i && chunk_kept(kept, i / copier_entries);
+      out[i] = duplicate ? kDuplicateBase - row : row;
     }
   }
   if (tid == 0 && p.counters != nullptr) atomicAdd(p.counters + 1, static_cast<unsigned long long>(num_miss));
