@@ -30,6 +30,7 @@ sys.path[:0] = [str(E2E), str(REPO / "tools" / "e2e-selftest")]
 
 import chaos  # noqa: E402
 import hostpool  # noqa: E402
+import scrape  # noqa: E402
 from mock_sglang import leftover_children, make_mock_site  # noqa: E402
 from servers import port_free  # noqa: E402
 
@@ -230,6 +231,25 @@ def test_the_ready_line_regex_reads_the_plugins_own_format():
     line = fmt % (100.12, 8.4, 11.9, 2.1, ", pinned in 6.3 s", 16)
     assert hostpool.parse_pool_log(line) == {"ready_gib": 100.12, "ready_s": 8.4, "rate_gib_s": 11.9, "touched_s": 2.1,
                                              "pinned_s": 6.3, "threads": 16}
+
+
+PROBE_LINES = """\
+HiSparse: hit rate n/a, moved 0.0 MiB, resident 1, offloaded 0 (promoting 0), demotions 0.0/min, promotions 0.0/min, device rows 6208/131072, host rows 6208/1048576 (quarantined 0), switch work max 0.00 ms/step, step host work 0.017 ms (max 0.20)
+HiSparse: hit rate n/a, moved 0.0 MiB, resident 1, offloaded 0 (promoting 0), demotions 0.0/min, promotions 0.0/min, device rows 6400/131072, host rows 6400/1048576 (quarantined 0), switch work max 0.00 ms/step, step host work 0.011 ms (max 0.14)
+HiSparse: hit rate n/a, moved 0.0 MiB, resident 0, offloaded 0 (promoting 0), demotions 0.0/min, promotions 0.0/min, device rows 0/131072, host rows 0/1048576 (quarantined 0), switch work max 0.00 ms/step, step host work 0.009 ms (max 0.02)
+"""
+
+
+def test_probe_figures_leave_out_the_line_of_the_server_going_idle():
+    """The plugin logs one more line as the probe leaves (no request, no rows): the baseline probe of the
+    first GPU chaos run (H100, 2026-11-26) failed on it ("counted as 0..1 requests"). A line without a
+    request but with rows in use is a leak and still counts."""
+    lines = scrape.parse_log_lines(PROBE_LINES)
+    figures = chaos.probe_figures(lines)
+    assert (figures["lines"], figures["idle_lines"], figures["requests_min"], figures["requests_max"]) == (3, 1, 1, 1)
+    assert figures["host_rows_used_max"] == 6400
+    leaked = scrape.parse_log_lines(PROBE_LINES.replace("device rows 0/131072, host rows 0/", "device rows 0/131072, host rows 64/"))
+    assert chaos.probe_figures(leaked)["requests_min"] == 0
 
 
 def test_compare_probe_names_each_leak():

@@ -264,3 +264,47 @@ def test_before_hook_keys_slots_by_prompt(fixture):
     # The same prompt under another rid (another arm, a repeat) has the same key.
     twin = Req("other-rid", "", array.array("i", range(10, 40)), SamplingParams())
     assert fixture.request_key(twin) == fixture.request_key(reqs[0])
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("fused", [False, True], ids=["positions", "locations"])
+def test_around_indexer_reads_the_backends_pool(fixture, monkeypatch, fused):
+    """The AROUND hook on a decode batch carrying only the fields of SGLang's own ForwardBatch (0.5.17's
+    has no pool: the table comes from the attention backend, whose __init__ keeps model_runner's):
+    the rows are the workload's, as positions or translated through the backend's req_to_token."""
+    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.model_executor import forward_context
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    assert "self.req_to_token_pool = model_runner.req_to_token_pool" in inspect.getsource(
+        DeepseekSparseAttnBackend.__init__
+    )
+    pool = ReqToTokenPool(size=6, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    pool.req_to_token.copy_((torch.arange(pool.req_to_token.numel()) * 3 % 100_003).view_as(pool.req_to_token))
+    metadata = types.SimpleNamespace(force_unfused_topk=not fused)
+    backend = types.SimpleNamespace(req_to_token_pool=pool, get_indexer_metadata=lambda layer, batch: metadata)
+    monkeypatch.setattr(forward_context, "get_attn_backend", lambda: backend)
+
+    slots, prompts = torch.tensor([2, 5]), torch.tensor([3000, 2500])
+    seq_lens = prompts + torch.tensor([40, 7])
+    replacement = fixture.TopKReplacement(PROFILES["calibrated"])
+    keys = replacement._ensure_keys(pool.req_to_token.shape[0], "cpu")
+    keys.update([(2, 11, 3000), (5, 12, 2500)])
+    fields = {"forward_mode": ForwardMode.DECODE, "req_pool_indices": slots, "seq_lens": seq_lens}
+    assert set(fields) <= set(ForwardBatch.__dataclass_fields__)
+    batch = types.SimpleNamespace(**fields)
+    indexer = types.SimpleNamespace(index_topk=2048)
+    real = torch.zeros(2, 2048, dtype=torch.int32)
+    rows = replacement.around_indexer(lambda *a, **k: real, indexer, None, forward_batch=batch, layer_id=1)
+
+    positions = TopKWorkload(PROFILES["calibrated"]).topk(torch.tensor([11, 12]), prompts, seq_lens, 1)
+    want = positions.clone()
+    if fused:
+        valid = positions >= 0
+        want[valid] = pool.req_to_token[slots[:, None].expand_as(positions)[valid], positions[valid]].to(torch.int64)
+    assert rows.dtype == torch.int32 and torch.equal(rows.to(torch.int64), want)
+
+    del backend.req_to_token_pool
+    with pytest.raises(RuntimeError, match="no req_to_token_pool"):
+        replacement.around_indexer(lambda *a, **k: real, indexer, None, forward_batch=batch, layer_id=1)

@@ -233,7 +233,9 @@ def check_row(name: str, ok: bool, detail: str) -> dict:
 
 
 def probe_figures(lines: list[dict]) -> dict:
-    """What a probe's plugin lines show (scrape.parse_log_lines rows)."""
+    """What a probe's plugin lines show (scrape.parse_log_lines rows). The plugin logs one more line as
+    the finished probe leaves (no request, no rows in use): that line is the server going idle, so the
+    request count is taken over the other lines; a line without requests but with rows in use counts."""
     if not lines:
         return {"lines": 0}
 
@@ -241,8 +243,13 @@ def probe_figures(lines: list[dict]) -> dict:
         vals = [ln[key] for ln in lines if ln.get(key) is not None]
         return fn(vals) if vals else None
 
-    counts = [ln.get("resident", 0) + ln.get("offloaded", 0) for ln in lines]
-    return {"lines": len(lines), "requests_min": min(counts), "requests_max": max(counts),
+    def requests(ln):
+        return ln.get("resident", 0) + ln.get("offloaded", 0)
+
+    busy = [ln for ln in lines if requests(ln) or ln.get("host_rows_used") or ln.get("device_rows_used")]
+    counts = [requests(ln) for ln in busy] or [0]
+    return {"lines": len(lines), "idle_lines": len(lines) - len(busy),
+            "requests_min": min(counts), "requests_max": max(counts),
             "host_rows_used_max": top("host_rows_used"), "device_rows_used_max": top("device_rows_used"),
             "quarantined_max": top("host_rows_quarantined"), "host_rows_total": top("host_rows_total"),
             "device_rows_total": top("device_rows_total")}

@@ -355,6 +355,18 @@ def workload_row_salt(workload) -> int:
     return module._mix32(workload.params.seed ^ module._SALT_ROW)
 
 
+def backend_req_to_token(backend):
+    """The request-to-token table the DSA backend's fused top-k transform reads: SGLang 0.5.17's
+    ``ForwardBatch`` carries no pool, the backend keeps ``model_runner.req_to_token_pool``."""
+    pool = getattr(backend, "req_to_token_pool", None)
+    if pool is None:
+        raise RuntimeError(
+            f"{PREFIX} the attention backend {type(backend).__name__} has no req_to_token_pool; the top-k "
+            "fixture serves the DSA backend (--attention-backend dsa)."
+        )
+    return pool.req_to_token
+
+
 class TopKReplacement:
     """The state the two hooks share (one per scheduler process)."""
 
@@ -418,10 +430,11 @@ class TopKReplacement:
             return result
         from sglang.srt.model_executor.forward_context import get_attn_backend
 
-        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        backend = get_attn_backend()
+        req_to_token = backend_req_to_token(backend)
         keys = self._ensure_keys(req_to_token.shape[0], req_to_token.device)
         workload = self._ensure_workload(indexer.index_topk, result.device)
-        locations = not get_attn_backend().get_indexer_metadata(layer_id, forward_batch).force_unfused_topk
+        locations = not backend.get_indexer_metadata(layer_id, forward_batch).force_unfused_topk
         layout = "locations" if locations else "positions"
         if layout not in self._logged_layouts:
             self._logged_layouts.add(layout)

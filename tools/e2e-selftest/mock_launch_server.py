@@ -244,7 +244,9 @@ def metrics_text():
         for name, kind, key, _ in PLUGIN_METRICS:
             if name not in exported:
                 continue
-            value = exported[name] + ((2**20 if key == "bytes_moved" else 1) if key in SKEW else 0)
+            value = exported[name]
+            if value is not None and key in SKEW:
+                value += 2**20 if key == "bytes_moved" else 1
             lines += [f"# TYPE {name} {kind}", f"{name}{{{LABELS}}} {'NaN' if value is None else float(value)}"]
     return "\n".join(lines) + "\n"
 totals = {"demotions_total": 0}
@@ -290,30 +292,41 @@ def out_ids(ids, n):
         o[FLIP] = (o[FLIP] + 1) % 32768
     return o
 
+def hisparse_line(r):
+    """The plugin's periodic line for a step with r running requests (r == 0: the step the last one left,
+    which the plugin logs too), then its export, as the plugin does."""
+    with lock:
+        v = accounting_values(r)
+        off_n = v["offloaded"]
+        totals["demotions_total"] += off_n
+        hit, moved = (0.975, 1.5) if r else (None, 0.0)
+        v.update(hit_rate=hit, bytes_moved=moved * 2**20, promoting=0, demotions_per_min=6.0 * r,
+                 promotions_per_min=0.0, switch_ms_max=0.25 if r else 0.0, step_host_ms=0.11, step_host_ms_max=0.2,
+                 lookups=1000 * off_n, misses=25 * off_n, demotions_total=totals["demotions_total"],
+                 promotions_total=0)
+    with metrics_lock:  # the plugin logs its line, then exports
+        log(f"HiSparse: hit rate {'n/a' if hit is None else f'{100 * hit:.1f}%'}, moved {moved:.1f} MiB, "
+            f"resident {v['resident']}, offloaded {v['offloaded']} (promoting 0), "
+            f"demotions {6.0 * r:.1f}/min, promotions 0.0/min, device rows {v['device_rows_used']}/{v['device_rows_total']}, "
+            f"host rows {v['host_rows_used']}/{v['host_rows_total']} (quarantined {v['host_rows_quarantined']}), "
+            f"switch work max {v['switch_ms_max']:.2f} ms/step, step host work 0.110 ms (max 0.20)")
+        export(v)
+
 def reporter():
+    was_running = False
     while True:
         time.sleep(0.2)
         with lock:
             r, w, t = state["running"], state["waiting"], state["tokens"]; state["tokens"] = 0
+        if not r and was_running and HS_LOG and ACCOUNTING:  # the line of the step the last request left
+            hisparse_line(0)
+        was_running = bool(r)
         if r:
             use = ("#gpu token: 100, gpu token usage: 0.10, #cpu token: 200, cpu token usage: 0.20" if args.enable_hisparse
                    else f"#token: {r * 100}, token usage: {min(1.0, r * 0.1):.2f}")
             log(f"Decode batch, #running-req: {r}, {use}, cuda graph: True, gen throughput (token/s): {t / 0.2:.2f}, #queue-req: {w}, ")
             if HS_LOG:
-                with lock:
-                    v = accounting_values(r)
-                    off_n = v["offloaded"]
-                    totals["demotions_total"] += off_n
-                    v.update(hit_rate=0.975, bytes_moved=1.5 * 2**20, promoting=0, demotions_per_min=6.0 * r,
-                             promotions_per_min=0.0, switch_ms_max=0.25, step_host_ms=0.11, step_host_ms_max=0.2,
-                             lookups=1000 * off_n, misses=25 * off_n, demotions_total=totals["demotions_total"],
-                             promotions_total=0)
-                with metrics_lock:  # the plugin logs its line, then exports
-                    log(f"HiSparse: hit rate 97.5%, moved 1.5 MiB, resident {v['resident']}, offloaded {v['offloaded']} (promoting 0), "
-                        f"demotions {6.0 * r:.1f}/min, promotions 0.0/min, device rows {v['device_rows_used']}/{v['device_rows_total']}, "
-                        f"host rows {v['host_rows_used']}/{v['host_rows_total']} (quarantined {v['host_rows_quarantined']}), "
-                        f"switch work max 0.25 ms/step, step host work 0.110 ms (max 0.20)")
-                    export(v)
+                hisparse_line(r)
 threading.Thread(target=reporter, daemon=True).start()
 
 class H(BaseHTTPRequestHandler):
