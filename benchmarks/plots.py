@@ -36,6 +36,12 @@ FIGURE_SIZE = (9.0, 3.4)
 DPI = 90
 
 
+def workload_note(result: dict) -> str:
+    """", top-k workload <profile>" where the run replaced the indexer's decode top-k (``--topk-profile``), else ""."""
+    profile = result.get("meta", {}).get("args", {}).get("topk_profile")
+    return f", top-k workload {profile}" if profile and profile != "off" else ""
+
+
 def level_series(result: dict) -> dict:
     """Per arm, the measured levels of one result file: ``{arm: {"phase", "input_len", "output_len",
     "points": [(concurrency, [output tok/s of each run], [median TPOT ms of each run])]}}``; arms without
@@ -120,7 +126,8 @@ def draw(result: dict, name: str, path: Path) -> int:
         axis.grid(True, color="#dddddd", linewidth=0.6)
     left.legend(fontsize=8, frameon=False)
     tokens = ", ".join(f"{i // 1024}K + {o} tokens" for i, o in lengths)
-    figure.suptitle(f"tiny model, {gpu_name(result)}, {tokens} per request ({'/'.join(phases)}): {name}", fontsize=9)
+    figure.suptitle(f"tiny model{workload_note(result)}, {gpu_name(result)}, {tokens} per request ({'/'.join(phases)}): "
+                    f"{name}", fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=DPI, pil_kwargs={"optimize": True})

@@ -63,3 +63,11 @@ def test_the_command_draws_small_pngs(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < plots.MAX_PNG_BYTES
         width, height = struct.unpack(">II", data[16:24])
         assert (width, height) == (int(plots.FIGURE_SIZE[0] * plots.DPI), int(plots.FIGURE_SIZE[1] * plots.DPI))
+
+
+def test_the_title_names_a_replaced_top_k_workload():
+    """A run whose indexer top-k the workload model replaced (run_e2e.py --topk-profile) says so in its plot's title:
+    its figures are not comparable with the tiny model's own indexer's."""
+    assert plots.workload_note({"meta": {"args": {"topk_profile": "calibrated"}}}) == ", top-k workload calibrated"
+    assert plots.workload_note({"meta": {"args": {"topk_profile": "off"}}}) == ""
+    assert plots.workload_note({"meta": {"args": {}}}) == ""
