@@ -122,11 +122,22 @@ def prepare_pyext(state: Path, args) -> tuple[Path, Path, tuple[str, str]]:
     return common, plugin, ep
 
 
-def hisparse_config_json(config: str, arm: str) -> str:
-    """--hisparse-config of an arm: the common JSON plus the arm's overrides, compact (one argv element)."""
+def hisparse_config_json(config: str, arm: str, plugin_config: str = "") -> str:
+    """--hisparse-config of an arm: the common JSON, then for the plugin's arms (c, d, dx; pd-c's decode takes c's)
+    the keys of ``plugin_config`` (--plugin-hisparse-config: e.g. another device_buffer_size for ours while
+    SGLang's in-tree arm keeps the common one), then the arm's own overrides; compact (one argv element)."""
     merged = json.loads(config)
     if not isinstance(merged, dict):
         raise ValueError(f"--hisparse-config must be a JSON object, got {config!r}")
+    if plugin_config:
+        try:
+            extra = json.loads(plugin_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--plugin-hisparse-config is not JSON ({e}): {plugin_config!r}") from None
+        if not isinstance(extra, dict):
+            raise ValueError(f"--plugin-hisparse-config must be a JSON object, got {plugin_config!r}")
+        if arm in PLUGIN_ARMS:
+            merged.update(extra)
     merged.update(ARM_HISPARSE_OVERRIDES.get(arm, {}))
     return json.dumps(merged, separators=(",", ":"))
 
@@ -156,7 +167,8 @@ def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: i
            "--random-seed", str(args.random_seed)]
     if args.disable_cuda_graph:
         cmd.append("--disable-cuda-graph")
-    hisparse = ["--enable-hisparse", "--hisparse-config", hisparse_config_json(args.hisparse_config, arm)]
+    hisparse = ["--enable-hisparse", "--hisparse-config",
+                hisparse_config_json(args.hisparse_config, arm, getattr(args, "plugin_hisparse_config", ""))]
     env = dict(env0)
     env.update(topk_workload_env(args))
     pp = [str(common), str(args.site)]

@@ -176,6 +176,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--plugin-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of the servers of arms c and d")
     g.add_argument("--plugin-args", default="", help="extra server args of arms c and d (shell-quoted string)")
+    g.add_argument("--plugin-hisparse-config", default="", metavar="JSON",
+                   help="keys merged into --hisparse-config for the plugin's arms only (c, d, pd-c's decode), e.g. "
+                        "'{\"device_buffer_size\": 3072}' to size our buffers apart from the in-tree arm b's")
     g.add_argument("--plugin-no-enable-hisparse", action="store_true",
                    help="arm c without --enable-hisparse/--hisparse-config (not with arm d, which needs them)")
     g.add_argument("--allow-plugin-failure", action="store_true",
@@ -278,7 +281,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.topk_params and not isinstance(json.loads(args.topk_params), dict):
             raise ValueError(f"--topk-params must be a JSON object, got {args.topk_params!r}")
         for arm in ALL_ARMS:  # main() builds every arm's spec
-            hisparse_config_json(args.hisparse_config, arm)
+            hisparse_config_json(args.hisparse_config, arm, args.plugin_hisparse_config)
         shlex.split(args.plugin_args)
         shlex.split(args.extra_server_args)
         if args.plugin_ep and not re.fullmatch(r"[\w.-]+=[\w.]+:[\w.]+", args.plugin_ep.replace(" ", "")):

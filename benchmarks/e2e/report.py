@@ -82,7 +82,9 @@ def render_markdown(data: dict) -> str:
     lines.append(f"- server: dsa + {DSA_BACKEND_OF_KV_DTYPE.get(kv_dtype, '?')} prefill/decode, {kv_dtype} KV, CUDA graph "
                  f"{'off' if a.get('disable_cuda_graph') else 'on'}, radix cache off, --max-total-tokens "
                  f"{a.get('max_total_tokens')}, --mem-fraction-static {a.get('mem_fraction_static')}, context "
-                 f"{a.get('context_length')}; HiSparse config `{a.get('hisparse_config')}`; weights: dummy, "
+                 f"{a.get('context_length')}; HiSparse config `{a.get('hisparse_config')}`"
+                 + (f" (arms c, d, pd-c: with `{a['plugin_hisparse_config']}`)" if a.get("plugin_hisparse_config") else "")
+                 + "; weights: dummy, "
                  f"init `{a.get('weight_init')}`")
     lines.append("")
     lines += render_hostpool(meta)
