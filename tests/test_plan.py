@@ -5,6 +5,7 @@ start-up checks. SGLang's own sizing code is compared in tests/sglang/test_plan_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -155,3 +156,35 @@ def test_cli_help_and_exit_codes(capsys):
     assert json.loads(capsys.readouterr().out)["errors"]
     assert plan.main(["no-such-model", "--gpu-mem-gib", "80", "--host-mem-gib", "100"]) == 2
     assert "neither a known name" in capsys.readouterr().err
+
+
+def test_speculative_decoding_sizes_the_nextn_layers_and_the_verify_buffer():
+    """--speculative-num-draft-tokens T: the draft's NextN layer keeps KV of the same tokens (sized as one more
+    layer, GPU and host), and the default buffer holds max(2, T) x top_k slots as the plugin's own config does."""
+    spec = plan.PlanInput(model=plan.model_shape("DeepSeek-V3.2"), gpu_mem_gib=139.8, host_mem_gib=1800, tp=8)
+    plain = plan.plan(spec)
+    mtp3 = plan.plan(dataclasses.replace(spec, speculative_num_draft_tokens=4))
+    mtp1 = plan.plan(dataclasses.replace(spec, speculative_num_draft_tokens=2))
+    assert not (plain.errors or mtp3.errors or mtp1.errors)
+    assert (plain.config.device_buffer_size, mtp1.config.device_buffer_size, mtp3.config.device_buffer_size) == (
+        4096, 4096, 8192)
+    assert mtp3.bytes_per_token_with * 61 == plain.bytes_per_token_with * 62
+    assert mtp3.host_pool_gib / mtp3.host_rows == pytest.approx(plain.host_pool_gib / plain.host_rows * 62 / 61)
+    assert '"device_buffer_size": 8192' in mtp3.hisparse_config_json
+
+
+def test_speculative_decoding_needs_a_nextn_layer_and_at_most_four_positions(tmp_path, capsys):
+    config = {"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_topk": 2048,
+              "index_head_dim": 128, "max_position_embeddings": 65536, "num_nextn_predict_layers": 0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = plan.PlanInput(model=plan.model_shape(str(tmp_path)), gpu_mem_gib=80, host_mem_gib=1000, tp=1,
+                          weights_gib=1.0, speculative_num_draft_tokens=2)
+    with pytest.raises(plan.HiSparseConfigError, match="num_nextn_predict_layers 0"):
+        plan.plan(spec)
+    config["num_nextn_predict_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert plan.model_shape(str(tmp_path)).nextn_layers == 1
+    assert not plan.plan(dataclasses.replace(spec, model=plan.model_shape(str(tmp_path)))).errors
+    argv = ["DeepSeek-V3.2", "--gpu-mem-gib", "140", "--host-mem-gib", "1800", "--speculative-num-draft-tokens", "5"]
+    assert plan.main(argv) == 2
+    assert "1 to 4 positions" in capsys.readouterr().err

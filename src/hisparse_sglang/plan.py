@@ -25,6 +25,7 @@ from pathlib import Path
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.errors import HiSparseConfigError, HiSparseError, HiSparseMemoryError
 from hisparse_sglang.integration.sglang import limits
+from hisparse_sglang.ops.swap_in_plan import MAX_VERIFY_POSITIONS
 
 __all__ = ["ModelShape", "KNOWN_MODELS", "PlanInput", "Plan", "plan", "model_shape", "main"]
 
@@ -50,8 +51,10 @@ class ModelShape:
     """What sizing needs from a DSA model's config.json.
 
     Attributes:
-        layers: ``num_hidden_layers`` (layers with a KV cache; the MTP layer has none without speculative
-            decoding, which the plugin refuses).
+        layers: ``num_hidden_layers`` (layers with a KV cache; the NextN / MTP layers add theirs only with
+            speculative decoding, see ``nextn_layers``).
+        nextn_layers: ``num_nextn_predict_layers``: the draft layers EAGLE / NextN MTP runs, each with a KV
+            cache of the same tokens (and, with HiSparse, host rows) as a target layer.
         kv_lora_rank, qk_rope_head_dim: the MLA latent row (512 + 64 values).
         index_topk: the indexer's top-k (HiSparse's ``top_k``).
         index_head_dim: the indexer key width (its cache stays in GPU memory).
@@ -69,14 +72,15 @@ class ModelShape:
     context_length: int
     params_billion: float | None = None
     fp8_weights: bool = True
+    nextn_layers: int = 0
 
 
 # Numbers of the public config.json files (docs/sizing.md gives the source of each).
 KNOWN_MODELS = {
     "DeepSeek-V3.2": ModelShape("DeepSeek-V3.2", layers=61, kv_lora_rank=512, qk_rope_head_dim=64, index_topk=2048,
-                                index_head_dim=128, context_length=163840, params_billion=685),
+                                index_head_dim=128, context_length=163840, params_billion=685, nextn_layers=1),
     "GLM-5": ModelShape("GLM-5", layers=78, kv_lora_rank=512, qk_rope_head_dim=64, index_topk=2048,
-                        index_head_dim=128, context_length=202752, params_billion=744),
+                        index_head_dim=128, context_length=202752, params_billion=744, nextn_layers=1),
 }
 
 
@@ -105,6 +109,7 @@ def model_shape(model: str) -> ModelShape:
         name=str(path.parent.name), layers=config["num_hidden_layers"], kv_lora_rank=config["kv_lora_rank"],
         qk_rope_head_dim=config["qk_rope_head_dim"], index_topk=config["index_topk"],
         index_head_dim=config["index_head_dim"], context_length=config.get("max_position_embeddings", 0),
+        nextn_layers=int(config.get("num_nextn_predict_layers", 0) or 0),
     )
 
 
@@ -152,6 +157,7 @@ class PlanInput:
     max_running_requests: int | None = None
     pd_decode: bool = False
     num_reserved_decode_tokens: int = 512
+    speculative_num_draft_tokens: int = 1
 
 
 @dataclasses.dataclass
@@ -246,16 +252,33 @@ def plan(spec: PlanInput) -> Plan:
     or a config that cannot be read at all."""
     errors, warnings = [], []
     shape = spec.model
+    draft_tokens = spec.speculative_num_draft_tokens
+    if not 1 <= draft_tokens <= MAX_VERIFY_POSITIONS:
+        raise HiSparseConfigError(
+            f"--speculative-num-draft-tokens {draft_tokens}: HiSparse's verify swap-in serves 1 to "
+            f"{MAX_VERIFY_POSITIONS} positions per request (--speculative-num-steps 1-3 with topk 1)."
+        )
+    if draft_tokens > 1:  # the draft's NextN layers keep KV of the same tokens: size them as more layers
+        if not shape.nextn_layers:
+            raise HiSparseConfigError(
+                f"{shape.name} has no NextN layer (num_nextn_predict_layers 0): EAGLE / NextN MTP needs one; "
+                f"drop --speculative-num-draft-tokens."
+            )
+        shape = dataclasses.replace(shape, layers=shape.layers + shape.nextn_layers)
     if spec.kv_dtype not in KV_DTYPES:
         raise HiSparseConfigError(f"kv dtype {spec.kv_dtype!r}: use one of {', '.join(KV_DTYPES)}.")
     if spec.tp < 1 or spec.dp < 1 or spec.tp % spec.dp:
         raise HiSparseConfigError(f"--tp ({spec.tp}) must be a positive multiple of --dp ({spec.dp}).")
     try:
-        config = HiSparseConfig.from_json(spec.hisparse_config or None, model_index_topk=shape.index_topk)
+        config = HiSparseConfig.from_json(
+            spec.hisparse_config or None, model_index_topk=shape.index_topk, verify_positions=draft_tokens
+        )
     except HiSparseConfigError as exc:
         errors.append(f"--hisparse-config: {exc}")
         config = None
-    effective = config or HiSparseConfig(top_k=shape.index_topk, device_buffer_size=2 * shape.index_topk)
+    effective = config or HiSparseConfig(
+        top_k=shape.index_topk, device_buffer_size=max(2, draft_tokens) * shape.index_topk
+    )
     page, ratio = effective.page_size, effective.host_to_device_ratio
     context = spec.context_length or shape.context_length
     row = kv_row_bytes(shape, spec.kv_dtype)
@@ -467,12 +490,19 @@ def _parser() -> argparse.ArgumentParser:
     hisparse.add_argument("--hisparse-config", default="", help="the --hisparse-config JSON (default: all defaults)")
     hisparse.add_argument("--prompt-len", type=int, default=16384, help="prompt tokens per request (default 16384)")
     hisparse.add_argument("--output-len", type=int, default=1024, help="output tokens per request (default 1024)")
+    hisparse.add_argument("--speculative-num-draft-tokens", type=int, default=1, metavar="T",
+                          help="as SGLang's, with EAGLE / NextN MTP (2-4; default 1: none): the draft's NextN layers "
+                               "are sized as KV layers and device_buffer_size defaults to max(2, T) x top_k")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
 
 def _report(spec: PlanInput, result: Plan) -> str:
     shape, ratio = spec.model, (result.config.host_to_device_ratio if result.config else None)
+    draft = spec.speculative_num_draft_tokens
+    if draft > 1:
+        shape = dataclasses.replace(shape, name=f"{shape.name} + {shape.nextn_layers} NextN layer(s), {draft} draft "
+                                    f"tokens", layers=shape.layers + shape.nextn_layers)
     bounds = ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in result.concurrency_bounds.items())
     ranks = f"{spec.tp} rank{'s' if spec.tp > 1 else ''}" + (f", {spec.dp} DP-attention groups" if spec.dp > 1 else "")
     lines = [
@@ -522,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
             weights_gib=args.weights_gib, max_total_tokens=args.max_total_tokens,
             max_running_requests=args.max_running_requests, pd_decode=args.pd_decode,
             num_reserved_decode_tokens=args.num_reserved_decode_tokens,
+            speculative_num_draft_tokens=args.speculative_num_draft_tokens,
         )
         result = plan(spec)
     except HiSparseError as exc:
