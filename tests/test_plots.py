@@ -49,6 +49,7 @@ def test_ticks_leave_out_crowded_levels():
 def test_every_result_with_levels_has_its_committed_png():
     expected = {f"{path.stem}.png" for path in sorted(plots.RESULTS.glob("e2e_*.json"))
                 if plots.level_series(json.loads(path.read_text()))}
+    expected.add(plots.HIT_RATE_PNG)
     assert expected and expected == {path.name for path in (REPO / "docs" / "img").glob("*.png")}
 
 
@@ -57,7 +58,7 @@ def test_the_command_draws_small_pngs(tmp_path):
     assert plots.main(["--out", str(tmp_path)]) == 0
     pngs = sorted(tmp_path.glob("*.png"))
     with_levels = [path for path in plots.RESULTS.glob("e2e_*.json") if plots.level_series(json.loads(path.read_text()))]
-    assert with_levels and len(pngs) == len(with_levels)
+    assert with_levels and len(pngs) == len(with_levels) + 1  # and the hit rate against buffer size
     for png in pngs:
         data = png.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < plots.MAX_PNG_BYTES
@@ -71,3 +72,18 @@ def test_the_title_names_a_replaced_top_k_workload():
     assert plots.workload_note({"meta": {"args": {"topk_profile": "calibrated"}}}) == ", top-k workload calibrated"
     assert plots.workload_note({"meta": {"args": {"topk_profile": "off"}}}) == ""
     assert plots.workload_note({"meta": {"args": {}}}) == ""
+
+
+
+def test_hit_rate_curves_rise_with_the_buffer_and_order_the_profiles():
+    """The hit-rate plot's data: every profile's hit rate grows with the slots; high locality above calibrated above
+    low locality above random at every size; calibrated at 2k slots near its fitted 70-74 % (docs/workload.md)."""
+    curves = plots.hit_rate_curves()
+    assert set(curves) == {"random", "calibrated", "high-locality", "low-locality"}
+    for curve in curves.values():
+        rates = [curve[s] for s in sorted(curve)]
+        assert rates == sorted(rates) and sorted(curve) == [2048, 3072, 4096, 6144, 8192]
+    for slots in curves["random"]:
+        order = [curves[name][slots] for name in ("high-locality", "calibrated", "low-locality", "random")]
+        assert order == sorted(order, reverse=True)
+    assert 0.70 <= curves["calibrated"][2048] <= 0.74

@@ -413,7 +413,7 @@ def test_pd_request_ending_before_its_transfer_holds_its_host_rows_for_the_quara
 
 def test_buffer_tables_that_do_not_fit_the_gpu_are_refused_before_allocation(monkeypatch, caplog):
     from hisparse_sglang.errors import HiSparseMemoryError
-    from hisparse_sglang.integration.sglang import coordinator as adapter
+    from hisparse_sglang.integration.sglang import build as adapter
     from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 
     shape = (61, 256, 150, 4096, 64, 163840)  # layers, request slots, buffers, D, page, context
@@ -431,7 +431,7 @@ def test_gpu_pool_smaller_than_one_buffer_stops_startup_before_the_host_pool(mon
     """Issue #18: a GPU KV pool that cannot hold one offloaded request's buffer started and failed
     later in the scheduler. Now the coordinator refuses it before pinning anything."""
     from hisparse_sglang.errors import HiSparseMemoryError
-    from hisparse_sglang.integration.sglang import coordinator as adapter
+    from hisparse_sglang.integration.sglang import build as adapter
 
     pinned = []
     monkeypatch.setattr(adapter, "HostKVPool", lambda *args, **kwargs: pinned.append(args))

@@ -12,23 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import time
 from typing import NamedTuple
 
 import torch
 
 from hisparse_sglang.config import HiSparseConfig
-from hisparse_sglang.coordinator import Coordinator
 from hisparse_sglang.errors import HiSparseMemoryError
-from hisparse_sglang.integration.sglang import compat, limits
+from hisparse_sglang.integration.sglang import build, compat
 from hisparse_sglang.integration.sglang.mooncake import HostRegions
-from hisparse_sglang.integration.sglang.runtime import host_pages_for
-from hisparse_sglang.memory.consistency import RankStateCheck, gather_ints
-from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 from hisparse_sglang.memory.host_pool import HostKVPool
-from hisparse_sglang.memory.shared_host_pool import open_host_pool
-from hisparse_sglang.streams import StreamSet
 
 __all__ = ["SGLangHiSparseCoordinator", "HiSparseTokenStats"]
 
@@ -98,12 +91,10 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
     Args:
         runtime: the process's HiSparseRuntime (which builds this object in ``start``).
         config: validated HiSparse settings.
-        req_to_token_pool: SGLang's ReqToTokenPool.
+        parts: what ``build.build`` made for this process (host pool, buffers, streams, core).
         allocator: the HiSparseTokenAllocator SGLang built.
-        pool: the HiSparseDevicePool SGLang built.
         device: the model runner's device.
         tp_group: CPU process group whose ranks must take identical decisions (None: one rank).
-        dp_attention: SGLang runs DP attention (its ranks hold other requests: no shared host pool).
         num_draft_tokens: ``T``, the positions of each speculative verify step
             (``--speculative-num-draft-tokens``); 0 without speculative decoding.
 
@@ -112,75 +103,30 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
             on, more than one rank in ``tp_group``, DP attention off); the same on every rank.
     """
 
-    def __init__(
-        self, runtime, config: HiSparseConfig, req_to_token_pool, allocator, pool, device, tp_group=None,
-        dp_attention: bool = False, num_draft_tokens: int = 0,
-    ) -> None:
+    def __init__(self, runtime, config: HiSparseConfig, parts, allocator, device, tp_group=None,
+                 num_draft_tokens: int = 0) -> None:
         self.runtime = runtime
         self.config = config
         self.device = torch.device(device)
-        self.start_layer = getattr(pool, "start_layer", 0) or 0
+        self.start_layer = parts.start_layer
         self.top_k = config.top_k
         self.device_buffer_size = config.device_buffer_size
         self.padded_buffer_size = config.padded_buffer_size
         self.tp_group = tp_group
-        rows = allocator.rows
-        layers = pool.kv_rows()
-        item_bytes = layers[0].shape[1]
-        self.shares_host_pool = _shares_host_pool(config, tp_group, dp_attention)
-        _check_host_memory(
-            len(layers) * rows.num_locs * item_bytes, config, allocator=allocator, row_bytes=len(layers) * item_bytes,
-            tp_group=tp_group, device_pool_pages=rows.device_rows.capacity_pages, shared=self.shares_host_pool,
-        )
-        self.host_pool = open_host_pool(
-            len(layers), rows.num_locs, item_bytes, pin=self.device.type == "cuda",
-            group=tp_group if self.shares_host_pool else None,
-        )
-        num_req_slots, context_len = req_to_token_pool.req_to_token.shape
-        # No more requests can be offloaded at once than there are request slots; a pool smaller
-        # than one buffer was refused by _check_host_memory.
-        num_buffers = min(num_req_slots, rows.device_rows.capacity_rows // config.padded_buffer_size)
-        table_shape = (len(layers), num_req_slots, num_buffers, config.device_buffer_size, config.page_size, context_len)
-        _check_device_memory(DeviceBufferPool.table_bytes(*table_shape), self.device, table_shape)
-        self.buffers = DeviceBufferPool(*table_shape, self.device)
-        if self.device.type == "cuda":
-            from hisparse_sglang.ops.jit import load_module
-            from hisparse_sglang.ops.swap_in import CudaOps
-
-            started = time.monotonic()
-            ops = CudaOps(self.device, module=load_module())  # compiled before any CUDA-graph capture
-            ops.reserve(
-                num_req_slots, config.top_k, config.device_buffer_size, config.swap_in_block_size,
-                page_size=config.page_size,
-            )
-            logger.info("HiSparse: CUDA kernels ready in %.1f s", time.monotonic() - started)
-        else:
-            from hisparse_sglang.ops import reference as ops
-        self.streams = StreamSet(self.device)
-        self.core = Coordinator(
-            config, rows, self.buffers, self.host_pool, layers, req_to_token_pool.req_to_token,
-            ops=ops, streams=self.streams, agree=self._agree,
-            rank_check=RankStateCheck(gather_ints(tp_group)) if self.shares_host_pool else None,
-            ranks_share_host_pool=self.shares_host_pool,
-        )
+        self.shares_host_pool = parts.shares_host_pool
+        self.host_pool = parts.host_pool
+        self.buffers = parts.buffers
+        self.streams = parts.streams
+        self.core = parts.core
         self.allocator = allocator
         self.num_real_reqs = self.core.num_real_reqs
         self.num_draft_tokens = num_draft_tokens
-        if num_draft_tokens:
-            # Before SGLang captures the TARGET_VERIFY graph (its swap-ins need T) and before any
-            # request: a setup the verify step cannot serve stops the scheduler here.
-            self.core.configure_verify(num_draft_tokens)
         self.mem_pool_host = PDHostPool(self.host_pool, config.page_size)
         # SGLang's PD prealloc passes these back into mem_pool_host.alloc_paged_token_slots.
         self.req_to_host_pool = None
         self.req_to_host_pool_allocated_len = None
         self._staging: dict[int, object] = {}
         self._report_state = (time.monotonic(), 0, 0, 0, 0)
-        logger.info(
-            "HiSparse (hisparse-sglang): %s; host pool %.2f GiB; device pool %d rows, %d buffers of %d",
-            config.to_json(), self.host_pool.nbytes / 2**30, rows.device_rows.capacity_rows, num_buffers,
-            config.padded_buffer_size,
-        )
 
     # ------------------------------------------------------------------ lifecycle
     def set_decode_producer_stream(self, stream) -> None:
@@ -427,84 +373,4 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
 
     # ------------------------------------------------------------------ helpers
     def _agree(self, flags: list[bool]) -> list[bool]:
-        """All-reduce MIN over the TP group so every rank takes the same decisions."""
-        if self.tp_group is None or not flags or torch.distributed.get_world_size(group=self.tp_group) == 1:
-            return flags
-        values = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
-        return [bool(v) for v in values.tolist()]
-
-
-def _check_device_memory(needed: int, device: torch.device, shape: tuple) -> None:
-    """The buffer tables are allocated after SGLang sized its KV pool: they must fit what is left."""
-    layers, _, buffers, buffer_size, _, context_len = shape
-    logger.info(
-        "HiSparse: device buffer tables take %.1f MiB (%d layers x %d buffers; token -> slot map of "
-        "context %d)", needed / 2**20, layers, buffers, context_len,
-    )
-    if device.type != "cuda":
-        return
-    free, _ = torch.cuda.mem_get_info(device)
-    if needed > 0.5 * free:
-        raise HiSparseMemoryError(
-            f"the HiSparse device buffer tables need {needed / 2**30:.2f} GiB of GPU memory ({layers} layers x "
-            f"{buffers} buffers x context {context_len}) but only {free / 2**30:.2f} GiB is free after the KV "
-            f"pool; lower --mem-fraction-static or --context-length, or raise device_buffer_size "
-            f"({buffer_size}) in --hisparse-config (fewer, larger buffers)."
-        )
-
-
-def _group_size(group) -> int:
-    return 1 if group is None else torch.distributed.get_world_size(group=group)
-
-
-def _shares_host_pool(config: HiSparseConfig, tp_group, dp_attention: bool) -> bool:
-    """Whether the TP ranks of each node map one host pool: the switch is on, the group has more than
-    one rank, and DP attention is off (with it the ranks hold different requests). Every rank of the
-    group decides alike (the same server arguments)."""
-    if not config.share_host_pool_across_tp:
-        return False
-    if dp_attention or _group_size(tp_group) == 1:
-        logger.info(
-            "HiSparse: share_host_pool_across_tp has no effect here (%s): every rank keeps its own host pool.",
-            "DP attention gives the ranks different requests" if dp_attention else "one TP rank",
-        )
-        return False
-    logger.warning(
-        "HiSparse: share_host_pool_across_tp is on: the TP ranks of each node share one host pool. This is "
-        "experimental and has run on the CPU only (docs/shared-host-pool.md); set it to false to give every rank "
-        "its own pool."
-    )
-    return True
-
-
-def _check_host_memory(
-    needed: int, config: HiSparseConfig, allocator=None, row_bytes: int | None = None, tp_group=None,
-    device_pool_pages: int | None = None, shared: bool = False,
-) -> None:
-    """What must hold before the host pool is pinned (minutes on a large host): the GPU KV pool
-    (``device_pool_pages``, sized by SGLang) holds one offloaded request's buffer, and the host pools
-    of every rank of ``tp_group`` on this host (``needed`` bytes each; one in all when ``shared``) fit
-    the memory the host, or its cgroup, has available.
-
-    With ``allocator`` (device pool size, page size) and ``row_bytes`` (one token of every layer) the
-    message gives the largest host_to_device_ratio that fits. ``tp_group`` is the CPU group the
-    coordinator agrees on (ranks outside it, e.g. other DP-attention groups, are not counted).
-    """
-    if device_pool_pages is not None:
-        limits.check_device_pool(device_pool_pages, config)
-    pools_on_host = 1
-    if _group_size(tp_group) > 1:
-        hosts: list = [None] * _group_size(tp_group)
-        torch.distributed.all_gather_object(hosts, socket.gethostname(), group=tp_group)
-        pools_on_host = limits.host_pools_on_host(hosts, socket.gethostname(), shared)
-
-    def bytes_for_ratio(ratio: int) -> int:
-        if allocator is None or row_bytes is None:
-            return needed * ratio // config.host_to_device_ratio
-        pages = host_pages_for(allocator.device_tokens, ratio, allocator.page_size)
-        return pages * allocator.page_size * row_bytes
-
-    limits.check_host_pool(
-        needed, pools_on_host, bytes_for_ratio, config.host_to_device_ratio, limits.host_memory_available()
-    )
+        return build.agree(self.tp_group, flags)
