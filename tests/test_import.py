@@ -13,6 +13,7 @@ def test_import_is_free_of_side_effects(tmp_path):
         import hisparse_sglang
         import hisparse_sglang.config, hisparse_sglang.memory, hisparse_sglang.ops.reference
         import hisparse_sglang.coordinator, hisparse_sglang.testing.sim
+        import hisparse_sglang.integration.sglang.hooks  # the hook registry and every module of hook bodies
         import torch
         print(json.dumps({
             "sglang": sorted(m for m in sys.modules if m == "sglang" or m.startswith("sglang.")),

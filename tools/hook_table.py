@@ -21,15 +21,20 @@ END = "<!-- end of hook table -->"
 def render(hooks) -> str:
     """The markdown table of ``hooks`` (one row per spec, in registry order)."""
     rows = [
-        f"{len(hooks)} hooks. `scheduler` = installed in scheduler processes only; `all` = also in the main process.",
+        f"{len(hooks)} hooks. `written against` = the SGLang release whose source the hook was written from. "
+        "`scheduler` = installed in scheduler processes only; `all` = also in the main process.",
         "",
-        "| # | target (`sglang.srt.` omitted) | type | releases | processes | why | upstream change that removes it |",
-        "|---|---|---|---|---|---|---|",
+        "| # | target (`sglang.srt.` omitted) | type | releases | written against | processes | why "
+        "| upstream change that removes it |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for number, spec in enumerate(hooks, 1):
         target = spec.target.removeprefix("sglang.srt.")
         where = "scheduler" if spec.scheduler_only else "all"
-        cells = [str(number), f"`{target}`", spec.hook_type, f"`{spec.versions}`", where, spec.why, spec.upstream]
+        cells = [
+            str(number), f"`{target}`", spec.hook_type, f"`{spec.versions}`", spec.written_against, where, spec.why,
+            spec.upstream,
+        ]
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(rows) + "\n"
 

@@ -33,4 +33,6 @@ def test_a_hook_added_changed_or_dropped_changes_the_table():
     assert tool.render(HOOKS[:-1]) != table
     assert tool.render((*HOOKS, HOOKS[0])) != table
     assert tool.render((dataclasses.replace(HOOKS[0], versions=">=0.5.17,<0.5.20"), *HOOKS[1:])) != table
+    assert tool.render((dataclasses.replace(HOOKS[0], written_against="0.5.23"), *HOOKS[1:])) != table
+    assert tool.render((dataclasses.replace(HOOKS[0], target=HOOKS[0].target + "_renamed"), *HOOKS[1:])) != table
     assert all(spec.target.removeprefix("sglang.srt.") in table for spec in HOOKS)

@@ -31,11 +31,14 @@ def test_every_target_resolves_in_the_installed_sglang_for_the_hooks_covering_it
     for spec in HOOKS:
         assert spec.hook_type in ("BEFORE", "AFTER", "AROUND", "REPLACE")
         assert spec.why and spec.upstream
+        # The release it was written against is one it applies to, and so a supported one.
+        assert spec.applies_to(spec.written_against), (spec.target, spec.written_against)
         # Every range lies inside the supported one: its releases are among those checked.
         releases = [f"0.5.{minor}" for minor in range(10, 30)]
         assert set(SpecifierSet(spec.versions).filter(releases)) <= set(
             SpecifierSet(compat.SUPPORTED_SGLANG).filter(releases)
         ), spec.target
+    assert compat.is_supported(UNSUPPORTED_SGLANG_GUARD.written_against)
 
 
 def test_hooks_registered_per_process_role_and_release():

@@ -418,7 +418,7 @@ def test_the_model_runner_hook_hands_the_coordinator_the_published_number_of_dra
     0 without --speculative-algorithm (the draft worker never starts a coordinator from 0.5.22)."""
     from sglang.srt import runtime_context
 
-    from hisparse_sglang.integration.sglang.hooks import _speculative_num_draft_tokens
+    from hisparse_sglang.integration.sglang.hooks_startup import _speculative_num_draft_tokens
 
     assert _speculative_num_draft_tokens() == T
     for algorithm in (None, "NONE"):

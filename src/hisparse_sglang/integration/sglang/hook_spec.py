@@ -15,6 +15,10 @@ class HookSpec:
     factory: Callable[[], object]  # returns the hook (a function, or a class for class REPLACE)
     why: str
     upstream: str
+    _: dataclasses.KW_ONLY
+    # The SGLang release whose source the hook was written from: its target, the target's signature and the
+    # in-tree behaviour it corrects were read in that release. Required, so that a new spec states it.
+    written_against: str
     scheduler_only: bool = True
     versions: str = compat.SUPPORTED_SGLANG  # the SGLang releases (PEP 440 specifier) it applies to
 

@@ -8,12 +8,12 @@ the 3-D ``swap_in_selected_pages``, ``commit_spec_accept_lens``), the hand-overs
 are the runtime's (``HiSparseRuntime.logical_only_reserve``, ``verify_rows_for_translation``), and
 what reads or builds SGLang objects is in ``compat`` / ``limits``. Every hook is a no-op unless the
 object it receives belongs to hisparse-sglang (our allocator, or a coordinator started with ``T``).
+Their specs (H1 - H9, ``versions=compat.SPECULATIVE_HOOKED_SGLANG``) are in ``hooks.HOOKS``.
 """
 
 from __future__ import annotations
 
 from hisparse_sglang.integration.sglang import compat
-from hisparse_sglang.integration.sglang.hook_spec import HookSpec
 
 
 def _verify_coordinator(coordinator):
@@ -119,58 +119,3 @@ def _build_hisparse_decode_batch_after(result, self, reqs):
     result.spec_info = compat.staged_spec_input(self.future_map, self.spec_algorithm, result.req_pool_indices)
     return result
 
-
-_HOOKED = compat.SPECULATIVE_HOOKED_SGLANG
-_ATTENTION = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
-_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
-
-SPECULATIVE_HOOKS: tuple[HookSpec, ...] = (
-    HookSpec(
-        "sglang.srt.mem_cache.allocation.alloc_for_spec_decode", "AROUND", lambda: _alloc_for_spec_decode,
-        why="H1: the speculative reserve comes from alloc_extend, which gives offloaded requests device pages the "
-        "verify binding would orphan",
-        upstream="done in 0.5.22 (alloc_logical_only under HiSparse)", versions=_HOOKED,
-    ),
-    HookSpec(
-        "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify", "AFTER", lambda: _eagle_prepare_for_verify_after,
-        why="H2: no coordinator call binds the verify locations",
-        upstream="0.5.22 prepare_spec_verify(batch)", versions=_HOOKED,
-    ),
-    HookSpec(
-        "sglang.srt.speculative.eagle_worker_common.run_eagle_verify", "AFTER", lambda: _run_eagle_verify_after,
-        why="H3: no coordinator call after acceptance; the accepted tokens' KV must reach the host",
-        upstream="0.5.22 commit_spec_accept_tokens", versions=_HOOKED,
-    ),
-    HookSpec(
-        f"{_ATTENTION}.forward_extend", "AROUND", lambda: _forward_extend,
-        why="H4: the verify translates locations (row 0 for an offloaded request's history) instead of swapping in",
-        upstream="0.5.22 3-D swap_in_selected_pages in TARGET_VERIFY", versions=_HOOKED,
-    ),
-    HookSpec(
-        f"{_ATTENTION}.get_indexer_metadata", "AFTER", lambda: _get_indexer_metadata_after,
-        why="H5: the verify's fused top-k yields locations; H4's swap-in needs positions",
-        upstream="0.5.22 forces the unfused top-k for TARGET_VERIFY", versions=_HOOKED,
-    ),
-    HookSpec(
-        f"{_CONFIGURATOR}._build_dsa_kv_pool", "AROUND", lambda: _build_dsa_kv_pool,
-        why="H6: the draft runner would build a HiSparse pool (a second HiSparse runtime, no location table)",
-        upstream="0.5.22 builds the HiSparse pool only when not is_draft_worker", versions=_HOOKED,
-    ),
-    HookSpec(
-        f"{_CONFIGURATOR}._derive_pool_sizes", "AFTER", lambda: _derive_pool_sizes_after,
-        why="H7: the draft pool has the device size but is indexed by logical locations",
-        upstream="0.5.22 sizes it by the HiSparse allocator's size_full", versions=_HOOKED,
-    ),
-    HookSpec(
-        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__", "AFTER",
-        lambda: _default_pool_configurator_init_after,
-        why="H8: the memory budget counts the draft layers' KV at the device size, not the logical size",
-        upstream="0.5.22 draft_loc_space_scale", versions=_HOOKED,
-    ),
-    HookSpec(
-        "sglang.srt.managers.scheduler.Scheduler._build_hisparse_decode_batch", "AFTER",
-        lambda: _build_hisparse_decode_batch_after,
-        why="H9: a request leaving staging would enter decode without its draft state",
-        upstream="0.5.22 future_map.make_staged_spec_input", versions=_HOOKED,
-    ),
-)
