@@ -7,9 +7,10 @@ SGLang builds the pieces in its own order, through the classes and hooks this pa
 2. the token allocator (:class:`HiSparseTokenAllocator`): SGLang passes it the pool as ``kvcache``,
    so it receives the same runtime at construction;
 3. the coordinator, in the model runner (the ``maybe_init_hisparse_coordinator`` hook):
-   :meth:`HiSparseRuntime.start` builds the host pool, the device buffers, the CUDA ops of this GPU
-   (``ops.swap_in.CudaOps``: workspace, checked launch plans, occupancy) and the framework-free
-   coordinator, and returns the object SGLang keeps as ``hisparse_coordinator``.
+   :meth:`HiSparseRuntime.start` has ``build.build`` make the host pool, the device buffers, the CUDA ops
+   of this GPU (``ops.swap_in.CudaOps``: workspace, checked launch plans, occupancy), the streams and the
+   framework-free coordinator after the start-up checks, and returns the object SGLang keeps as
+   ``hisparse_coordinator``, which forwards to them.
 
 The SGLang-facing classes only forward to the runtime; nothing reaches into another adapter or sets
 attributes on it, and no state lives at module level. Every hook finds the runtime with
