@@ -18,6 +18,7 @@ are committed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -140,9 +141,11 @@ HIT_RATE_PNG = "hit_rate_by_buffer.png"
 HIT_RATE_MULTIPLES = (1, 1.5, 2, 3, 4)  # buffer slots in units of top_k (2048: 2048 ... 8192)
 
 
+@functools.lru_cache(maxsize=1)
 def hit_rate_curves() -> dict[str, dict[int, float]]:
     """Per workload profile, the exact-LRU hit rate of one buffer against its slots (the workload model's
-    ``measure``: 3 requests x 2 layers, 192 counted decode steps after 64 warm-up steps, deterministic)."""
+    ``measure``: 3 requests x 2 layers, 192 counted decode steps after 64 warm-up steps, deterministic, so
+    computed once per process; callers do not modify it)."""
     import torch
 
     from hisparse_sglang.testing.workload import PROFILES, TopKWorkload, measure

@@ -247,24 +247,35 @@ def _concurrency(tokens_per_request: int, device_tokens: int, logical_tokens: in
     return min(bounds.values()), bounds
 
 
-def plan(spec: PlanInput) -> Plan:
-    """Size ``spec``; never raises for a setting that cannot start (it lands in ``errors``), only for a model
-    or a config that cannot be read at all."""
-    errors, warnings = [], []
-    shape = spec.model
-    draft_tokens = spec.speculative_num_draft_tokens
+def kv_shape(spec: PlanInput) -> ModelShape:
+    """The model as its KV pools are sized: with speculative decoding (``speculative_num_draft_tokens`` > 1)
+    the draft's NextN layers keep KV of the same tokens, so they count as more layers (the name says so).
+    Raises for a draft-token count the verify swap-in cannot serve or a model without a NextN layer."""
+    shape, draft_tokens = spec.model, spec.speculative_num_draft_tokens
     if not 1 <= draft_tokens <= MAX_VERIFY_POSITIONS:
         raise HiSparseConfigError(
             f"--speculative-num-draft-tokens {draft_tokens}: HiSparse's verify swap-in serves 1 to "
             f"{MAX_VERIFY_POSITIONS} positions per request (--speculative-num-steps 1-3 with topk 1)."
         )
-    if draft_tokens > 1:  # the draft's NextN layers keep KV of the same tokens: size them as more layers
-        if not shape.nextn_layers:
-            raise HiSparseConfigError(
-                f"{shape.name} has no NextN layer (num_nextn_predict_layers 0): EAGLE / NextN MTP needs one; "
-                f"drop --speculative-num-draft-tokens."
-            )
-        shape = dataclasses.replace(shape, layers=shape.layers + shape.nextn_layers)
+    if draft_tokens == 1:
+        return shape
+    if not shape.nextn_layers:
+        raise HiSparseConfigError(
+            f"{shape.name} has no NextN layer (num_nextn_predict_layers 0): EAGLE / NextN MTP needs one; "
+            f"drop --speculative-num-draft-tokens."
+        )
+    return dataclasses.replace(
+        shape, name=f"{shape.name} + {shape.nextn_layers} NextN layer(s), {draft_tokens} draft tokens",
+        layers=shape.layers + shape.nextn_layers,
+    )
+
+
+def plan(spec: PlanInput) -> Plan:
+    """Size ``spec``; never raises for a setting that cannot start (it lands in ``errors``), only for a model
+    or a config that cannot be read at all."""
+    errors, warnings = [], []
+    shape = kv_shape(spec)
+    draft_tokens = spec.speculative_num_draft_tokens
     if spec.kv_dtype not in KV_DTYPES:
         raise HiSparseConfigError(f"kv dtype {spec.kv_dtype!r}: use one of {', '.join(KV_DTYPES)}.")
     if spec.tp < 1 or spec.dp < 1 or spec.tp % spec.dp:
@@ -498,11 +509,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _report(spec: PlanInput, result: Plan) -> str:
-    shape, ratio = spec.model, (result.config.host_to_device_ratio if result.config else None)
-    draft = spec.speculative_num_draft_tokens
-    if draft > 1:
-        shape = dataclasses.replace(shape, name=f"{shape.name} + {shape.nextn_layers} NextN layer(s), {draft} draft "
-                                    f"tokens", layers=shape.layers + shape.nextn_layers)
+    shape, ratio = kv_shape(spec), (result.config.host_to_device_ratio if result.config else None)
     bounds = ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in result.concurrency_bounds.items())
     ranks = f"{spec.tp} rank{'s' if spec.tp > 1 else ''}" + (f", {spec.dp} DP-attention groups" if spec.dp > 1 else "")
     lines = [

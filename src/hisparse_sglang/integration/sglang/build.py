@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import socket
 import time
-from typing import Any
 
 import torch
 
@@ -35,15 +34,14 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeParts:
-    """What :func:`build` made: the host pool, the device buffer tables, the ops, the streams and the core."""
+    """What :func:`build` made: the host pool, the device buffer tables, the streams and the core (which holds
+    the ops)."""
 
     host_pool: HostKVPool
     buffers: DeviceBufferPool
-    ops: Any
     streams: StreamSet
     core: Coordinator
     shares_host_pool: bool
-    num_buffers: int
     start_layer: int  # the pool's first layer id (pipeline parallel): SGLang's layer ids minus this index the pools
 
 
@@ -121,7 +119,7 @@ def build(
         config.padded_buffer_size,
     )
     start_layer = getattr(pool, "start_layer", 0) or 0
-    return RuntimeParts(host_pool, buffers, ops, streams, core, shares_host_pool, num_buffers, start_layer)
+    return RuntimeParts(host_pool, buffers, streams, core, shares_host_pool, start_layer)
 
 
 def _check_device_memory(needed: int, device: torch.device, shape: tuple) -> None:
