@@ -208,26 +208,70 @@ def test_a_translation_of_another_shape_than_the_verify_rows_is_refused():
     assert runtime.take_verify_rows(torch.zeros(1)) is None
 
 
-def test_a_request_leaving_staging_gets_its_draft_state_from_its_request_slot():
-    from sglang.srt.speculative.eagle_info import EagleDraftInput
+def _staged_future_map():
+    """SGLang's own FutureMap of an EAGLE server (CPU), after a prefill published slots 3 and 5's draft state."""
+    from sglang.srt.managers.overlap_utils import FutureMap, RelayPayload
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+    algo = SpeculativeAlgorithm.from_string("EAGLE")
+    pool = ReqToTokenPool(size=8, max_context_len=64, device="cpu", enable_memory_saver=False)
+    future_map = FutureMap(torch.device("cpu"), algo, pool, needs_cpu_seq_lens=False)
+    slots = torch.tensor([3, 5])
+    future_map.stash(slots, RelayPayload(bonus_tokens=torch.tensor([11, 12]), topk_p=torch.tensor([[0.5], [0.25]]),
+                                         topk_index=torch.tensor([[7], [9]]), hidden_states=torch.ones(2, 4)))
+    return future_map, slots, algo
+
+
+def _staging(slots, last_tokens):
+    """What SGLang's _build_hisparse_decode_batch does with the future map (its bonus-only stash), as the
+    original of the AROUND hook."""
+    from sglang.srt.managers.overlap_utils import RelayPayload
+
+    def original(scheduler, reqs):
+        scheduler.future_map.stash(slots, RelayPayload(bonus_tokens=last_tokens))
+        return types.SimpleNamespace(req_pool_indices=slots, spec_info=None)
+
+    return original
+
+
+def test_a_request_leaving_staging_keeps_the_draft_state_its_prefill_published():
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
     run = HookedRun(host_lag=False)
-    batch = types.SimpleNamespace(req_pool_indices=torch.tensor([3, 5]), spec_info=None)
-    scheduler = types.SimpleNamespace(
-        spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE"), hisparse_coordinator=run.coordinator,
-        future_map=types.SimpleNamespace(dsa_topk_indices_buf=None),
-    )
-    assert hooks._build_hisparse_decode_batch_after(batch, scheduler, []) is batch
+    future_map, slots, algo = _staged_future_map()
+    scheduler = types.SimpleNamespace(spec_algorithm=algo, hisparse_coordinator=run.coordinator, future_map=future_map)
+    original = _staging(slots, torch.tensor([21, 22]))
+    with pytest.raises(AttributeError):  # SGLang's own stash, unhooked: a bonus-only payload under speculation
+        original(scheduler, [])
+    batch = hooks._build_hisparse_decode_batch(original, scheduler, [])
+    assert future_map.output_tokens_buf[slots].tolist() == [21, 22]
+    assert future_map.topk_p_buf[slots].flatten().tolist() == [0.5, 0.25]
+    assert future_map.topk_index_buf[slots].flatten().tolist() == [7, 9]
+    assert "stash" not in vars(future_map)  # SGLang's own stash again after the call
     assert isinstance(batch.spec_info, EagleDraftInput)
     assert batch.spec_info.future_indices.tolist() == [3, 5]
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-
     assert batch.spec_info.capture_hidden_mode == CaptureHiddenMode.LAST
-    plain = types.SimpleNamespace(req_pool_indices=torch.tensor([3]), spec_info=None)
-    scheduler.spec_algorithm = SpeculativeAlgorithm.from_string("NONE")
-    hooks._build_hisparse_decode_batch_after(plain, scheduler, [])
-    assert plain.spec_info is None
+
+
+def test_staging_without_our_speculative_coordinator_is_sglangs_own():
+    from sglang.srt.managers.overlap_utils import FutureMap
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    future_map, slots, algo = _staged_future_map()
+    theirs = types.SimpleNamespace(spec_algorithm=algo, hisparse_coordinator=None, future_map=future_map)
+    with pytest.raises(AttributeError):
+        hooks._build_hisparse_decode_batch(_staging(slots, torch.tensor([21, 22])), theirs, [])
+    run = HookedRun(host_lag=False)
+    none = SpeculativeAlgorithm.from_string("NONE")
+    pool = ReqToTokenPool(size=8, max_context_len=64, device="cpu", enable_memory_saver=False)
+    plain = types.SimpleNamespace(spec_algorithm=none, hisparse_coordinator=run.coordinator,
+                                  future_map=FutureMap(torch.device("cpu"), none, pool, needs_cpu_seq_lens=False))
+    batch = hooks._build_hisparse_decode_batch(_staging(slots, torch.tensor([1, 2])), plain, [])
+    assert batch.spec_info is None
+    assert plain.future_map.output_tokens_buf[slots].tolist() == [1, 2]
 
 
 def test_the_draft_pool_is_sglangs_plain_pool_over_the_logical_space():

@@ -9,6 +9,7 @@ and stepping SGLang's own objects) are kept with them, in ``tests/sglang/drive.p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -407,6 +408,28 @@ def hisparse_disabled():
     from sglang.srt.runtime_context import get_memory
 
     return get_memory().override(enable_hisparse=False)
+
+
+@contextlib.contextmanager
+def bonus_only_stash(future_map):
+    """Within the block ``future_map.stash(indices, payload)`` writes the payload's bonus tokens only and keeps
+    the draft buffers (top-k, hidden states) that the preceding forward published: 0.5.22's ``stash`` skips a
+    payload's missing extras, 0.5.17 - 0.5.21's dereferences them. A future map whose buffers are not yet
+    allocated (no forward has stashed) keeps its own ``stash``."""
+    if getattr(future_map, "output_tokens_buf", None) is None or not getattr(future_map, "_forward_buf_initialized", True):
+        yield
+        return
+    buf = future_map.output_tokens_buf
+
+    def stash(indices, payload):
+        if indices.shape[0]:
+            buf[indices] = payload.bonus_tokens.to(buf.dtype)
+
+    future_map.stash = stash
+    try:
+        yield
+    finally:
+        del future_map.stash
 
 
 def staged_spec_input(future_map, spec_algorithm, req_pool_indices):

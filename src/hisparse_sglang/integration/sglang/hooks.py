@@ -38,7 +38,7 @@ from hisparse_sglang.integration.sglang.hooks_scheduler import (
 from hisparse_sglang.integration.sglang.hooks_speculative import (
     _alloc_for_spec_decode,
     _build_dsa_kv_pool,
-    _build_hisparse_decode_batch_after,
+    _build_hisparse_decode_batch,
     _default_pool_configurator_init_after,
     _derive_pool_sizes_after,
     _eagle_prepare_for_verify_after,
@@ -249,9 +249,10 @@ HOOKS: tuple[HookSpec, ...] = (
         written_against="0.5.17",
     ),
     HookSpec(
-        "sglang.srt.managers.scheduler.Scheduler._build_hisparse_decode_batch", "AFTER",
-        lambda: _build_hisparse_decode_batch_after,
-        why="H9: a request leaving staging would enter decode without its draft state",
+        "sglang.srt.managers.scheduler.Scheduler._build_hisparse_decode_batch", "AROUND",
+        lambda: _build_hisparse_decode_batch,
+        why="H9: a request leaving staging would enter decode without its draft state, and its bonus-only "
+            "stash fails in FutureMap.stash under speculation",
         upstream="0.5.22 future_map.make_staged_spec_input", versions=_HOOKED,
         written_against="0.5.17",
     ),

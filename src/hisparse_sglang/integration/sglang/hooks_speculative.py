@@ -110,12 +110,17 @@ def _default_pool_configurator_init_after(result, self, kvc):
     limits.count_draft_kv_at_logical_size(self, kvc)
 
 
-def _build_hisparse_decode_batch_after(result, self, reqs):
-    """H9 AFTER Scheduler._build_hisparse_decode_batch: a request leaving staging enters decode with its
-    draft state (the prefill's draft outputs, stored by request slot in the future map; 0.5.22+:
-    ``future_map.make_staged_spec_input``)."""
+def _build_hisparse_decode_batch(original, self, reqs):
+    """H9 AROUND Scheduler._build_hisparse_decode_batch: a request leaving staging enters decode with its
+    draft state. The prefill published the request's draft outputs (top-k, hidden state) in the future map
+    under its request slot; SGLang's staging then stashes a payload carrying only the bonus token, which
+    these releases' ``FutureMap.stash`` cannot take under speculation (it writes every draft buffer from the
+    payload: AttributeError on a None top-k, seen on an H200 with 0.5.17). Inside the call the stash
+    refreshes the bonus token only, as 0.5.22's does; after it, the batch gets the draft input that reads
+    the slots (0.5.22+: ``future_map.make_staged_spec_input``)."""
     if self.spec_algorithm.is_none() or _verify_coordinator(getattr(self, "hisparse_coordinator", None)) is None:
-        return result
-    result.spec_info = compat.staged_spec_input(self.future_map, self.spec_algorithm, result.req_pool_indices)
-    return result
-
+        return original(self, reqs)
+    with compat.bonus_only_stash(self.future_map):
+        batch = original(self, reqs)
+    batch.spec_info = compat.staged_spec_input(self.future_map, self.spec_algorithm, batch.req_pool_indices)
+    return batch
