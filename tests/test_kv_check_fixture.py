@@ -21,20 +21,23 @@ from hisparse_sglang.coordinator import core  # noqa: E402
 from hisparse_sglang.testing.sim import SimulatedServer  # noqa: E402
 
 
-@pytest.fixture
-def checked_server(monkeypatch):
-    """A simulated server whose coordinator records its swap-ins (restored after the test)."""
-    monkeypatch.setattr(core.Coordinator, "__init__", core.Coordinator.__init__)
-    monkeypatch.setattr(core.Coordinator, "swap_in", core.Coordinator.swap_in)
+def recorded_server(monkeypatch, prompt_lens, **kwargs) -> SimulatedServer:
+    """A simulated server whose coordinator records its swap-ins (the wrapped methods restored after the test)."""
+    for name in ("__init__", "swap_in", "swap_in_verify"):
+        monkeypatch.setattr(core.Coordinator, name, getattr(core.Coordinator, name))
     monkeypatch.setattr(kv_check_fixture, "_RECORDERS", [])
     kv_check_fixture._wrap_swap_in(core)
-    config = HiSparseConfig(top_k=64, device_buffer_size=128, page_size=16, host_to_device_ratio=4,
-                            resident_first=False)
-    server = SimulatedServer(config, layer_num=2, item_bytes=64, device_pages=64, max_reqs=4, max_context=1024,
-                             seed=3)
-    for prompt_len in (300, 500, 90):
+    server = SimulatedServer(layer_num=2, item_bytes=64, device_pages=64, max_reqs=4, max_context=1024, **kwargs)
+    for prompt_len in prompt_lens:
         server.add_request(prompt_len, 40)
     return server
+
+
+@pytest.fixture
+def checked_server(monkeypatch):
+    config = HiSparseConfig(top_k=64, device_buffer_size=128, page_size=16, host_to_device_ratio=4,
+                            resident_first=False)
+    return recorded_server(monkeypatch, (300, 500, 90), config=config, seed=3)
 
 
 def test_a_correct_run_has_no_mismatch(checked_server):
@@ -76,3 +79,33 @@ def test_a_position_without_a_row_counts(checked_server):
     recorder.rows[0, request, entry] = -1
     recorder.check()
     assert recorder.mismatches == 1 and recorder.first_mismatch["unserved"]
+
+
+@pytest.fixture
+def checked_verify_server(monkeypatch):
+    """Speculative verify steps (T = 3, two accepted per step), recorded."""
+    from hisparse_sglang.testing.sim import SpeculativeMode
+
+    config = HiSparseConfig(top_k=16, device_buffer_size=64, page_size=16, host_to_device_ratio=4,
+                            resident_first=False)
+    return recorded_server(monkeypatch, (300, 200), config=config, seed=5,
+                           speculative=SpeculativeMode(3, host_lag=False, accept=lambda uid, i: 2))
+
+
+def test_verify_steps_are_checked_on_their_history_rows(checked_verify_server):
+    recorder = checked_verify_server.coordinator._kv_check
+    for _ in range(6):
+        checked_verify_server.step()
+        recorder.check()
+    assert recorder.positions == 3 and recorder.checks == 6
+    assert recorder.rows_checked > 0
+    assert recorder.mismatches == 0, recorder.first_mismatch
+    layer = 0
+    real = int(recorder.real) * recorder.positions
+    rows, positions = recorder.rows[layer, :real], recorder.top_k[layer, :real]
+    valid = (positions >= 0) & (positions < recorder.seq_lens[:real].unsqueeze(1)) & (rows >= 0)
+    request, entry = (int(v) for v in valid.nonzero()[-1])  # a row of the last request's last position
+    row = int(rows[request, entry])
+    checked_verify_server.coordinator.device_layers[layer][row, 3] ^= 0xFF
+    recorder.check()
+    assert recorder.mismatches >= 1 and recorder.first_mismatch["device_row"] == row

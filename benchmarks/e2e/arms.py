@@ -23,11 +23,17 @@ FIXTURE_MODULES = ("hisparse_e2e_fixture.py", "kv_check_fixture.py", "topk_workl
 # topk_workload_fixture.py (--topk-profile): a second entry point, and the workload model beside it
 TOPK_FIXTURE_EP = ("hisparse_e2e_topk_workload", "topk_workload_fixture:register")
 TOPK_WORKLOAD_SOURCE = REPO / "src/hisparse_sglang/testing/workload.py"  # copied as topk_workload_fixture.WORKLOAD_COPY
-ALL_ARMS = ("a", "b", "c", "d", "pd-c", "pd-b", "dx")
+# "<arm>+mtp": the co-located arm with speculative decoding (EAGLE / NextN MTP, topk 1, --mtp-steps) on a copy
+# of the model whose config declares one NextN layer (prepare_mtp_model); everything else as the arm's.
+MTP_SUFFIX = "+mtp"
+MTP_ARMS = ("a+mtp", "b+mtp", "c+mtp", "d+mtp")
+ALL_ARMS = ("a", "b", "c", "d", "pd-c", "pd-b", "dx") + MTP_ARMS
 ARM_LABELS = {"a": "baseline (no HiSparse)", "b": "SGLang in-tree HiSparse", "c": "hisparse-sglang plugin",
               "d": "hisparse-sglang plugin, always offload",
               "pd-c": "PD, decode with hisparse-sglang", "pd-b": "PD, decode with SGLang in-tree HiSparse",
-              "dx": "plugin, always offload, kernel build corrupting 1 in 16 missed rows (must fail)"}
+              "dx": "plugin, always offload, kernel build corrupting 1 in 16 missed rows (must fail)",
+              "a+mtp": "baseline + MTP", "b+mtp": "SGLang in-tree HiSparse + MTP", "c+mtp": "hisparse-sglang + MTP",
+              "d+mtp": "hisparse-sglang, always offload, + MTP"}
 COLOCATED_ARMS = ("a", "b", "c", "d")
 # dx: arm d on a kernel build that copies every 16th missed row of a swap-in from the wrong host row
 # (csrc/swap_in.cuh, HISPARSE_TEST_CORRUPT_MISSES): what the correctness judge and the in-server KV
@@ -36,16 +42,63 @@ CORRUPT_DEFINES = "HISPARSE_TEST_CORRUPT_MISSES=16"
 ARM_ENV = {"dx": {"HISPARSE_E2E_KERNEL_DEFINES": CORRUPT_DEFINES}}
 PD_DECODE_ARM = {"pd-c": "c", "pd-b": "b"}  # the co-located arm whose flags a PD arm's decode instance takes
 PD_ARMS = tuple(PD_DECODE_ARM)
-PLUGIN_ARMS = ("c", "d", "pd-c", "dx")  # arms that load our plugin (its dist-info + src on PYTHONPATH; pd-c: its decode)
+PLUGIN_ARMS = ("c", "d", "pd-c", "dx", "c+mtp", "d+mtp")  # arms that load our plugin (its dist-info + src on PYTHONPATH; pd-c: its decode)
 PD_TRANSFER_BACKEND = "mooncake_tcp"  # SGLang 0.5.17: Mooncake with MC_FORCE_TCP=1 (no RDMA NIC on the GPU machine)
-ARM_HISPARSE_OVERRIDES = {"d": {"resident_first": False}, "dx": {"resident_first": False}}  # merged into --hisparse-config
+ARM_HISPARSE_OVERRIDES = {"d": {"resident_first": False}, "dx": {"resident_first": False},
+                          "d+mtp": {"resident_first": False}}  # merged into --hisparse-config
 # The DSA backend of each KV cache dtype whose decode path calls the HiSparse swap-in (SGLang 0.5.17).
 DSA_BACKEND_OF_KV_DTYPE = {"bfloat16": "flashmla_sparse", "fp8_e4m3": "flashmla_kv"}
 
 
+def base_arm(arm: str) -> str:
+    """The arm whose server an MTP arm runs with speculation added ("c+mtp" -> "c"); other arms: themselves."""
+    return arm.removesuffix(MTP_SUFFIX)
+
+
+def mtp_model_dir(args) -> Path:
+    """Where prepare_mtp_model puts the MTP arms' model (in the state dir)."""
+    return args.state_dir / "model-mtp"
+
+
+def prepare_mtp_model(args) -> Path:
+    """A copy of --model-dir whose config.json declares one NextN (MTP) layer, the draft model of the MTP arms:
+    config.json rewritten, every other file a symlink.  With --load-format dummy the draft's weights come from
+    the fixture's seeded init like the target's."""
+    src, dst = Path(args.model_dir), mtp_model_dir(args)
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f.resolve())
+    config = json.loads((src / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dst
+
+
+def speculative_args(args) -> list[str]:
+    """SGLang's flags of the MTP arms: linear EAGLE / NextN with --mtp-steps draft steps."""
+    steps = args.mtp_steps
+    return ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(steps),
+            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(steps + 1)]
+
+
+def speculative_env(args) -> dict[str, str]:
+    """--mtp-accept-len X > 0: SGLang's own acceptance simulation (SGLANG_SIMULATE_ACC_LEN, sglang/srt/speculative/
+    spec_utils.py) accepts X tokens per verify (an integer X: exactly X; else floor or ceil with X's mean), the
+    accepted ones being the draft's real tokens and the bonus the target's own prediction
+    (SGLANG_SIMULATE_ACC_TOKEN_MODE=real-draft-token).  Dummy weights' draft agrees with the target almost never;
+    this makes every arm run the paths of long accepts, identically (integer X), at the cost that outputs are no
+    longer the target's own greedy ones (compare MTP arms with each other then, not with arms without MTP)."""
+    if not args.mtp_accept_len:
+        return {}
+    return {"SGLANG_SIMULATE_ACC_LEN": str(args.mtp_accept_len), "SGLANG_SIMULATE_ACC_METHOD": "match-expected",
+            "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
+
+
 def arm_port(args, arm: str) -> int:
-    """Arms a/b/c/d/pd-c/pd-b/dx listen on --port-base +0/+10/.../+60 (a PD arm: its prefill; decode +1,
-    bootstrap +2)."""
+    """Arms a/b/c/d/pd-c/pd-b/dx/a+mtp/.../d+mtp listen on --port-base +0/+10/.../+100 (a PD arm: its prefill;
+    decode +1, bootstrap +2)."""
     return args.port_base + 10 * ALL_ARMS.index(arm)
 
 
@@ -153,8 +206,9 @@ def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: i
              max_total_tokens: int | None = None, mem_fraction_static: float | None = None) -> tuple[list, dict]:
     """Server argv and environment of one of the arms a-d (by default with --max-total-tokens and
     --mem-fraction-static of the options)."""
+    mtp = arm.endswith(MTP_SUFFIX)
     cmd = [args.python, "-m", "sglang.launch_server",
-           "--model-path", str(args.model_dir), "--load-format", "dummy", "--skip-tokenizer-init",
+           "--model-path", str(mtp_model_dir(args) if mtp else args.model_dir), "--load-format", "dummy", "--skip-tokenizer-init",
            "--host", HOST, "--port", str(port),
            "--mem-fraction-static", str(mem_fraction_static or args.mem_fraction_static),
            "--max-total-tokens", str(max_total_tokens or args.max_total_tokens),
@@ -171,8 +225,11 @@ def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: i
                 hisparse_config_json(args.hisparse_config, arm, getattr(args, "plugin_hisparse_config", ""))]
     env = dict(env0)
     env.update(topk_workload_env(args))
+    if mtp:
+        cmd += speculative_args(args)
+        env.update(speculative_env(args))
     pp = [str(common), str(args.site)]
-    if arm == "b":
+    if base_arm(arm) == "b":
         cmd += hisparse
     elif arm in PLUGIN_ARMS:
         if not args.plugin_no_enable_hisparse:

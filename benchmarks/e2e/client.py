@@ -66,6 +66,32 @@ def extract_logprobs(meta: dict) -> tuple[list, list]:
     return lps, top
 
 
+SPEC_META_KEYS = ("spec_verify_ct", "spec_num_correct_drafts", "spec_accept_histogram")
+
+
+def spec_meta(meta: dict) -> dict:
+    """A speculative request's counts from its final meta_info (SGLang's tokenizer manager): verify steps,
+    accepted draft tokens, and the histogram of accepted drafts per verify step; {} without speculation."""
+    return {k: meta[k] for k in SPEC_META_KEYS if meta.get(k) is not None}
+
+
+def spec_summary(metas: list[dict]) -> dict | None:
+    """Accepted tokens per verify step (the bonus token included, SGLang's "accept length") over requests, and
+    their summed histogram of accepted drafts per step (index = drafts accepted); None without speculation."""
+    metas = [m for m in metas if m.get("spec_verify_ct")]
+    if not metas:
+        return None
+    steps = sum(m["spec_verify_ct"] for m in metas)
+    drafts = sum(m.get("spec_num_correct_drafts", 0) for m in metas)
+    hist: list[int] = []
+    for m in metas:
+        for i, n in enumerate(m.get("spec_accept_histogram") or []):
+            hist += [0] * (i + 1 - len(hist))
+            hist[i] += n
+    return {"requests": len(metas), "verify_steps": steps, "accept_length": round(1 + drafts / steps, 3),
+            "drafts_accepted_histogram": hist}
+
+
 def finish_type(out: dict) -> str | None:
     """The finish_reason type of a /generate response ("length", "abort", ...)."""
     fin = (out or {}).get("meta_info", {}).get("finish_reason")
@@ -114,6 +140,7 @@ def read_stream(resp, t0: float, *, trace: bool = False, on_tokens: Callable[[in
     t_first = t_last = None
     n_first = n_last = 0
     finish = None
+    spec: dict = {}
     arrivals: list[tuple[float, int]] = []
     try:
         for obj in stream_events(resp):
@@ -132,10 +159,13 @@ def read_stream(resp, t0: float, *, trace: bool = False, on_tokens: Callable[[in
                     on_tokens(n)
             if meta.get("finish_reason"):
                 finish = meta["finish_reason"]
+                spec = spec_meta(meta)
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"} | ({"t0": t0, "arrivals": arrivals} if trace else {})
     out = {"tokens": n_last, "e2e_s": time.perf_counter() - t0,
            "ttft_s": (t_first - t0) if t_first else None, "finish": finish}
+    if spec:
+        out["spec"] = spec
     if trace:
         out.update(t0=t0, arrivals=arrivals)
     if t_first is not None and t_last is not None and n_last > n_first:

@@ -15,8 +15,9 @@ It wraps ``sglang.srt.model_loader.weight_utils.initialize_dummy_weights`` (used
   context at all - useless for checking that sparse attention over 8K-32K tokens is unchanged.
 * with ``HISPARSE_E2E_WEIGHT_INIT=sglang`` keeps SGLang's init.
 
-In both modes it prints one line ``[hisparse-e2e-fixture] weights ... fingerprint=...`` to stderr
-(the server log) after the init, so run_e2e.py can verify that all arms served identical weights.
+In both modes it prints one line ``[hisparse-e2e-fixture] weights ... fingerprint=<model class>:...`` to
+stderr (the server log) after the init of each model (two with a speculative draft model), so run_e2e.py can
+verify that all arms served identical weights, model by model.
 At plugin-load time it also prints which ``sglang.srt.plugins`` entry points are visible.
 
 With ``HISPARSE_E2E_PD_TRACE=1`` (the harness sets it on PD servers) it wraps SGLang's
@@ -119,7 +120,7 @@ def _around_init(original, model, *args, **kwargs):
         desc = "mode=sglang (U(-1e-3,1e-3), seed 1234 per tensor)"
     try:
         count, elems, s, s2 = fingerprint(model)
-        _say(f"weights {desc} params={count} elements={elems} fingerprint={s:.9e}/{s2:.9e}")
+        _say(f"weights {desc} params={count} elements={elems} fingerprint={type(model).__name__}:{s:.9e}/{s2:.9e}")
     except Exception as e:  # a fingerprint failure must never break serving
         _say(f"weights {desc} fingerprint=unavailable ({type(e).__name__}: {e})")
 

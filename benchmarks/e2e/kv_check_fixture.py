@@ -22,7 +22,7 @@ After each check it logs one line ``[hisparse-e2e-fixture] kv-check {json}`` wit
 (checks, rows compared, mismatches, the first mismatch's layer/request/position) for the harness
 (logs.parse_kv_check). The rows are compared after the forward, before the scheduler prepares the next
 batch: nothing writes a layer's device rows after its attention in the same forward, so they are the
-rows attention read.
+rows attention read (a speculative verify's commit does, for the newest token: see ``swap_in_verify`` below).
 
 ``HISPARSE_E2E_KERNEL_DEFINES=NAME=VALUE,...`` makes the plugin build its kernels with those extra
 ``-D`` macros (``hisparse_sglang.ops.jit.load_module(defines=...)``), e.g. the row-corrupting test
@@ -38,7 +38,8 @@ import sys
 PREFIX = "[hisparse-e2e-fixture]"
 CHECK_ENV = "HISPARSE_E2E_KV_CHECK"
 DEFINES_ENV = "HISPARSE_E2E_KERNEL_DEFINES"
-MAX_RECORDED_BATCH = 256  # decode batches larger than this are not recorded (the correctness phase runs bs 1)
+MAX_RECORDED_BATCH = 256  # query rows beyond this are not recorded (the correctness phase runs bs 1)
+MAX_POSITIONS = 4  # query rows per request of a speculative verify (--speculative-num-draft-tokens <= 4)
 
 
 def _say(msg: str) -> None:
@@ -53,7 +54,7 @@ class Recorder:
 
         device = coordinator.device
         layers = len(coordinator.layer_tables)
-        rows = min(coordinator.buffers.num_req_slots, MAX_RECORDED_BATCH)
+        rows = min(coordinator.buffers.num_req_slots * MAX_POSITIONS, MAX_RECORDED_BATCH)
         k = coordinator.config.top_k
         self.coordinator = coordinator
         self.top_k = torch.full((layers, rows, k), -1, dtype=torch.int32, device=device)
@@ -63,12 +64,16 @@ class Recorder:
         self.real = torch.zeros(1, dtype=torch.int32, device=device)
         self.batch = torch.zeros(1, dtype=torch.int32, device=device)
         self.capacity = rows
+        self.positions = 1  # query positions per request of the recorded forward (speculative verify: T)
         self.checks = 0
         self.rows_checked = 0
         self.mismatches = 0
         self.first_mismatch: dict | None = None
 
-    def record(self, layer: int, top_k, slots, seq_lens, rows) -> None:
+    def record(self, layer: int, top_k, slots, seq_lens, rows, positions: int = 1) -> None:
+        """One layer's swap-in: ``top_k`` / ``rows`` ``[B, K]``, ``slots`` / ``seq_lens`` ``[B]`` (a verify's
+        ``B x T`` query rows flattened, each with its request's slot and committed length, ``positions = T``)."""
+        self.positions = positions
         batch = top_k.shape[0]
         if batch > self.capacity:
             self.batch.fill_(0)  # not recorded: the check skips this forward
@@ -87,7 +92,7 @@ class Recorder:
         if self.coordinator.device.type == "cuda":
             torch.cuda.synchronize(self.coordinator.device)
         batch = int(self.batch.item())
-        real = min(int(self.real.item()), batch)
+        real = min(int(self.real.item()) * self.positions, batch)
         if real <= 0:
             return
         coordinator = self.coordinator
@@ -138,8 +143,25 @@ def _wrap_swap_in(core) -> None:
             recorder.record(layer_id, top_k, req_pool_indices, seq_lens, rows)
         return rows
 
+    original_swap_in_verify = core.Coordinator.swap_in_verify
+
+    def swap_in_verify(self, req_pool_indices, seq_lens, top_k, layer_id):
+        """A verify forward: every position's history rows before ``s - 1`` (accepted and backed up by earlier
+        steps) are checked. Not checked: the verify positions' own rows, whose host truth exists only once
+        accepted, and position ``s - 1``, whose row (an offloaded request's slot ``D``) the same step's commit
+        rewrites with the newest accepted token after attention has read it."""
+        rows = original_swap_in_verify(self, req_pool_indices, seq_lens, top_k, layer_id)
+        recorder = getattr(self, "_kv_check", None)
+        if recorder is not None:
+            batch, positions, k = top_k.shape
+            recorder.record(layer_id, top_k.reshape(batch * positions, k),
+                            req_pool_indices.repeat_interleave(positions),
+                            (seq_lens - 1).repeat_interleave(positions), rows.reshape(batch * positions, k), positions)
+        return rows
+
     core.Coordinator.__init__ = __init__
     core.Coordinator.swap_in = swap_in
+    core.Coordinator.swap_in_verify = swap_in_verify
 
 
 class _EveryNthDecode:

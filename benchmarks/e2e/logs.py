@@ -112,6 +112,26 @@ def summarize_hisparse(text: str) -> dict | None:
             "all_resident": all(r.get("offloaded", 0) == 0 for r in busy) if busy else None}
 
 
+def fingerprints_by_model(fingerprints: list[str]) -> dict[str, set[str]]:
+    """The fixture's fingerprints ("<model class>:<sum>/<sum of squares>") by model class: a server with a draft
+    model (MTP) logs two, one per class.  A fingerprint without a class (older fixture) counts under ""."""
+    out: dict[str, set[str]] = {}
+    for fp in fingerprints:
+        model, _, value = fp.rpartition(":")
+        out.setdefault(model, set()).add(value)
+    return out
+
+
+def same_weights(fx: list[str] | None, fy: list[str] | None) -> bool | None:
+    """Whether two arms served the same weights: every model class both loaded has one and the same fingerprint
+    (an MTP arm's draft is not compared with an arm without one); None when either logged none."""
+    if not fx or not fy:
+        return None
+    bx, by = fingerprints_by_model(fx), fingerprints_by_model(fy)
+    common = bx.keys() & by.keys()
+    return bool(common) and all(len(bx[m]) == 1 and bx[m] == by[m] for m in common)
+
+
 def summarize_log(text: str) -> dict:
     """Everything the harness reads from a (segment of a) server log."""
     dec = parse_decode_lines(text)

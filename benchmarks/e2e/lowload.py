@@ -14,7 +14,8 @@ from common import Run
 from phases import run_level, warm_up
 
 # (arm, reference arm): the ratios reported per level
-RATIO_PAIRS = (("b", "a"), ("c", "a"), ("d", "a"), ("d", "b"))
+RATIO_PAIRS = (("b", "a"), ("c", "a"), ("d", "a"), ("d", "b"),
+               ("c+mtp", "a+mtp"), ("d+mtp", "a+mtp"), ("a+mtp", "a"), ("c+mtp", "c"))
 # figures aggregated over the repeats of a level: (key in the summary, key in a run's row)
 REPEATED_FIGURES = (("tpot_ms", "tpot_ms_median"), ("steady_tpot_ms", "steady_tpot_ms_median"),
                     ("output_tok_s", "output_tok_s"), ("log_gen_tput", "log_gen_tput_median"),
@@ -69,6 +70,8 @@ def summarize_lowload(runs: list[dict]) -> list[dict]:
             row[key] = round(statistics.median(vals), 3) if vals else None
             row[f"{key}_min"] = min(vals) if vals else None
             row[f"{key}_max"] = max(vals) if vals else None
+        accepts = [r["speculative"]["accept_length"] for r in done if r.get("speculative")]
+        row["accept_length"] = round(statistics.median(accepts), 3) if accepts else None
         flags = [r.get("hisparse_all_resident") for r in done]
         row["all_resident"] = None if not done or None in flags else all(flags)
         row["offloaded_max"] = max((r["hisparse_offloaded_max"] for r in done

@@ -16,6 +16,8 @@ from arms import (
     DEFAULT_HISPARSE_CONFIG,
     DEFAULT_MODEL,
     DSA_BACKEND_OF_KV_DTYPE,
+    MTP_ARMS,
+    PLUGIN_ARMS,
     hisparse_config_json,
     parse_env_assignments,
 )
@@ -203,6 +205,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--topk-params", default="",
                    help='JSON object of workload parameters over the profile\'s, e.g. \'{"persistence": 0.6, '
                         '"context_len": 16384}\' (context_len: the prompt length the persistence is solved for)')
+    g = ap.add_argument_group("speculative decoding (arms a+mtp, b+mtp, c+mtp, d+mtp; arms.py)")
+    g.add_argument("--mtp-steps", type=int, default=1, choices=(1, 2, 3),
+                   help="EAGLE / NextN draft steps S of the MTP arms, topk 1, S + 1 draft tokens (default %(default)s)")
+    g.add_argument("--mtp-accept-len", type=float, default=0.0,
+                   help="> 0: SGLang's acceptance simulation accepts this many tokens per verify (1 .. S + 1; "
+                        "an integer is exact and the same in every arm) with the draft's real tokens; 0 (default): "
+                        "what the dummy-weight draft really gets accepted (almost nothing)")
     g = ap.add_argument_group("capacity")
     g.add_argument("--cap-input-len", type=int, default=16384)
     g.add_argument("--cap-output-len", type=int, default=4096)
@@ -296,6 +305,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("input + output length exceeds --context-length")
     if args.kv_check_every < 0:
         ap.error("--kv-check-every must be >= 0")
+    if args.mtp_accept_len and not 1 <= args.mtp_accept_len <= args.mtp_steps + 1:
+        ap.error(f"--mtp-accept-len {args.mtp_accept_len} must be 0 or within 1 .. --mtp-steps + 1 = {args.mtp_steps + 1}")
+    for arm in (x for x in args.arms if x in MTP_ARMS and x in PLUGIN_ARMS):
+        config = json.loads(hisparse_config_json(args.hisparse_config, arm, args.plugin_hisparse_config))
+        need = (args.mtp_steps + 1) * int(config.get("top_k", 2048))
+        if int(config.get("device_buffer_size", need)) < need:
+            ap.error(f"arm {arm}: --mtp-steps {args.mtp_steps} verifies {args.mtp_steps + 1} positions of top_k "
+                     f"{config.get('top_k', 2048)} each, so device_buffer_size must be >= {need} (the config gives "
+                     f"{config['device_buffer_size']}); pass it in --hisparse-config or --plugin-hisparse-config")
     if ("d" in args.arms or "dx" in args.arms) and args.plugin_no_enable_hisparse:
         ap.error("arm d passes \"resident_first\": false through --hisparse-config; drop --plugin-no-enable-hisparse")
     if any(a in args.arms for a in ("pd-c", "pd-b")):

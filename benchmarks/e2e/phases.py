@@ -13,7 +13,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from client import extract_logprobs, make_prompt
+from client import extract_logprobs, make_prompt, spec_meta, spec_summary
 from common import HERE, REPO, Run
 from environment import mooncake_env
 from logs import file_size, read_from, summarize_log
@@ -142,7 +142,7 @@ def phase_correctness(target, run: Run, keep) -> dict:
             ids = list(out.get("output_ids") or [])
             margins = [t[0][1] - t[1][1] for t in top if t and len(t) > 1 and None not in (t[0][1], t[1][1])]
             row.update({"output_ids": ids, "logprobs": lps, "top": top,
-                        "finish_reason": meta.get("finish_reason"),
+                        "finish_reason": meta.get("finish_reason"), **spec_meta(meta),
                         "e2e_s": round(time.perf_counter() - t0, 3),
                         "distinct_tokens": len(set(ids)), "cycle_period": detect_cycle(ids),
                         "nan_logprobs": sum(1 for x in lps if x is None or x != x),
@@ -184,6 +184,7 @@ def phase_correctness(target, run: Run, keep) -> dict:
     res["redecodes"] = redecodes
     res["repeats"] = repeats
     res["distinct_outputs"] = len({tuple(r["output_ids"]) for r in ok})
+    res["speculative"] = spec_summary(ok)
     res["prompts_ok"] = len(ok)
     pair = [r for r in ok if r["id"].startswith("pair")]
     if len(pair) == 2:
@@ -302,6 +303,7 @@ def run_level(target, run: Run, prompts: list[list[int]], out_len: int, timeout:
             "hisparse_step_host_ms_median": hs.get("step_host_ms_median"),
             "hisparse_resident_max": hs.get("resident_max"), "hisparse_offloaded_max": hs.get("offloaded_max"),
             "hisparse_all_resident": hs.get("all_resident"),
+            "speculative": spec_summary([o.get("spec") or {} for o in ok]),
             # per request, in send order: [TTFT s, end-to-end s, output tokens] (the tail of a level)
             "requests": [[round(o["ttft_s"], 3) if o.get("ttft_s") is not None else None,
                           round(o["e2e_s"], 3), o["tokens"]] for o in ok]}

@@ -8,18 +8,26 @@ For each variant (an arm of run_e2e.py, optionally with extra server flags, e.g.
    * the fixture plugin records every synchronizing CUDA call of the scheduler process, with its
      Python stack, over decode batches ``--sync-window`` (``HISPARSE_E2E_SYNC_TRACE``), and
    * py-spy samples the scheduler process (``--idle``: waits count) for ``--spy-seconds``;
+   * with ``--kernel-steps N``, SGLang's own profiler (``/start_profile``, torch profiler, GPU activity) records N
+     forward steps, and the trace is summed per kernel name: GPU time per step and the kernels that take it;
 2. decodes ``--repeats`` more requests without any instrumentation: time per output token.
+
+A variant is an arm (``c``, ``c+mtp``: run_e2e.py's arms, its flags from ``--harness-args``) optionally followed by
+``+--flag+value`` server flags.
 
 Everything goes to ``--out`` (``profile.json`` and ``profile.md``); py-spy is taken from
 ``--py-spy`` (a wheel carried to the GPU machine, unpacked by this script) and skipped if absent.
 
     python3 benchmarks/e2e/profile_decode.py --variants a,c,b,c+--disable-overlap-schedule --out $OUT
+    python3 benchmarks/e2e/profile_decode.py --variants a+mtp,c+mtp --kernel-steps 30 \
+        --harness-args "--mtp-steps 3 --mtp-accept-len 3 --plugin-hisparse-config '{\"device_buffer_size\": 8192}'"
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import os
 import shlex
@@ -34,7 +42,7 @@ from pathlib import Path
 import client
 import logs
 import options
-from arms import arm_spec, prepare_pyext
+from arms import MTP_ARMS, arm_spec, prepare_mtp_model, prepare_pyext
 from common import REPO, Log
 from environment import base_env
 from servers import Server
@@ -104,6 +112,27 @@ def summarize_spy(raw: str, top: int = 60, within: str = "Scheduler.event_loop")
     return {"samples": total, "inclusive": share(inclusive), "self": share(self_time)}
 
 
+def summarize_kernels(trace_dir: Path, steps: int, top: int = 25) -> dict:
+    """GPU kernel time of a torch-profiler trace SGLang wrote under ``trace_dir``: total and per step, and the
+    ``top`` kernels by total time (name, calls, microseconds per step)."""
+    files = sorted(trace_dir.rglob("*.json.gz")) + sorted(trace_dir.rglob("*.json"))
+    if not files:
+        return {"error": f"no trace under {trace_dir}"}
+    opener = gzip.open if files[0].suffix == ".gz" else open
+    with opener(files[0], "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    total: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            total[e["name"][:120]] += float(e.get("dur", 0.0))
+            calls[e["name"][:120]] += 1
+    us = sum(total.values())
+    return {"trace": files[0].name, "steps": steps, "gpu_us": round(us, 1), "gpu_us_per_step": round(us / steps, 1),
+            "kernels": [{"name": n, "calls": calls[n], "us_per_step": round(t / steps, 1)}
+                        for n, t in total.most_common(top)]}
+
+
 def sync_traces(log_text: str) -> list[dict]:
     traces = []
     for line in log_text.splitlines():
@@ -113,10 +142,10 @@ def sync_traces(log_text: str) -> list[dict]:
 
 
 def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: Path | None, log) -> dict:
-    arm, _, extra = variant.partition("+")
+    arm, sep, extra = variant.partition("+--")
     port = args.port_base
     cmd, env = arm_spec(arm, args, env0, common, plugin_dir, port)
-    cmd += shlex.split(extra.replace("+", " "))
+    cmd += shlex.split((sep[1:] + extra).replace("+", " "))
     env["HISPARSE_E2E_SYNC_TRACE"] = args.sync_window
     name = variant.replace("+--", "-").replace("+", "-")
     log_path = args.state_dir / f"server-profile-{name}.log"
@@ -133,6 +162,21 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
             target=lambda: traced.update(client.generate_stream(port, prompt, args.trace_out, timeout=600))
         )
         thread.start()
+        if args.kernel_steps:
+            time.sleep(args.spy_delay)
+            trace_dir = args.state_dir / f"torch-{name}"
+            try:
+                client.http_json("POST", port, "/start_profile", {"output_dir": str(trace_dir),
+                                                                 "num_steps": args.kernel_steps, "activities": ["GPU"]},
+                                 timeout=120)
+            except ValueError:  # a reply that is not JSON: the profile still runs
+                pass
+            for _ in range(60):  # the trace is written once the steps are done
+                if list(trace_dir.rglob("*.json*")):
+                    time.sleep(2)
+                    break
+                time.sleep(1)
+            result["kernels"] = summarize_kernels(trace_dir, args.kernel_steps)
         if spy is not None:
             time.sleep(args.spy_delay)
             pid = find_scheduler_pid(server.proc.pid)
@@ -146,7 +190,7 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
                     capture_output=True, text=True, timeout=args.spy_seconds + 60,
                 )
                 if raw_path.exists():
-                    result["spy"] = summarize_spy(raw_path.read_text())
+                    result["spy"] = summarize_spy(raw_path.read_text(), top=args.spy_top)
                 else:
                     result["spy_error"] = (proc.stderr or proc.stdout)[-800:]
         thread.join()
@@ -186,6 +230,12 @@ def render(results: list[dict]) -> str:
         for trace in r.get("sync_traces", []):
             for s in trace.get("stacks", [])[:8]:
                 lines.append(f"- {s['count']}x `{s['stack'][:600]}`")
+        kernels = r.get("kernels") or {}
+        if kernels.get("kernels"):
+            lines.append(f"\nGPU time per forward step {kernels['gpu_us_per_step']} us ({kernels['steps']} steps):\n")
+            lines += [f"- {k['us_per_step']} us/step, {k['calls']} calls: `{k['name']}`" for k in kernels["kernels"]]
+        elif kernels:
+            lines.append(f"\nkernel profile: {kernels.get('error')}")
         spy = r.get("spy") or {}
         if spy:
             lines.append(f"\npy-spy ({spy['samples']} samples), inclusive:\n")
@@ -206,13 +256,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spy-delay", type=float, default=2.5, help="seconds after the traced request starts")
     parser.add_argument("--spy-seconds", type=int, default=2)
     parser.add_argument("--spy-rate", type=int, default=1000)
+    parser.add_argument("--spy-top", type=int, default=60, help="frames kept per py-spy summary (inclusive and self)")
     parser.add_argument("--py-spy", type=Path, default=REPO / ".whl" / "py_spy-0.4.3-py2.py3-none-manylinux1_x86_64.manylinux_2_5_x86_64.whl")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/hisparse_profile")))
     parser.add_argument("--port-base", type=int, default=31100)
     parser.add_argument("--health-timeout", type=float, default=420)
-    # the server flags of run_e2e.py, with its defaults
-    harness_args = options.parse_args([])
+    parser.add_argument("--kernel-steps", type=int, default=0,
+                        help="record this many forward steps with SGLang's profiler and sum GPU time per kernel")
+    parser.add_argument("--harness-args", default="", help="run_e2e.py flags of the servers (shell-quoted string)")
     args = parser.parse_args(argv)
+    # the server flags of run_e2e.py, with its defaults
+    harness_args = options.parse_args(shlex.split(args.harness_args))
     for key, value in vars(harness_args).items():
         if not hasattr(args, key):
             setattr(args, key, value)
@@ -221,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     log = Log([args.out / "profile.log"])
     env0, _ = base_env(args, args.state_dir, log)
     common, plugin_dir, _ = prepare_pyext(args.state_dir, args)
+    if any(v.partition("+--")[0] in MTP_ARMS for v in args.variants.split(",")):
+        prepare_mtp_model(args)
     vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
     spy = unpack_py_spy(args.py_spy, args.state_dir)
     log(f"py-spy: {spy}")

@@ -7,17 +7,21 @@ import json
 import shutil
 from pathlib import Path
 
-from arms import ALL_ARMS, ARM_LABELS, DSA_BACKEND_OF_KV_DTYPE, PD_ARMS
+from arms import ALL_ARMS, ARM_LABELS, DSA_BACKEND_OF_KV_DTYPE, MTP_ARMS, PD_ARMS
 from bench_serving_phase import render_serving
 from chaos import render_chaos
 from common import atomic_write
 from hostpool import render_hostpool
 from judge import judge_correctness
+from logs import same_weights
 from lowload import lowload_ratios
 from stats import compare_outputs
 
 COMPARE_PAIRS = (("b", "a"), ("c", "a"), ("c", "b"), ("d", "a"), ("c", "d"), ("pd-c", "a"), ("pd-b", "a"),
-                 ("pd-c", "pd-b"), ("dx", "a"))
+                 ("pd-c", "pd-b"), ("dx", "a"),
+                 ("c+mtp", "a+mtp"), ("d+mtp", "a+mtp"), ("b+mtp", "a+mtp"), ("a+mtp", "a"), ("c+mtp", "a"),
+                 ("d+mtp", "a"), ("c+mtp", "c"))
+BASELINE_ARMS = ("a", "a+mtp")  # the judge's verdict is given against these (judge.py)
 MAX_OUT_FILES = 8  # what the device tool brings back from $OUT
 
 
@@ -50,9 +54,8 @@ def build_report(state: Path, imported: list[Path]) -> dict:
         cx, cy = arms.get(x, {}).get("correctness"), arms.get(y, {}).get("correctness")
         if cx and cy:
             c = compare_outputs(cy, cx)
-            fx, fy = arms[x].get("weight_fingerprints"), arms[y].get("weight_fingerprints")
-            c["same_weights"] = (fx == fy) if fx and fy else None
-            if y == "a":
+            c["same_weights"] = same_weights(arms[x].get("weight_fingerprints"), arms[y].get("weight_fingerprints"))
+            if y in BASELINE_ARMS:
                 c["verdict"] = judge_correctness(cx, cy, c["same_weights"])
             comp[f"{x}_vs_{y}"] = c
     data["compare"] = comp
@@ -83,12 +86,17 @@ def render_markdown(data: dict) -> str:
                  f"{'off' if a.get('disable_cuda_graph') else 'on'}, radix cache off, --max-total-tokens "
                  f"{a.get('max_total_tokens')}, --mem-fraction-static {a.get('mem_fraction_static')}, context "
                  f"{a.get('context_length')}; HiSparse config `{a.get('hisparse_config')}`"
-                 + (f" (arms c, d, pd-c: with `{a['plugin_hisparse_config']}`)" if a.get("plugin_hisparse_config") else "")
+                 + (f" (the plugin's arms: with `{a['plugin_hisparse_config']}`)" if a.get("plugin_hisparse_config") else "")
                  + "; weights: dummy, "
                  f"init `{a.get('weight_init')}`")
+    present = [x for x in ALL_ARMS if x in arms]
+    if any(x in MTP_ARMS for x in present):
+        steps, accept = a.get("mtp_steps", 1), a.get("mtp_accept_len") or 0
+        lines.append(f"- MTP arms (+mtp): EAGLE / NextN, one NextN layer, {steps} draft step(s), topk 1, {steps + 1} "
+                     "draft tokens; acceptance: " + (f"SGLang's simulation, {accept} tokens per verify, the draft's "
+                     "real tokens (SGLANG_SIMULATE_ACC_LEN)" if accept else "the dummy-weight draft's own"))
     lines.append("")
     lines += render_hostpool(meta)
-    present = [x for x in ALL_ARMS if x in arms]
     if not present:
         return "\n".join(lines + ["(no arm results yet)", ""])
     hdr = "| | " + " | ".join(f"{x}: {ARM_LABELS[x]}" for x in present) + " |"
@@ -109,9 +117,13 @@ def render_markdown(data: dict) -> str:
     row("weight fingerprint", lambda r: ", ".join(r.get("weight_fingerprints") or ["–"])[:40])
     row("correctness prompts ok / distinct outputs", lambda r: f"{r['correctness']['prompts_ok']} / {r['correctness']['distinct_outputs']}")
     row("outputs depend on far context", lambda r: fmt(r["correctness"].get("context_sensitive")))
+    if any(x in MTP_ARMS for x in present):
+        row("MTP: accept length / drafts accepted per step (correctness prompts)",
+            lambda r: spec_cell(r["correctness"].get("speculative")))
     row("in-server KV check: rows compared / mismatches (checks)", kv_check_cell)
     cap_len = next((arms[x]["capacity"].get("input_len") for x in present if arms[x].get("capacity")), None)
-    row(f"max concurrent {cap_len}-token requests running", lambda r: f"{r['capacity']['max_running']} of {r['capacity']['requests']}")
+    if cap_len:
+        row(f"max concurrent {cap_len}-token requests running", lambda r: f"{r['capacity']['max_running']} of {r['capacity']['requests']}")
     levels = []
     for x in present:
         for lv in (arms[x].get("throughput") or {}).get("levels", []):
@@ -131,6 +143,8 @@ def render_markdown(data: dict) -> str:
             lambda r, k=key: f"{fmt(lvl(r, k)['ttft_s_median'], 2)} / {fmt(lvl(r, k).get('ttft_s_max'), 2)}")
         row(f"{name}: HiSparse host work per decode step (ms, median)",
             lambda r, k=key: fmt(lvl(r, k).get("hisparse_step_host_ms_median"), 3))
+        if any(x in MTP_ARMS for x in present):
+            row(f"{name}: MTP accept length / drafts accepted per step", lambda r, k=key: spec_cell(lvl(r, k).get("speculative")))
     tp = next((arms[x]["throughput"] for x in present if arms[x].get("throughput")), None)
     if tp:
         lines.append(f"\nThroughput: {tp.get('input_len')} input + {tp.get('output_len')} output tokens per request, "
@@ -164,6 +178,14 @@ def render_markdown(data: dict) -> str:
         for x, e in errs:
             lines.append(f"- arm {x}: " + str(e).splitlines()[0][:300])
     return "\n".join(lines) + "\n"
+
+
+def spec_cell(spec: dict | None) -> str:
+    """An MTP arm's accept length (tokens per verify step, the bonus included) and the histogram of the drafts
+    accepted per step (0, 1, ...: step counts), from SGLang's per-request meta_info."""
+    if not spec:
+        return "–"
+    return f"{spec['accept_length']:.2f} / {spec['drafts_accepted_histogram']} ({spec['verify_steps']} steps)"
 
 
 def kv_check_cell(r: dict) -> str:
@@ -200,6 +222,7 @@ def render_lowload(arms: dict, present: list[str], ratios: dict) -> list[str]:
             ("decode tok/s, client (output tokens / wall time of the level)", lambda r: spread(r, "output_tok_s", 1)),
             ("decode tok/s, server log (`gen throughput`, median of the level's lines)", lambda r: spread(r, "log_gen_tput", 1)),
             ("HiSparse host work per decode step, ms (plugin log line)", lambda r: spread(r, "step_host_ms", 3)),
+            ("MTP accept length (tokens per verify step, median over the repeats)", lambda r: fmt(r.get("accept_length"), 2)),
             ("every running request resident (plugin log: offloaded 0 on every line)",
              lambda r: f"{fmt(r.get('all_resident'))} (offloaded max {fmt(r.get('offloaded_max'))})"
              if r.get("all_resident") is not None else "–")):

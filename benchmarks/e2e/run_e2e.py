@@ -25,20 +25,24 @@ import bench_serving_phase
 from arms import (
     ALL_ARMS,
     ARM_LABELS,
+    MTP_ARMS,
     PD_ARMS,
     PLUGIN_ARMS,
     ServerSpec,
     arm_servers,
     parse_env_assignments,
     pd_ports,
+    prepare_mtp_model,
     prepare_pyext,
+    speculative_args,
+    speculative_env,
 )
 from chaos import phase_chaos
 from client import Colocated, PDPair, make_prompt
 from common import Deadline, Log, Run, atomic_write
 from environment import base_env, mooncake_env
 from hostpool import run_hostpool
-from logs import file_size, log_tail, read_from, summarize_log
+from logs import file_size, fingerprints_by_model, log_tail, read_from, summarize_log
 from lowload import phase_lowload
 from options import ARM_PHASES, parse_args
 from pd import pd_evidence, phase_longprompt, phase_saturation
@@ -94,7 +98,8 @@ def check_started(group: ServerGroup, run: Run, result: dict, offsets: dict[str,
             log(f"  WARNING plugin failures in the log of {name}: {seg['plugin_failures']}")
         if not seg["weight_fingerprints"]:
             log(f"  WARNING: no weight fingerprint in the log of {name} (fixture plugin not loaded?)")
-    if len(result["weight_fingerprints"] or []) > 1:
+    per_model = fingerprints_by_model(result["weight_fingerprints"] or [])
+    if any(len(fps) > 1 for fps in per_model.values()):
         raise RuntimeError(f"arm {group.arm}: its servers loaded different weights: {result['weight_fingerprints']}")
     if group.arm in PLUGIN_ARMS:
         seg = result["log"]  # the server that decodes loads the plugin
@@ -253,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     env0, env_info = base_env(args, state, log)
     pd_env0 = mooncake_env(env0, args)
     common, plugin_dir, plugin_ep = prepare_pyext(state, args)
+    if any(arm in MTP_ARMS for arm in args.arms):
+        log(f"MTP arms: model {prepare_mtp_model(args)} (one NextN layer), flags {shlex.join(speculative_args(args))}"
+            + (f", env {speculative_env(args)}" if args.mtp_accept_len else ""))
     meta["plugin_entry_point"] = f"{plugin_ep[0]} = {plugin_ep[1]}"
 
     specs = {arm: bench_serving_phase.server_specs(arm, arm_servers(arm, args, env0, pd_env0, common, plugin_dir), args)

@@ -42,11 +42,11 @@ def run_harness(arms: str, state: pathlib.Path, extra: list[str]) -> dict:
     return data
 
 
-def verdict_against_baseline(data: dict, arm: str) -> dict:
-    """judge.judge_correctness of `arm` against arm a, recomputed from the results."""
-    comparison = data["compare"].get(f"{arm}_vs_a")
-    assert comparison is not None, f"no {arm}_vs_a comparison in the results: {sorted(data['compare'])}"
-    return judge_correctness(data["arms"][arm]["correctness"], data["arms"]["a"]["correctness"],
+def verdict_against_baseline(data: dict, arm: str, baseline: str = "a") -> dict:
+    """judge.judge_correctness of `arm` against `baseline` (arm a, or a+mtp), recomputed from the results."""
+    comparison = data["compare"].get(f"{arm}_vs_{baseline}")
+    assert comparison is not None, f"no {arm}_vs_{baseline} comparison in the results: {sorted(data['compare'])}"
+    return judge_correctness(data["arms"][arm]["correctness"], data["arms"][baseline]["correctness"],
                              comparison.get("same_weights"))
 
 
@@ -57,11 +57,11 @@ def kv_check_of(data: dict, arm: str) -> dict:
     return kv
 
 
-def assert_decodes_like_baseline(data: dict, arm: str, kv_checked: bool = True) -> None:
-    """The judge accepts the arm and, where the plugin decodes (`kv_checked`), the in-server KV check ran
-    and found no mismatch."""
-    verdict = verdict_against_baseline(data, arm)
-    assert verdict["ok"], f"arm {arm} vs baseline: {verdict}"
+def assert_decodes_like_baseline(data: dict, arm: str, kv_checked: bool = True, baseline: str = "a") -> None:
+    """The judge accepts the arm against `baseline` and, where the plugin decodes (`kv_checked`), the
+    in-server KV check ran and found no mismatch."""
+    verdict = verdict_against_baseline(data, arm, baseline)
+    assert verdict["ok"], f"arm {arm} vs {baseline}: {verdict}"
     if not kv_checked:
         return
     kv = kv_check_of(data, arm)

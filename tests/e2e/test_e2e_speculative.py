@@ -1,0 +1,59 @@
+"""End to end on a GPU: SGLang 0.5.17 serving the tiny DeepSeek-V3.2 with speculative decoding (EAGLE / NextN
+MTP, one NextN layer, topk 1) and the plugin decodes like SGLang with the same speculation and no HiSparse.
+
+Arms (benchmarks/e2e/arms.py): a+mtp (no HiSparse), c+mtp (resident-first), d+mtp (always offload: every
+verify step swaps in the history rows of every position), and a (no speculation). Judged as
+test_e2e_correctness.py judges (benchmarks/e2e/judge.py): each plugin arm against a+mtp, and, where the
+outputs are the target's own greedy ones (no acceptance simulation), against a. Inside the plugin's servers
+every 4th decode batch's rows are checked against the host pool (kv_check_fixture.py: a verify's history
+before the newest committed token).
+
+HISPARSE_E2E_MTP_STEPS (1 - 3, default 1): draft steps S (T = S + 1 verify positions; S > 1 runs the plugin
+with device_buffer_size T x 2048). HISPARSE_E2E_MTP_ACCEPT_LEN (default 0): > 0 accepts that many tokens per
+verify with SGLang's own acceptance simulation (the draft's real tokens), so the paths of long accepts run;
+the dummy-weight draft's own acceptance is about 1.0. Then only a+mtp is the baseline, and every MTP arm
+must show exactly that accept length. HISPARSE_E2E_RUN / HISPARSE_E2E_STATE as in test_e2e_correctness.py.
+"""
+
+import json
+import os
+import pathlib
+
+import pytest
+from e2e_harness import assert_decodes_like_baseline, run_harness
+
+pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
+
+STEPS = int(os.environ.get("HISPARSE_E2E_MTP_STEPS", "1"))
+ACCEPT_LEN = float(os.environ.get("HISPARSE_E2E_MTP_ACCEPT_LEN", "0"))
+PLUGIN_MTP_ARMS = ("c+mtp", "d+mtp")
+
+
+@pytest.fixture(scope="module")
+def data() -> dict:
+    state = pathlib.Path(os.environ.get("HISPARSE_E2E_STATE", "/tmp/hisparse_e2e_mtp"))
+    extra = ["--mtp-steps", str(STEPS), "--mtp-accept-len", str(ACCEPT_LEN)]
+    if STEPS > 1:
+        extra += ["--plugin-hisparse-config", json.dumps({"device_buffer_size": (STEPS + 1) * 2048})]
+    arms = "a+mtp,c+mtp,d+mtp" + ("" if ACCEPT_LEN else ",a")
+    return run_harness(arms, state, extra)
+
+
+@pytest.mark.parametrize("arm", PLUGIN_MTP_ARMS)
+def test_plugin_with_mtp_decodes_like_sglang_with_mtp_without_hisparse(data, arm):
+    assert_decodes_like_baseline(data, arm, baseline="a+mtp")
+
+
+@pytest.mark.parametrize("arm", PLUGIN_MTP_ARMS)
+def test_plugin_with_mtp_decodes_like_sglang_without_speculation(data, arm):
+    if ACCEPT_LEN:
+        pytest.skip("with simulated acceptance the outputs are not the target's own greedy ones")
+    assert_decodes_like_baseline(data, arm, kv_checked=False, baseline="a")
+
+
+def test_every_mtp_arm_verified_with_the_accept_length_asked_for(data):
+    for arm in ("a+mtp",) + PLUGIN_MTP_ARMS:
+        spec = data["arms"][arm]["correctness"].get("speculative")
+        assert spec and spec["verify_steps"] > 0, f"arm {arm}: no speculative verify steps recorded: {spec}"
+        if ACCEPT_LEN:
+            assert spec["accept_length"] == pytest.approx(ACCEPT_LEN), f"arm {arm}: {spec}"

@@ -1,0 +1,117 @@
+"""The GPU harness's speculative arms (benchmarks/e2e: arms.py, options.py, logs.py, client.py): what an
+"<arm>+mtp" server runs, the refusals before anything starts, weights compared model by model, and the accept
+lengths read from SGLang's per-request meta_info."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+E2E = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e"
+sys.path.insert(0, str(E2E))
+
+import arms  # noqa: E402
+import client  # noqa: E402
+import logs  # noqa: E402
+import options  # noqa: E402
+
+
+def spec_of(arm: str, argv: list[str], tmp_path) -> tuple[list[str], dict]:
+    args = options.parse_args(["--state-dir", str(tmp_path), *argv])
+    common, plugin, _ = arms.prepare_pyext(tmp_path, args)
+    return arms.arm_spec(arm, args, {}, common, plugin, 30000)
+
+
+def flag(cmd: list[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def test_an_mtp_arm_is_its_arm_with_linear_eagle_on_the_nextn_model(tmp_path):
+    plain, _ = spec_of("c", [], tmp_path)
+    cmd, env = spec_of("c+mtp", ["--mtp-steps", "2"], tmp_path)
+    assert flag(cmd, "--model-path") == str(tmp_path / "model-mtp")
+    assert (flag(cmd, "--speculative-algorithm"), flag(cmd, "--speculative-num-steps"),
+            flag(cmd, "--speculative-eagle-topk"), flag(cmd, "--speculative-num-draft-tokens")) == ("EAGLE", "2", "1", "3")
+    speculative = {"--speculative-algorithm", "--speculative-num-steps", "--speculative-eagle-topk",
+                   "--speculative-num-draft-tokens"}
+    stripped = [x for i, x in enumerate(cmd) if x not in speculative and (i == 0 or cmd[i - 1] not in speculative)]
+    assert stripped[:3] + stripped[5:] == plain[:3] + plain[5:]  # all but --model-path as arm c's
+    assert "SGLANG_SIMULATE_ACC_LEN" not in env
+    assert "--speculative-algorithm" not in plain
+
+
+def test_the_mtp_arms_keep_their_arms_hisparse_settings(tmp_path):
+    a_cmd, _ = spec_of("a+mtp", [], tmp_path)
+    assert "--enable-hisparse" not in a_cmd
+    d_cmd, d_env = spec_of("d+mtp", [], tmp_path)
+    assert json.loads(flag(d_cmd, "--hisparse-config"))["resident_first"] is False
+    assert "pyext-plugin" in d_env["PYTHONPATH"]
+    b_cmd, b_env = spec_of("b+mtp", ["--plugin-hisparse-config", '{"device_buffer_size": 8192}'], tmp_path)
+    assert json.loads(flag(b_cmd, "--hisparse-config"))["device_buffer_size"] == 4096
+    assert "pyext-plugin" not in b_env["PYTHONPATH"]
+
+
+def test_simulated_acceptance_is_sglangs_own_with_the_drafts_tokens(tmp_path):
+    _, env = spec_of("a+mtp", ["--mtp-steps", "3", "--mtp-accept-len", "3"], tmp_path)
+    assert env["SGLANG_SIMULATE_ACC_LEN"] == "3.0"
+    assert env["SGLANG_SIMULATE_ACC_TOKEN_MODE"] == "real-draft-token"
+    assert env["SGLANG_SIMULATE_ACC_METHOD"] == "match-expected"
+
+
+def test_the_mtp_model_declares_one_nextn_layer_and_links_the_rest(tmp_path):
+    args = options.parse_args(["--state-dir", str(tmp_path)])
+    model = arms.prepare_mtp_model(args)
+    source = Path(args.model_dir)
+    config = json.loads((model / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    assert {k: v for k, v in config.items() if k != "num_nextn_predict_layers"} == {
+        k: v for k, v in json.loads((source / "config.json").read_text()).items() if k != "num_nextn_predict_layers"}
+    others = [f for f in source.iterdir() if f.name != "config.json"]
+    assert others and all((model / f.name).resolve() == f.resolve() for f in others)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arms", "c+mtp", "--mtp-steps", "3"], "device_buffer_size must be >= 8192"),
+    (["--arms", "d+mtp", "--mtp-steps", "2"], "device_buffer_size must be >= 6144"),
+    (["--arms", "a+mtp", "--mtp-accept-len", "3"], "--mtp-accept-len 3.0 must be 0 or within 1 .. --mtp-steps + 1 = 2"),
+])
+def test_what_the_servers_would_refuse_is_refused_before_starting(tmp_path, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        options.parse_args(["--state-dir", str(tmp_path), *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_the_buffer_check_passes_with_the_buffer_the_verify_needs(tmp_path):
+    options.parse_args(["--state-dir", str(tmp_path), "--arms", "a+mtp,c+mtp,d+mtp", "--mtp-steps", "3",
+                        "--plugin-hisparse-config", '{"device_buffer_size": 8192}'])
+    options.parse_args(["--state-dir", str(tmp_path), "--arms", "b+mtp", "--mtp-steps", "3"])  # the in-tree's rules
+
+
+TARGET = "DeepseekV32ForCausalLM:2.7e+04/1.0e+06"
+DRAFT = "DeepseekV3ForCausalLMNextN:1.2e+04/8.9e+05"
+
+
+def test_weights_are_compared_model_by_model():
+    assert logs.same_weights([TARGET], [TARGET, DRAFT]) is True  # a against a+mtp: the target agrees
+    assert logs.same_weights([TARGET, DRAFT], [TARGET, DRAFT]) is True
+    assert logs.same_weights([TARGET, DRAFT], [TARGET, DRAFT.replace("1.2e+04", "1.3e+04")]) is False
+    assert logs.same_weights([TARGET], [TARGET.replace("2.7e+04", "2.8e+04")]) is False
+    assert logs.same_weights([TARGET], [DRAFT]) is False  # nothing in common
+    assert logs.same_weights([TARGET, TARGET.replace("2.7", "2.9")], [TARGET]) is False  # one server, two targets
+    assert logs.same_weights(None, [TARGET]) is None
+    assert logs.same_weights(["1.0e+00/2.0e+00"], ["1.0e+00/2.0e+00"]) is True  # an older fixture's line
+
+
+def test_accept_lengths_are_summed_over_requests():
+    metas = [{"spec_verify_ct": 10, "spec_num_correct_drafts": 12, "spec_accept_histogram": [2, 4, 4]},
+             {"spec_verify_ct": 5, "spec_num_correct_drafts": 0, "spec_accept_histogram": [5]},
+             {}]
+    summary = client.spec_summary(metas)
+    assert summary == {"requests": 2, "verify_steps": 15, "accept_length": round(1 + 12 / 15, 3),
+                       "drafts_accepted_histogram": [7, 4, 4]}
+    assert client.spec_summary([{}, {"completion_tokens": 3}]) is None
+    assert client.spec_meta({"spec_verify_ct": 3, "finish_reason": "length", "spec_accept_rate": 0.5}) == {
+        "spec_verify_ct": 3}
