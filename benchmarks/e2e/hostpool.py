@@ -352,7 +352,7 @@ def hostpool_server(args, env0: dict, common, plugin_dir, ratio: int, device_tok
     cfg["host_to_device_ratio"] = ratio
     a.hisparse_config = json.dumps(cfg, separators=(",", ":"))
     a.max_total_tokens = device_tokens
-    port = args.port_base + 90
+    port = args.port_base + 95  # beside every arm's port (arms.arm_port: multiples of 10, PD +1 and +2)
     cmd, env = arm_spec(args.hostpool_arm, a, env0, common, plugin_dir, port)
     return cmd, env, port
 
