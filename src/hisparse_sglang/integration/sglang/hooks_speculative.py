@@ -14,22 +14,18 @@ Their specs (H1 - H9, ``versions=compat.SPECULATIVE_HOOKED_SGLANG``) are in ``ho
 from __future__ import annotations
 
 from hisparse_sglang.integration.sglang import compat
+from hisparse_sglang.integration.sglang.hook_lookup import coordinator_of, runtime_of
 
 
 def _verify_coordinator(coordinator):
     """``coordinator`` if it is hisparse-sglang's, started with speculative decoding; else None."""
-    from hisparse_sglang.integration.sglang.runtime import runtime_of
-
-    runtime = runtime_of(coordinator)
-    started = runtime.coordinator if runtime is not None else None
+    started = coordinator_of(coordinator)
     return coordinator if started is not None and started.num_draft_tokens else None
 
 
 def _alloc_for_spec_decode(original, tree_cache, req_to_token_pool, **kwargs):
     """H1 AROUND alloc_for_spec_decode: the reserve gets logical locations only (0.5.22+ calls
     ``alloc_logical_only``); the coordinator's prepare binds device rows per request mode."""
-    from hisparse_sglang.integration.sglang.runtime import runtime_of
-
     runtime = runtime_of(tree_cache.token_to_kv_pool_allocator)
     if runtime is None or _verify_coordinator(runtime.coordinator) is None:
         return original(tree_cache, req_to_token_pool, **kwargs)
