@@ -90,7 +90,8 @@ def render_markdown(data: dict) -> str:
                  + "; weights: dummy, "
                  f"init `{a.get('weight_init')}`")
     present = [x for x in ALL_ARMS if x in arms]
-    if any(x in MTP_ARMS for x in present):
+    mtp = any(x in MTP_ARMS for x in present)
+    if mtp:
         steps, accept = a.get("mtp_steps", 1), a.get("mtp_accept_len") or 0
         lines.append(f"- MTP arms (+mtp): EAGLE / NextN, one NextN layer, {steps} draft step(s), topk 1, {steps + 1} "
                      "draft tokens; acceptance: " + (f"SGLang's simulation, {accept} tokens per verify, the draft's "
@@ -117,7 +118,7 @@ def render_markdown(data: dict) -> str:
     row("weight fingerprint", lambda r: ", ".join(r.get("weight_fingerprints") or ["–"])[:40])
     row("correctness prompts ok / distinct outputs", lambda r: f"{r['correctness']['prompts_ok']} / {r['correctness']['distinct_outputs']}")
     row("outputs depend on far context", lambda r: fmt(r["correctness"].get("context_sensitive")))
-    if any(x in MTP_ARMS for x in present):
+    if mtp:
         row("MTP: accept length / drafts accepted per step (correctness prompts)",
             lambda r: spec_cell(r["correctness"].get("speculative")))
     row("in-server KV check: rows compared / mismatches (checks)", kv_check_cell)
@@ -143,7 +144,7 @@ def render_markdown(data: dict) -> str:
             lambda r, k=key: f"{fmt(lvl(r, k)['ttft_s_median'], 2)} / {fmt(lvl(r, k).get('ttft_s_max'), 2)}")
         row(f"{name}: HiSparse host work per decode step (ms, median)",
             lambda r, k=key: fmt(lvl(r, k).get("hisparse_step_host_ms_median"), 3))
-        if any(x in MTP_ARMS for x in present):
+        if mtp:
             row(f"{name}: MTP accept length / drafts accepted per step", lambda r, k=key: spec_cell(lvl(r, k).get("speculative")))
     tp = next((arms[x]["throughput"] for x in present if arms[x].get("throughput")), None)
     if tp:
