@@ -115,3 +115,17 @@ def test_accept_lengths_are_summed_over_requests():
     assert client.spec_summary([{}, {"completion_tokens": 3}]) is None
     assert client.spec_meta({"spec_verify_ct": 3, "finish_reason": "length", "spec_accept_rate": 0.5}) == {
         "spec_verify_ct": 3}
+
+
+def test_an_mtp_arms_server_log_reaches_out_under_a_name_the_device_tool_brings_back(tmp_path):
+    import report
+
+    state, out = tmp_path / "state", tmp_path / "out"
+    state.mkdir()
+    out.mkdir()
+    (state / "server-c+mtp.log").write_text("HiSparse: hit rate 50.0%\n")
+    (state / "server-c.log").write_text("plain\n")
+    report.Outputs(state, out, [], arms=["c+mtp", "c"]).publish()
+    logs_out = sorted(p.name for p in out.glob("server-*.log"))
+    assert logs_out == ["server-c.log", "server-c_mtp.log"]
+    assert (out / "server-c_mtp.log").read_text() == "HiSparse: hit rate 50.0%\n"

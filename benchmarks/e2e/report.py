@@ -327,6 +327,12 @@ def render_storm(arms: dict, present: list[str]) -> list[str]:
     return out
 
 
+def out_name(log: Path) -> str:
+    """A log's name in $OUT: this run's harness.log is harness-all-runs.log there, and an MTP arm's
+    "+" becomes "_" (server-c_mtp.log), since the device tool brings back no name with a "+"."""
+    return "harness-all-runs.log" if log.name == "harness.log" else log.name.replace("+", "_")
+
+
 class Outputs:
     """Writes results to the state dir and mirrors results/logs to $OUT: results.json, results.md,
     harness.log (this run; the Log writes it), then the server logs of this run's arms, the harness
@@ -351,8 +357,7 @@ class Outputs:
             atomic_write(self.out / "results.json", text)
             atomic_write(self.out / "results.md", md)
             room = MAX_OUT_FILES - 3  # results.json, results.md, harness.log
-            chosen = {("harness-all-runs.log" if src.name == "harness.log" else src.name): src
-                      for src in [p for p in self.server_logs() if p.exists()][:room]}
+            chosen = {out_name(src): src for src in [p for p in self.server_logs() if p.exists()][:room]}
             for stale in list(self.out.glob("server-*.log")) + [self.out / "harness-all-runs.log"]:
                 if stale.name not in chosen:  # pushed out by a log of this run's arms
                     with contextlib.suppress(OSError):
