@@ -2,11 +2,12 @@
 yet ("cold") and then on memory used once ("warm") (issue #27 item 3; the numbers in
 benchmarks/results/e2e_H200_2026-11-26.md section 10a):
 
-  touch+register     what HostRegion does (memory/pinning.py): every page touched by a thread pool
-                     (memset), then registered with cudaHostRegister by the same pool;
+  touch+register     every page touched by a thread pool (memset), then registered with
+                     cudaHostRegister by the same pool (HostRegion's way before 2026-11-26);
   register-only      cudaHostRegister of untouched pages (the driver faults them in);
   populate+register  madvise(MADV_POPULATE_WRITE) by the thread pool, then registered;
-  pipelined          each 256 MiB piece touched and registered in one task.
+  pipelined          each 256 MiB piece touched and then registered in one task: HostRegion's way
+                     (memory/pinning.py) since section 10a's runs showed it the fastest.
 
 Cold: the four regions of --gib each are made and kept alive together, so each gets pages not used
 before (run it first on a freshly booted or lent machine: a virtual machine's first touch of its
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 from hisparse_sglang.memory.pinning import (  # noqa: E402
+    MAX_REGISTER_BYTES,
     TOUCH_CHUNK_BYTES,
     CudaRegistrar,
     HostRegion,
@@ -66,9 +68,42 @@ def vmstat(keys):
 THP_KEYS = ("thp_fault_alloc", "thp_fault_fallback", "thp_collapse_alloc")
 
 
-def touch_register(nbytes, reg, threads):
-    region = HostRegion(nbytes, registrar=reg, threads=threads, log_every_s=60)
-    return region, {"touch_s": region.timing.touch_s, "register_s": region.timing.register_s}
+class TouchThenRegister:
+    """HostRegion's way before 2026-11-26: every page touched by the threads, then the region
+    registered by the threads in pieces of at most MAX_REGISTER_BYTES."""
+
+    def __init__(self, nbytes, reg, threads):
+        self.mapping = anonymous_mapping(nbytes)
+        self.tensor = torch.frombuffer(self.mapping, dtype=torch.uint8, count=nbytes)
+        self.address = self.tensor.data_ptr()
+        self.reg = reg
+        self.done = []
+        with concurrent.futures.ThreadPoolExecutor(threads, initializer=reg.enter_thread) as pool:
+            started = time.monotonic()
+            list(pool.map(lambda piece: ctypes.memset(self.address + piece[0], 0, piece[1]),
+                          plan_chunks([(0, nbytes)], TOUCH_CHUNK_BYTES)))
+            self.touch_s = time.monotonic() - started
+            errors = [e for e in pool.map(self._register, plan_chunks([(0, nbytes)], MAX_REGISTER_BYTES)) if e]
+            self.register_s = time.monotonic() - started - self.touch_s
+        if errors:
+            self.close()
+            raise RuntimeError(f"cudaHostRegister failed: {errors[:2]}")
+
+    def _register(self, piece):
+        error = self.reg.register(self.address + piece[0], piece[1])
+        if error is None:
+            self.done.append(self.address + piece[0])
+        return error
+
+    def close(self):
+        for address in self.done:
+            self.reg.unregister(address)
+        self.done = []
+
+
+def touch_then_register(nbytes, reg, threads):
+    region = TouchThenRegister(nbytes, reg, threads)
+    return region, {"touch_s": region.touch_s, "register_s": region.register_s}
 
 
 def register_only(nbytes, reg, threads):
@@ -94,39 +129,14 @@ def populate_register(nbytes, reg, threads):
     return region, {"populate_s": populate_s, "register_s": region.timing.register_s, "populate_errors": bad[:2]}
 
 
-class Pipelined:
-    def __init__(self, nbytes, reg, threads):
-        self.mapping = anonymous_mapping(nbytes)
-        self.tensor = torch.frombuffer(self.mapping, dtype=torch.uint8, count=nbytes)
-        self.address = self.tensor.data_ptr()
-        self.reg = reg
-        self.done = []
-
-        def work(piece):
-            offset, length = piece
-            ctypes.memset(self.address + offset, 0, length)
-            error = reg.register(self.address + offset, length)
-            if error is None:
-                self.done.append(self.address + offset)
-            return error
-
-        with concurrent.futures.ThreadPoolExecutor(threads, initializer=reg.enter_thread) as pool:
-            errors = [e for e in pool.map(work, plan_chunks([(0, nbytes)], TOUCH_CHUNK_BYTES)) if e]
-        if errors:
-            self.close()
-            raise RuntimeError(f"cudaHostRegister failed: {errors[:2]}")
-
-    def close(self):
-        for address in self.done:
-            self.reg.unregister(address)
-        self.done = []
-
-
 def pipelined(nbytes, reg, threads):
-    return Pipelined(nbytes, reg, threads), {}
+    """HostRegion's way (memory/pinning.py): each piece touched, then registered, by one thread."""
+    region = HostRegion(nbytes, registrar=reg, threads=threads, log_every_s=60)
+    timing = region.timing
+    return region, {"touch_s": timing.touch_s, "register_s": timing.register_s}
 
 
-WAYS = {"touch+register": touch_register, "register-only": register_only,
+WAYS = {"touch+register": touch_then_register, "register-only": register_only,
         "populate+register": populate_register, "pipelined": pipelined}
 
 

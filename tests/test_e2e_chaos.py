@@ -31,8 +31,8 @@ sys.path[:0] = [str(E2E), str(REPO / "tools" / "e2e-selftest")]
 import chaos  # noqa: E402
 import hostpool  # noqa: E402
 import scrape  # noqa: E402
+import servers  # noqa: E402
 from mock_sglang import leftover_children, make_mock_site  # noqa: E402
-from servers import port_free  # noqa: E402
 
 MOCK = ["--max-total-tokens", "4096", "--health-timeout", "30", "--arm-min-s", "5", "--reserve-s", "5",
         "--plugin-ep", "hisparse=mockplug:register", "--plugin-env", "MOCK_HISPARSE_LOG=1",
@@ -65,9 +65,9 @@ RUNS = {
 
 
 def free_port_bases(n: int) -> list[int]:
-    """n bases of 100 ports none of which answers now (other test sessions may run mock servers too)."""
-    bases = [b for b in range(50000, 60000, 100) if all(port_free(b + k) for k in (0, 1, 2, 30, 40, 41, 42, 95))]
-    return bases[:n]
+    """n bases of 100 ports none of which answers now (other test sessions may run mock servers too), below the
+    ephemeral ports (servers.free_port_bases)."""
+    return servers.free_port_bases(n, (0, 1, 2, 30, 40, 41, 42, 95), start=26000)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The GPU harness's speculative arms (benchmarks/e2e: arms.py, options.py, logs.py, client.py): what an
 "<arm>+mtp" server runs, the refusals before anything starts, weights compared model by model, and the accept
-lengths read from SGLang's per-request meta_info."""
+lengths read from SGLang's per-request meta_info; where their server logs and ports go (report.py, servers.py)."""
 
 from __future__ import annotations
 
@@ -129,3 +129,17 @@ def test_an_mtp_arms_server_log_reaches_out_under_a_name_the_device_tool_brings_
     logs_out = sorted(p.name for p in out.glob("server-*.log"))
     assert logs_out == ["server-c.log", "server-c_mtp.log"]
     assert (out / "server-c_mtp.log").read_text() == "HiSparse: hit rate 50.0%\n"
+
+
+def test_probed_port_bases_stay_out_of_the_ephemeral_ports(tmp_path, monkeypatch):
+    import servers
+
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("32768\t60999\n")
+    assert servers.ephemeral_port_range(str(ranges)) == (32768, 60999)
+    assert servers.ephemeral_port_range(str(tmp_path / "missing")) == (32768, 60999)
+    monkeypatch.setattr(servers, "ephemeral_port_range", lambda: (32768, 60999))
+    monkeypatch.setattr(servers, "port_free", lambda port: port != 32610)  # something listens at 32600 + 10
+    bases = servers.free_port_bases(40, (0, 10, 95), start=32000)
+    assert bases == [32000, 32100, 32200, 32300, 32400, 32500] + list(range(61000, 61000 + 34 * 100, 100)), bases
+    assert all(not (32768 <= b + k <= 60999) for b in bases for k in (0, 10, 95))

@@ -157,3 +157,57 @@ def test_host_pool_layers_are_views_of_one_touched_region():
     assert [int(layer.float().mean()) for layer in pool.layers] == [1, 2, 3]  # no overlap
     assert pool.layers[0].shape == (1000, 656) and pool.layers[0].dtype == torch.uint8
     assert not pool.pinned and REGISTER_ALIGN % 4096 == 0
+
+
+def resident_fraction(address: int, length: int) -> float:
+    """Share of the pages of ``[address, address + length)`` in memory now (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = 4096
+    start = address - address % page
+    pages = -(-(address + length - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vec) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vec) / pages
+
+
+class ResidencyRegistrar(RecordingRegistrar):
+    """Also notes, at every registration, how much of the piece and of the region's last piece is in memory."""
+
+    def __init__(self, last_piece: tuple[int, int]) -> None:
+        super().__init__()
+        self.last_piece = last_piece
+        self.base = None
+        self.seen: list[tuple[float, float]] = []
+
+    def register(self, address: int, length: int):
+        offset, size = self.last_piece
+        self.seen.append((resident_fraction(address, length), resident_fraction(self.base + offset, size)))
+        return super().register(address, length)
+
+
+def test_each_piece_is_touched_then_registered_while_later_pieces_wait(monkeypatch):
+    import hisparse_sglang.memory.pinning as pinning
+
+    monkeypatch.setattr(pinning, "TOUCH_CHUNK_BYTES", 2 * MiB)
+    units = [(0, 6 * MiB), (8 * MiB, 3 * MiB)]  # a gap of 2 MiB between the units, 1 MiB after them
+    registrar = ResidencyRegistrar(last_piece=(10 * MiB, MiB))
+    original = pinning.anonymous_mapping
+
+    def mapping_seen_by_registrar(nbytes):
+        mapped = original(nbytes)
+        registrar.base = torch.frombuffer(mapped, dtype=torch.uint8, count=1).data_ptr()
+        return mapped
+
+    monkeypatch.setattr(pinning, "anonymous_mapping", mapping_seen_by_registrar)
+    region = HostRegion(12 * MiB, register_units=units, registrar=registrar, threads=1)
+    pieces = sorted((address - region.address, length) for address, length, _ in registrar.registered)
+    assert pieces == [(0, 2 * MiB), (2 * MiB, 2 * MiB), (4 * MiB, 2 * MiB), (8 * MiB, 2 * MiB), (10 * MiB, MiB)]
+    assert all(piece == 1.0 for piece, _ in registrar.seen), "a piece was registered before it was touched"
+    assert registrar.seen[0][1] < 0.5, "every page was touched before the first registration"
+    assert resident_fraction(region.address, 12 * MiB) == 1.0  # the gaps are touched too
+    timing = region.timing
+    assert timing.ready_s > 0 and timing.touch_s > 0 and timing.register_s >= 0
+    assert timing.touch_s + timing.register_s <= timing.ready_s * 1.05
+    region.close()

@@ -29,6 +29,33 @@ def port_free(port: int) -> bool:
         return s.connect_ex((HOST, port)) != 0
 
 
+def ephemeral_port_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections (Linux's default 32768-60999 where unreadable)."""
+    try:
+        low, high = (int(x) for x in Path(path).read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port_bases(n: int, offsets, start: int = 20000) -> list[int]:
+    """Up to ``n`` bases ``b`` (multiples of 100 from ``start``) such that no port ``b + k`` of ``offsets``
+    answers now, all below the ephemeral range. A port in that range can become a client connection's
+    local port between this probe and the server's bind (the harness itself opens hundreds), and the
+    server then dies with EADDRINUSE, the way the self-test's mock arm b twice did."""
+    low, high = ephemeral_port_range()
+    top = max(offsets)
+    bases = []
+    for base in range(start, 65536 - top, 100):
+        if low <= base + top and base <= high:  # overlaps the ephemeral range
+            continue
+        if all(port_free(base + k) for k in offsets):
+            bases.append(base)
+            if len(bases) == n:
+                break
+    return bases
+
+
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)

@@ -450,15 +450,16 @@ def storm_checks() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-def free_port_base(start: int = 43100) -> int:
+def free_port_base() -> int:
     """A base of 100 ports where none that the arms use answers now (other sessions on this machine may run
-    this self-test at the same time)."""
+    this self-test at the same time), below the ephemeral ports (servers.free_port_bases)."""
     import servers
 
     used = (0, 1, 2, 10, 20, 30, 40, 41, 42, 50, 51, 52, 60, 61, 62, 95)
-    return next(b for b in range(start, 60000, 100) if all(servers.port_free(b + k) for k in used))
+    return servers.free_port_bases(1, used, start=23100)[0]
 
 
+# --------------------------------------------------------------------------------------------
 def mock_e2e(python: str) -> None:
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
