@@ -76,6 +76,7 @@ def test_the_mtp_model_declares_one_nextn_layer_and_links_the_rest(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--arms", "c+mtp", "--mtp-steps", "3"], "device_buffer_size must be >= 8192"),
     (["--arms", "d+mtp", "--mtp-steps", "2"], "device_buffer_size must be >= 6144"),
+    (["--arms", "pd-c+mtp", "--mtp-steps", "3"], "arm pd-c+mtp: --mtp-steps 3 verifies 4 positions"),
     (["--arms", "a+mtp", "--mtp-accept-len", "3"], "--mtp-accept-len 3.0 must be 0 or within 1 .. --mtp-steps + 1 = 2"),
 ])
 def test_what_the_servers_would_refuse_is_refused_before_starting(tmp_path, argv, message, capsys):
@@ -88,6 +89,25 @@ def test_the_buffer_check_passes_with_the_buffer_the_verify_needs(tmp_path):
     options.parse_args(["--state-dir", str(tmp_path), "--arms", "a+mtp,c+mtp,d+mtp", "--mtp-steps", "3",
                         "--plugin-hisparse-config", '{"device_buffer_size": 8192}'])
     options.parse_args(["--state-dir", str(tmp_path), "--arms", "b+mtp", "--mtp-steps", "3"])  # the in-tree's rules
+
+
+def test_pd_with_mtp_runs_speculation_on_both_instances_and_the_plugin_on_the_decode(tmp_path):
+    args = options.parse_args(["--state-dir", str(tmp_path), "--arms", "pd-c+mtp", "--mtp-steps", "2",
+                               "--plugin-hisparse-config", '{"device_buffer_size": 6144}'])
+    common, plugin, _ = arms.prepare_pyext(tmp_path, args)
+    prefill, decode = arms.arm_servers("pd-c+mtp", args, {}, {}, common, plugin)
+    assert (prefill.role, decode.role) == ("prefill", "decode")
+    assert (prefill.port, decode.port) == (args.port_base + 110, args.port_base + 111)
+    for server in (prefill, decode):
+        assert flag(server.cmd, "--model-path") == str(tmp_path / "model-mtp")
+        assert (flag(server.cmd, "--speculative-num-steps"), flag(server.cmd, "--speculative-num-draft-tokens")) == ("2", "3")
+    assert flag(prefill.cmd, "--disaggregation-mode") == "prefill" and "--enable-hisparse" not in prefill.cmd
+    assert flag(prefill.cmd, "--disaggregation-bootstrap-port") == str(args.port_base + 112)
+    assert str(plugin) not in prefill.env["PYTHONPATH"]
+    assert flag(decode.cmd, "--disaggregation-mode") == "decode"
+    assert json.loads(flag(decode.cmd, "--hisparse-config"))["device_buffer_size"] == 6144
+    assert decode.env["PYTHONPATH"].startswith(str(plugin))
+    assert args.preflight_mooncake  # a PD arm checks Mooncake before starting
 
 
 TARGET = "DeepseekV32ForCausalLM:2.7e+04/1.0e+06"

@@ -23,26 +23,30 @@ FIXTURE_MODULES = ("hisparse_e2e_fixture.py", "kv_check_fixture.py", "topk_workl
 # topk_workload_fixture.py (--topk-profile): a second entry point, and the workload model beside it
 TOPK_FIXTURE_EP = ("hisparse_e2e_topk_workload", "topk_workload_fixture:register")
 TOPK_WORKLOAD_SOURCE = REPO / "src/hisparse_sglang/testing/workload.py"  # copied as topk_workload_fixture.WORKLOAD_COPY
-# "<arm>+mtp": the co-located arm with speculative decoding (EAGLE / NextN MTP, topk 1, --mtp-steps) on a copy
-# of the model whose config declares one NextN layer (prepare_mtp_model); everything else as the arm's.
+# "<arm>+mtp": the arm with speculative decoding (EAGLE / NextN MTP, topk 1, --mtp-steps) on a copy of the
+# model whose config declares one NextN layer (prepare_mtp_model); everything else as the arm's. In
+# "pd-c+mtp" both instances run it, as SGLang's PD with MTP needs: the prefill runs the draft's first step.
 MTP_SUFFIX = "+mtp"
-MTP_ARMS = ("a+mtp", "b+mtp", "c+mtp", "d+mtp")
+MTP_ARMS = ("a+mtp", "b+mtp", "c+mtp", "d+mtp", "pd-c+mtp")
 ALL_ARMS = ("a", "b", "c", "d", "pd-c", "pd-b", "dx") + MTP_ARMS
 ARM_LABELS = {"a": "baseline (no HiSparse)", "b": "SGLang in-tree HiSparse", "c": "hisparse-sglang plugin",
               "d": "hisparse-sglang plugin, always offload",
               "pd-c": "PD, decode with hisparse-sglang", "pd-b": "PD, decode with SGLang in-tree HiSparse",
               "dx": "plugin, always offload, kernel build corrupting 1 in 16 missed rows (must fail)",
               "a+mtp": "baseline + MTP", "b+mtp": "SGLang in-tree HiSparse + MTP", "c+mtp": "hisparse-sglang + MTP",
-              "d+mtp": "hisparse-sglang, always offload, + MTP"}
+              "d+mtp": "hisparse-sglang, always offload, + MTP", "pd-c+mtp": "PD, decode with hisparse-sglang, + MTP"}
 COLOCATED_ARMS = ("a", "b", "c", "d")
 # dx: arm d on a kernel build that copies every 16th missed row of a swap-in from the wrong host row
 # (csrc/swap_in.cuh, HISPARSE_TEST_CORRUPT_MISSES): what the correctness judge and the in-server KV
 # check must reject, to show they can fail.
 CORRUPT_DEFINES = "HISPARSE_TEST_CORRUPT_MISSES=16"
 ARM_ENV = {"dx": {"HISPARSE_E2E_KERNEL_DEFINES": CORRUPT_DEFINES}}
-PD_DECODE_ARM = {"pd-c": "c", "pd-b": "b"}  # the co-located arm whose flags a PD arm's decode instance takes
+# The co-located arms whose flags a PD arm's decode / prefill instance takes.
+PD_DECODE_ARM = {"pd-c": "c", "pd-b": "b", "pd-c+mtp": "c+mtp"}
+PD_PREFILL_ARM = {"pd-c": "a", "pd-b": "a", "pd-c+mtp": "a+mtp"}
 PD_ARMS = tuple(PD_DECODE_ARM)
-PLUGIN_ARMS = ("c", "d", "pd-c", "dx", "c+mtp", "d+mtp")  # arms that load our plugin (its dist-info + src on PYTHONPATH; pd-c: its decode)
+# arms that load our plugin (its dist-info + src on PYTHONPATH; a PD arm: its decode)
+PLUGIN_ARMS = ("c", "d", "pd-c", "dx", "c+mtp", "d+mtp", "pd-c+mtp")
 PD_TRANSFER_BACKEND = "mooncake_tcp"  # SGLang 0.5.17: Mooncake with MC_FORCE_TCP=1 (no RDMA NIC on the GPU machine)
 ARM_HISPARSE_OVERRIDES = {"d": {"resident_first": False}, "dx": {"resident_first": False},
                           "d+mtp": {"resident_first": False}}  # merged into --hisparse-config
@@ -97,8 +101,8 @@ def speculative_env(args) -> dict[str, str]:
 
 
 def arm_port(args, arm: str) -> int:
-    """Arms a/b/c/d/pd-c/pd-b/dx/a+mtp/.../d+mtp listen on --port-base +0/+10/.../+100 (a PD arm: its prefill;
-    decode +1, bootstrap +2)."""
+    """Arms a/b/c/d/pd-c/pd-b/dx/a+mtp/.../d+mtp/pd-c+mtp listen on --port-base +0/+10/.../+110 (a PD arm: its
+    prefill; decode +1, bootstrap +2)."""
     return args.port_base + 10 * ALL_ARMS.index(arm)
 
 
@@ -261,7 +265,7 @@ def arm_servers(arm: str, args, env0: dict, pd_env0: dict, common: Path, plugin_
                SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(int(args.pd_timeout_s)),
                SGLANG_DISAGGREGATION_WAITING_TIMEOUT=str(int(args.pd_timeout_s)))
     backend = ["--disaggregation-transfer-backend", PD_TRANSFER_BACKEND]
-    prefill_cmd, prefill_env = arm_spec("a", args, env, common, plugin_dir, prefill_port,
+    prefill_cmd, prefill_env = arm_spec(PD_PREFILL_ARM[arm], args, env, common, plugin_dir, prefill_port,
                                         max_total_tokens=args.pd_prefill_max_total_tokens,
                                         mem_fraction_static=args.pd_mem_fraction_static)
     decode_cmd, decode_env = arm_spec(PD_DECODE_ARM[arm], args, env, common, plugin_dir, decode_port,

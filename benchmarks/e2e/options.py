@@ -17,6 +17,7 @@ from arms import (
     DEFAULT_MODEL,
     DSA_BACKEND_OF_KV_DTYPE,
     MTP_ARMS,
+    PD_ARMS,
     PLUGIN_ARMS,
     hisparse_config_json,
     parse_env_assignments,
@@ -316,7 +317,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"{config['device_buffer_size']}); pass it in --hisparse-config or --plugin-hisparse-config")
     if ("d" in args.arms or "dx" in args.arms) and args.plugin_no_enable_hisparse:
         ap.error("arm d passes \"resident_first\": false through --hisparse-config; drop --plugin-no-enable-hisparse")
-    if any(a in args.arms for a in ("pd-c", "pd-b")):
+    if any(a in args.arms for a in PD_ARMS):
         args.preflight_mooncake = True
         if args.pd_decode_max_total_tokens > args.pd_prefill_max_total_tokens:
             ap.error("--pd-decode-max-total-tokens must not exceed --pd-prefill-max-total-tokens")

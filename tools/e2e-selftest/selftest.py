@@ -455,7 +455,7 @@ def free_port_base() -> int:
     this self-test at the same time), below the ephemeral ports (servers.free_port_bases)."""
     import servers
 
-    used = (0, 1, 2, 10, 20, 30, 40, 41, 42, 50, 51, 52, 60, 61, 62, 95)
+    used = (0, 1, 2, 10, 20, 30, 40, 41, 42, 50, 51, 52, 60, 61, 62, 70, 95, 110, 111, 112)
     return servers.free_port_bases(1, used, start=23100)[0]
 
 
@@ -513,6 +513,7 @@ def mock_e2e(python: str) -> None:
         mock_lowload(common, td)
         mock_serving(common, td)
         mock_pd(common, td)
+        mock_pd_mtp(common, td)
         r3 = subprocess.run([sys.executable, str(E2E / "run_e2e.py"), "--arms", "c", "--phases", "correctness,report",
                              "--plugin-ep", "hisparse=no_such_module_xyz:register", *common],
                             capture_output=True, text=True, timeout=300)
@@ -612,6 +613,28 @@ def own_dirs(common: list[str], td: Path, name: str) -> list[str]:
     flags = list(common)
     flags[flags.index("--state-dir") + 1], flags[flags.index("--out") + 1] = str(td / f"{name}_state"), str(td / f"{name}_out")
     return flags
+
+
+def mock_pd_mtp(common: list[str], td: Path) -> None:
+    """Run 2e: PD with MTP (arm pd-c+mtp) beside a+mtp: both PD instances start on the MTP model with the
+    speculative flags, the decode with the plugin, and the pair decodes like a+mtp."""
+    flags = own_dirs(common, td, "pdmtp")
+    out = td / "pdmtp_out"
+    res = mock_run(["--arms", "a+mtp,pd-c+mtp", "--phases", "preflight,correctness,report", "--corr-decodes", "2",
+                    "--mtp-steps", "1", "--pd-decode-max-total-tokens", "2048", "--pd-prefill-max-total-tokens", "16384",
+                    "--plugin-ep", "hisparse=mockplug:register", "--plugin-env", "MOCK_PD_LOGICAL=1",
+                    "--mooncake-syslibs", str(td / "no-syslibs"), *flags], out, "mock PD + MTP run")
+    arm_results = res["arms"]
+    check(all(arm_results.get(x, {}).get("status") == "ok" for x in ("a+mtp", "pd-c+mtp")),
+          f"PD + MTP arms ok: { {x: (v.get('status'), str(v.get('error'))[:300]) for x, v in arm_results.items()} }")
+    if arm_results.get("pd-c+mtp", {}).get("status") != "ok":
+        return
+    cmp = res["compare"].get("pd-c+mtp_vs_a+mtp", {})
+    check(cmp.get("verdict", {}).get("ok") and cmp.get("prompts_compared") == 6, f"pd-c+mtp decodes like a+mtp (mock): {cmp.get('verdict')}")
+    cmds = arm_results["pd-c+mtp"].get("cmd") or {}
+    check(set(cmds) == {"prefill", "decode"} and all("--speculative-algorithm EAGLE" in str(c) and "model-mtp" in str(c) for c in cmds.values())
+          and "--enable-hisparse" in str(cmds["decode"]) and "--enable-hisparse" not in str(cmds["prefill"]),
+          f"pd-c+mtp: both instances speculate on the MTP model, the decode with HiSparse: {str(cmds)[:400]}")
 
 
 def mock_pd(common: list[str], td: Path) -> None:
