@@ -2,8 +2,9 @@
 
 The old way is what HostKVPool did before: ``torch.empty(..., pin_memory=True)`` per layer (torch's
 caching host allocator, cudaHostAlloc: pages faulted, zeroed and pinned in one thread). The new way
-is HostKVPool now (memory/pinning.py: one anonymous region, pages touched by a thread pool, then
-registered with cudaHostRegister layer by layer from the same pool). Each way builds a pool of
+is HostKVPool now (memory/pinning.py: one anonymous region cut into 256 MiB pieces within layers,
+each piece touched and then registered with cudaHostRegister by one thread of a pool; the ways of
+doing that part are compared by bench_host_pool_ways.py). Each way builds a pool of
 --gib GiB, is timed to the moment every layer is usable, then released before the next one.
 Without CUDA only the new way runs, unpinned (touching alone).
 

@@ -45,9 +45,10 @@ def layer_stride(layer_bytes: int, pinned: bool) -> int:
 class HostKVPool:
     """``layer_num`` regions of ``num_rows`` rows of ``item_bytes`` bytes each.
 
-    All layers live in one host region (memory/pinning.py: touched by a thread pool, then pinned
-    layer by layer from the same pool, with a progress line every few seconds); pinned, each layer
-    starts on a 2 MiB boundary, so that its registration shares no page with another layer's.
+    All layers live in one host region (memory/pinning.py: cut into pieces within layers, each
+    touched and then pinned by one thread of a pool, with a progress line every few seconds);
+    pinned, each layer starts on a 2 MiB boundary, so that no registration shares a page with
+    another layer's.
 
     Args:
         layer_num: layers (one region each).
