@@ -12,7 +12,9 @@ HISPARSE_E2E_MTP_STEPS (1 - 3, default 1): draft steps S (T = S + 1 verify posit
 with device_buffer_size T x 2048). HISPARSE_E2E_MTP_ACCEPT_LEN (default 0): > 0 accepts that many tokens per
 verify with SGLang's own acceptance simulation (the draft's real tokens), so the paths of long accepts run;
 the dummy-weight draft's own acceptance is about 1.0. Then only a+mtp is the baseline, and every MTP arm
-must show exactly that accept length. HISPARSE_E2E_RUN / HISPARSE_E2E_STATE as in test_e2e_correctness.py.
+must show exactly that accept length. HISPARSE_E2E_MTP_PD=1 adds arm pd-c+mtp (PD decode with the plugin, both
+instances speculating; needs bundle part 2, Mooncake, in HISPARSE_E2E_SITE, default /tmp/site), judged and
+KV-checked as the co-located plugin arms. HISPARSE_E2E_RUN / HISPARSE_E2E_STATE as in test_e2e_correctness.py.
 """
 
 import json
@@ -26,16 +28,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
 STEPS = int(os.environ.get("HISPARSE_E2E_MTP_STEPS", "1"))
 ACCEPT_LEN = float(os.environ.get("HISPARSE_E2E_MTP_ACCEPT_LEN", "0"))
-PLUGIN_MTP_ARMS = ("c+mtp", "d+mtp")
+PD = os.environ.get("HISPARSE_E2E_MTP_PD", "0") == "1"
+SITE = pathlib.Path(os.environ.get("HISPARSE_E2E_SITE", "/tmp/site"))
+PLUGIN_MTP_ARMS = ("c+mtp", "d+mtp") + (("pd-c+mtp",) if PD else ())
 
 
 @pytest.fixture(scope="module")
 def data() -> dict:
+    if PD and os.environ.get("HISPARSE_E2E_RUN", "1") == "1" and not (SITE / "mooncake" / "engine.so").exists():
+        pytest.skip(f"HISPARSE_E2E_MTP_PD=1 needs Mooncake (bundle part 2) in {SITE}: "
+                    "bash tools/gpu-bundle/install_part.sh .e2e/parts/part2.tar.xz (docs/gpu-e2e.md)")
     state = pathlib.Path(os.environ.get("HISPARSE_E2E_STATE", "/tmp/hisparse_e2e_mtp"))
-    extra = ["--mtp-steps", str(STEPS), "--mtp-accept-len", str(ACCEPT_LEN)]
+    extra = ["--mtp-steps", str(STEPS), "--mtp-accept-len", str(ACCEPT_LEN)] + (["--site", str(SITE)] if PD else [])
     if STEPS > 1:
         extra += ["--plugin-hisparse-config", json.dumps({"device_buffer_size": (STEPS + 1) * 2048})]
-    arms = "a+mtp,c+mtp,d+mtp" + ("" if ACCEPT_LEN else ",a")
+    arms = ",".join(("a+mtp",) + PLUGIN_MTP_ARMS) + ("" if ACCEPT_LEN else ",a")
     return run_harness(arms, state, extra)
 
 

@@ -512,8 +512,8 @@ def mock_e2e(python: str) -> None:
         mock_storm(common, out)
         mock_lowload(common, td)
         mock_serving(common, td)
+        mock_pd_mtp(common, td)  # before mock_pd, whose tests_helper_checks judge its results too
         mock_pd(common, td)
-        mock_pd_mtp(common, td)
         r3 = subprocess.run([sys.executable, str(E2E / "run_e2e.py"), "--arms", "c", "--phases", "correctness,report",
                              "--plugin-ep", "hisparse=no_such_module_xyz:register", *common],
                             capture_output=True, text=True, timeout=300)
@@ -782,6 +782,10 @@ def tests_helper_checks(td: Path) -> None:
         data = e2e_harness.run_harness("a,pd-c,pd-b", td / "pd_state", [])
         # the mock servers run no plugin of ours, so no in-server KV check
         e2e_harness.assert_decodes_like_baseline(data, "pd-c", kv_checked=False)
+        check(True, "")
+        # the PD + MTP run (mock_pd_mtp) as tests/e2e/test_e2e_speculative.py judges it with HISPARSE_E2E_MTP_PD=1
+        data = e2e_harness.run_harness("a+mtp,pd-c+mtp", td / "pdmtp_state", [])
+        e2e_harness.assert_decodes_like_baseline(data, "pd-c+mtp", kv_checked=False, baseline="a+mtp")
         check(True, "")
         try:
             e2e_harness.run_harness("a,pd-c,d", td / "pd_state", [])
