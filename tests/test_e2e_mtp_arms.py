@@ -163,3 +163,10 @@ def test_probed_port_bases_stay_out_of_the_ephemeral_ports(tmp_path, monkeypatch
     bases = servers.free_port_bases(40, (0, 10, 95), start=32000)
     assert bases == [32000, 32100, 32200, 32300, 32400, 32500] + list(range(61000, 61000 + 34 * 100, 100)), bases
     assert all(not (32768 <= b + k <= 60999) for b in bases for k in (0, 10, 95))
+
+
+def test_the_port_offsets_are_every_port_an_arm_listens_on(tmp_path):
+    args = options.parse_args(["--state-dir", str(tmp_path)])
+    listened = {arms.arm_port(args, arm) - args.port_base for arm in arms.ALL_ARMS}
+    listened |= {port - args.port_base for arm in arms.PD_ARMS for port in arms.pd_ports(args, arm)}
+    assert set(arms.port_offsets()) == listened and 112 in listened

@@ -106,6 +106,11 @@ def arm_port(args, arm: str) -> int:
     return args.port_base + 10 * ALL_ARMS.index(arm)
 
 
+def port_offsets() -> tuple[int, ...]:
+    """Every port offset from --port-base that an arm's servers listen on (arm_port, pd_ports), in order."""
+    return tuple(10 * i + k for i, arm in enumerate(ALL_ARMS) for k in ((0, 1, 2) if arm in PD_ARMS else (0,)))
+
+
 def pd_ports(args, arm: str) -> tuple[int, int, int]:
     """(prefill HTTP port, decode HTTP port, the prefill's bootstrap port) of a PD arm."""
     port = arm_port(args, arm)

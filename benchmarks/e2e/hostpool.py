@@ -51,6 +51,7 @@ MAX_RATIO = 1024  # hisparse_sglang.config: host_to_device_ratio in [1, 1024]
 INDEX_K_BYTES = 132  # the indexer's key per token and layer (GPU, over the whole logical space)
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL}
 MEM_KEYS = ("MemAvailable", "MemFree")
+HOSTPOOL_PORT_OFFSET = 95  # the phase's own server, beside every arm's port (arms.port_offsets)
 POOL_RE = re.compile(r"HiSparse host pool: (?P<layers>\d+) layers x (?P<rows>\d+) rows x (?P<row_bytes>\d+) B = "
                      r"(?P<gib>[0-9.]+) GiB")
 READY_RE = re.compile(r"HiSparse host pool: (?P<gib>[0-9.]+) GiB ready in (?P<ready_s>[0-9.]+) s \((?P<rate>[0-9.]+) GiB/s; "
@@ -352,7 +353,7 @@ def hostpool_server(args, env0: dict, common, plugin_dir, ratio: int, device_tok
     cfg["host_to_device_ratio"] = ratio
     a.hisparse_config = json.dumps(cfg, separators=(",", ":"))
     a.max_total_tokens = device_tokens
-    port = args.port_base + 95  # beside every arm's port (arms.arm_port: multiples of 10, PD +1 and +2)
+    port = args.port_base + HOSTPOOL_PORT_OFFSET
     cmd, env = arm_spec(args.hostpool_arm, a, env0, common, plugin_dir, port)
     return cmd, env, port
 

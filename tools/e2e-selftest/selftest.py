@@ -453,10 +453,10 @@ def storm_checks() -> None:
 def free_port_base() -> int:
     """A base of 100 ports where none that the arms use answers now (other sessions on this machine may run
     this self-test at the same time), below the ephemeral ports (servers.free_port_bases)."""
+    import hostpool
     import servers
 
-    used = (0, 1, 2, 10, 20, 30, 40, 41, 42, 50, 51, 52, 60, 61, 62, 70, 95, 110, 111, 112)
-    return servers.free_port_bases(1, used, start=23100)[0]
+    return servers.free_port_bases(1, arms.port_offsets() + (hostpool.HOSTPOOL_PORT_OFFSET,), start=23100)[0]
 
 
 # --------------------------------------------------------------------------------------------
