@@ -232,11 +232,16 @@ def test_hook_targets_are_what_the_fixture_expects(fixture):
     names = list(inspect.signature(forward_cuda).parameters)
     assert names[1 + fixture._FORWARD_BATCH_INDEX] == "forward_batch"
     assert names[1 + fixture._LAYER_ID_INDEX] == "layer_id"
-    assert list(inspect.signature(pkgutil.resolve_name(fixture.WORKER_TARGET)).parameters)[:2] == ["self", "batch"]
+    for target in (fixture.WORKER_TARGET, fixture.SPEC_WORKER_TARGET):
+        assert list(inspect.signature(pkgutil.resolve_name(target)).parameters)[:2] == ["self", "batch"], target
     assert callable(pkgutil.resolve_name(fixture.ATTN_BACKEND_GETTER))
     from sglang.srt.layers.attention.dsa.dsa_indexer_metadata import DSAIndexerMetadata
 
     assert "force_unfused_topk" in DSAIndexerMetadata.__dataclass_fields__
+    assert callable(DSAIndexerMetadata.get_seqlens_expanded)
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    assert callable(ForwardMode.is_target_verify) and callable(ForwardMode.is_draft_extend_v2)
 
 
 @pytest.mark.sglang
@@ -308,3 +313,97 @@ def test_around_indexer_reads_the_backends_pool(fixture, monkeypatch, fused):
     del backend.req_to_token_pool
     with pytest.raises(RuntimeError, match="no req_to_token_pool"):
         replacement.around_indexer(lambda *a, **k: real, indexer, None, forward_batch=batch, layer_id=1)
+
+
+@pytest.mark.sglang
+def test_before_hook_on_the_speculative_worker(fixture):
+    """Under EAGLE the scheduler hands its decode batch to EAGLEWorkerV2 (no ``model_runner`` of its
+    own: the target worker's pool is the table's size); the target's verify forward gets no batch."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    pool = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    spec_worker = types.SimpleNamespace(
+        target_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(req_to_token_pool=pool))
+    )
+    req = Req("rid", "", array.array("i", range(3, 20)), SamplingParams())
+    req.req_pool_idx = 3
+    replacement = fixture.TopKReplacement(PROFILES["calibrated"])
+    assert replacement.before_forward(spec_worker, None) is None and replacement.keys is None
+    replacement.before_forward(spec_worker, types.SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=[req]))
+    assert replacement.keys.table[3].tolist() == [request_key_from_tokens(range(3, 20)), 17]
+
+
+def speculative_setup(fixture, monkeypatch, fused: bool, per: int):
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.model_executor import forward_context
+
+    pool = ReqToTokenPool(size=6, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    pool.req_to_token.copy_((torch.arange(pool.req_to_token.numel()) * 3 % 100_003).view_as(pool.req_to_token))
+    slots, prompts = torch.tensor([2, 5]), torch.tensor([3000, 2500])
+    seq_lens = prompts + torch.tensor([40, 7])  # committed lengths (the verify's draft tokens come after)
+    # the indexer's own row lengths (DSA backend: seqlens_expand over the committed lengths + per)
+    expanded = (seq_lens[:, None] + torch.arange(1, per + 1)).reshape(-1).to(torch.int32)
+    metadata = types.SimpleNamespace(force_unfused_topk=not fused, get_seqlens_expanded=lambda: expanded)
+    backend = types.SimpleNamespace(
+        req_to_token_pool=pool, get_indexer_metadata=lambda layer, batch: metadata, speculative_num_draft_tokens=per
+    )
+    monkeypatch.setattr(forward_context, "get_attn_backend", lambda: backend)
+    replacement = fixture.TopKReplacement(PROFILES["calibrated"])
+    replacement._ensure_keys(pool.req_to_token.shape[0], "cpu").update([(2, 11, 3000), (5, 12, 2500)])
+    return pool, slots, prompts, seq_lens, expanded, replacement
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("mode", ["TARGET_VERIFY", "DRAFT_EXTEND_V2"])
+@pytest.mark.parametrize("fused", [False, True], ids=["positions", "locations"])
+def test_speculative_rows_are_the_workloads_at_each_position(fixture, monkeypatch, mode, fused):
+    """A verify (or V2 draft extend) batch has T rows per request, request-major: row i of a request
+    gets the rows a decode at its length (committed + i + 1) would get, in the layout the backend asks."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    per = 3
+    pool, slots, prompts, seq_lens, expanded, replacement = speculative_setup(fixture, monkeypatch, fused, per)
+    batch = types.SimpleNamespace(forward_mode=getattr(ForwardMode, mode), req_pool_indices=slots, seq_lens=seq_lens)
+    real = torch.zeros(2 * per, 2048, dtype=torch.int32)
+    rows = replacement.around_indexer(
+        lambda *a, **k: real, types.SimpleNamespace(index_topk=2048), None, forward_batch=batch, layer_id=4
+    )
+    keys = torch.tensor([11, 12]).repeat_interleave(per)
+    row_slots = slots.repeat_interleave(per)
+    want = TopKWorkload(PROFILES["calibrated"]).topk(keys, prompts.repeat_interleave(per), expanded.to(torch.int64), 4)
+    if fused:
+        valid = want >= 0
+        want[valid] = pool.req_to_token[row_slots[:, None].expand_as(want)[valid], want[valid]].to(torch.int64)
+    assert rows.shape == real.shape and torch.equal(rows.to(torch.int64), want)
+    # the positions a decode of each length would attend: the first row's newest token is its own
+    assert not torch.equal(rows[0], rows[1])
+
+
+@pytest.mark.sglang
+def test_speculative_batch_that_is_not_t_rows_per_request_is_named(fixture, monkeypatch):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    _, slots, _, seq_lens, _, replacement = speculative_setup(fixture, monkeypatch, False, 3)
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=slots, seq_lens=seq_lens)
+    padded = torch.zeros(7, 2048, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="7 indexer rows for 2 requests, with speculative_num_draft_tokens 3"):
+        replacement.around_indexer(
+            lambda *a, **k: padded, types.SimpleNamespace(index_topk=2048), None, forward_batch=batch, layer_id=0
+        )
+
+
+@pytest.mark.sglang
+def test_prefill_keeps_the_real_indexer(fixture, monkeypatch):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    _, slots, _, seq_lens, _, replacement = speculative_setup(fixture, monkeypatch, False, 3)
+    real = torch.arange(4 * 2048, dtype=torch.int32).reshape(4, 2048)
+    for mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.IDLE):
+        batch = types.SimpleNamespace(forward_mode=mode, req_pool_indices=slots, seq_lens=seq_lens)
+        out = replacement.around_indexer(
+            lambda *a, **k: real, types.SimpleNamespace(index_topk=2048), None, forward_batch=batch, layer_id=0
+        )
+        assert out is real, mode

@@ -17,21 +17,30 @@ for the same request, layer and step.
 Design (SGLang 0.5.17; every target is checked by tests/test_topk_workload_fixture.py):
 
 * **What is replaced**: the return value of ``Indexer.forward_cuda``
-  (``sglang.srt.layers.attention.dsa.dsa_indexer``), int32 ``[tokens, index_topk]``, for decode
-  batches (prefill keeps the real indexer). The indexer still runs first (it also stores the new
+  (``sglang.srt.layers.attention.dsa.dsa_indexer``), int32 ``[tokens, index_topk]``, for the batches
+  the indexer serves through its paged top-k: decode (a draft model's decode steps too), and under
+  speculative decoding the target's verify and the V2 draft extend (prefill, the draft model's
+  included, keeps the real indexer). The indexer still runs first (it also stores the new
   token's index key), so every arm pays for it alike.
+* **Rows under speculation**: a verify (or V2 draft extend) batch has ``T`` rows per request
+  (``speculative_num_draft_tokens``), request-major; row ``i`` of a request attends to the length
+  the indexer itself masks it to, ``metadata.get_seqlens_expanded()`` (its committed length plus
+  ``i + 1``), and gets the workload's rows for that length: what a decode at that position would get.
 * **Layout**: with HiSparse (arms b, c, d) the decode top-k is *positions* in ``[0, seq_len)`` (the
   swap-in translates them); without it (arm a) SGLang fuses the page-table transform into the top-k
   (``SGLANG_DSA_FUSE_TOPK``) and the indexer returns *KV locations*. The backend's own rule decides
   (``get_indexer_metadata(...).force_unfused_topk``): positions are translated through
   ``req_to_token`` when it returns locations, as the fused kernel does. -1 stays -1.
 * **Request identity**: a GPU table per request slot of (request key, original prompt length). The
-  key is the CRC-32 of the prompt's token ids (``Req.origin_input_ids``: the same in every arm and
-  after a retraction, unlike the request slot or a generated rid). A BEFORE hook on
-  ``TpModelWorker.forward_batch_generation`` writes the entries whose slot changed occupant, from
-  pinned memory, on the stream the forward then runs on (the forward stream under the overlap
-  scheduler), so the write is ordered before the forward that reads it.
-* **Step**: ``forward_batch.seq_lens`` (the length including the token being decoded).
+  key is the CRC-32 of the prompt's token ids (``Req.origin_input_ids``: the same in every arm, after
+  a retraction and on a PD decode instance, unlike the request slot or a generated rid). A BEFORE
+  hook on the worker the scheduler calls with its batch (``TpModelWorker.forward_batch_generation``,
+  or ``EAGLEWorkerV2.forward_batch_generation`` under speculation, whose target forward gets no
+  batch) writes the entries whose slot changed occupant, from pinned memory, on the stream the
+  forward then runs on (the forward stream under the overlap scheduler), so the write is ordered
+  before the forward that reads it. A PD decode instance runs its decode batches through the same
+  call (its prebuilt batch never reaches the model).
+* **Step**: ``forward_batch.seq_lens`` in decode (the length including the token being decoded).
 * **CUDA graphs**: the wrapper runs eagerly in the warm-up runs and once at capture; everything it
   enqueues is tensor work on the graph's static inputs (``req_pool_indices``, ``seq_lens``), the
   slot table and the workload's lookup tables, which are built in the first (eager) call. A replay
@@ -39,8 +48,9 @@ Design (SGLang 0.5.17; every target is checked by tests/test_topk_workload_fixtu
   to the CPU generator. One fused Triton kernel per layer (5-10 us on an H100); the torch generator's
   own operations (about a hundred kernels, ~0.2-0.3 ms a layer) are the fallback
   (``HISPARSE_E2E_TOPK_GENERATOR=torch`` or no Triton).
-* **Scope**: decode batches only (not mixed chunked-prefill batches, off in the harness); speculative
-  decoding, context parallel and ``flashinfer_sparse_mla`` decode were not read for it.
+* **Scope**: the modes above (not mixed chunked-prefill batches, off in the harness); EAGLE with
+  ``topk 1`` (the only speculation the plugin serves); context parallel, attention TP with padded
+  rows and ``flashinfer_sparse_mla`` decode were not read for it.
 
 ``python benchmarks/e2e/topk_workload_fixture.py --bench`` (on a GPU, no SGLang needed) checks that
 the CUDA rows equal the CPU rows under CUDA-graph replay and times the replacement per layer.
@@ -75,6 +85,8 @@ WORKLOAD_COPY = "hisparse_topk_workload"
 # Hook targets, written against SGLang 0.5.17.
 INDEXER_TARGET = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.forward_cuda"
 WORKER_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
+# Under EAGLE the scheduler calls this one with its batch; the target's verify forward gets none.
+SPEC_WORKER_TARGET = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation"
 ATTN_BACKEND_GETTER = "sglang.srt.model_executor.forward_context.get_attn_backend"
 # Cached on each Req: its key (the prompt never changes).
 REQ_KEY_ATTR = "_hisparse_topk_workload_key"
@@ -367,6 +379,27 @@ def backend_req_to_token(backend):
     return pool.req_to_token
 
 
+def speculative_rows(backend, metadata, req_pool_indices, rows: int):
+    """Per-row (request slot, length) of a verify or V2 draft-extend batch: ``T`` rows per request,
+    request-major (``T = backend.speculative_num_draft_tokens``), each row's length the one the
+    indexer masks it to (``metadata.get_seqlens_expanded()``). Tensor views and one expand: nothing
+    that syncs or changes shape between CUDA-graph replays.
+
+    Raises:
+        RuntimeError: the batch is not ``T`` rows per request (padded rows, topk > 1 trees).
+    """
+    per = int(getattr(backend, "speculative_num_draft_tokens", 0) or 0)
+    count = req_pool_indices.shape[0]
+    if per < 1 or rows != count * per:
+        raise RuntimeError(
+            f"{PREFIX} a speculative batch of {rows} indexer rows for {count} requests, with "
+            f"speculative_num_draft_tokens {per}: the fixture serves {per or 'T'} rows per request "
+            "(EAGLE topk 1, no attention TP padding)."
+        )
+    lens = metadata.get_seqlens_expanded()[:rows]
+    return req_pool_indices[:, None].expand(count, per).reshape(rows), lens
+
+
 class TopKReplacement:
     """The state the two hooks share (one per scheduler process)."""
 
@@ -410,23 +443,31 @@ class TopKReplacement:
 
     # -------------------------------------------------------------------------- hooks
     def before_forward(self, worker, batch=None, *args, **kwargs):
-        """BEFORE ``TpModelWorker.forward_batch_generation``: bring the slot table up to date for a
-        decode batch. Returns None (the call's arguments are unchanged)."""
+        """BEFORE ``TpModelWorker.forward_batch_generation`` and ``EAGLEWorkerV2.forward_batch_generation``:
+        bring the slot table up to date for a decode batch (under EAGLE the scheduler's decode batch,
+        which the worker turns into draft and verify forwards). Returns None (the arguments are unchanged).
+        """
         if batch is None or not batch.forward_mode.is_decode() or not batch.reqs:
             return None
-        req_to_token = worker.model_runner.req_to_token_pool.req_to_token
+        runner = worker.model_runner if hasattr(worker, "model_runner") else worker.target_worker.model_runner
+        req_to_token = runner.req_to_token_pool.req_to_token
         keys = self._ensure_keys(req_to_token.shape[0], req_to_token.device)
         keys.update((req.req_pool_idx, request_key(req), len(req.origin_input_ids)) for req in batch.reqs)
         return None
 
     def around_indexer(self, original, indexer, *args, **kwargs):
-        """AROUND ``Indexer.forward_cuda``: the real indexer, then, for decode, the workload's rows."""
+        """AROUND ``Indexer.forward_cuda``: the real indexer, then, for decode, verify and the V2 draft
+        extend, the workload's rows."""
         result = original(indexer, *args, **kwargs)
         forward_batch = kwargs.get(
             "forward_batch", args[_FORWARD_BATCH_INDEX] if len(args) > _FORWARD_BATCH_INDEX else None
         )
         layer_id = kwargs.get("layer_id", args[_LAYER_ID_INDEX] if len(args) > _LAYER_ID_INDEX else None)
-        if result is None or forward_batch is None or not forward_batch.forward_mode.is_decode():
+        if result is None or forward_batch is None:
+            return result
+        mode = forward_batch.forward_mode
+        speculative = mode.is_target_verify() or mode.is_draft_extend_v2()
+        if not (mode.is_decode() or speculative):
             return result
         from sglang.srt.model_executor.forward_context import get_attn_backend
 
@@ -434,24 +475,20 @@ class TopKReplacement:
         req_to_token = backend_req_to_token(backend)
         keys = self._ensure_keys(req_to_token.shape[0], req_to_token.device)
         workload = self._ensure_workload(indexer.index_topk, result.device)
-        locations = not backend.get_indexer_metadata(layer_id, forward_batch).force_unfused_topk
-        layout = "locations" if locations else "positions"
+        metadata = backend.get_indexer_metadata(layer_id, forward_batch)
+        locations = not metadata.force_unfused_topk
+        rows = result.shape[0]
+        if speculative:
+            slots, lens = speculative_rows(backend, metadata, forward_batch.req_pool_indices, rows)
+        else:
+            slots, lens = forward_batch.req_pool_indices, forward_batch.seq_lens
+        layout = f"{mode.name.lower()} {'locations' if locations else 'positions'}"
         if layout not in self._logged_layouts:
             self._logged_layouts.add(layout)
-            _say(
-                f"decode top-k layout: {layout} (layer {layer_id}, {result.shape[0]} rows, {keys.table.shape[0]} slots)"
-            )
+            _say(f"top-k layout: {layout} (layer {layer_id}, {rows} rows, {keys.table.shape[0]} slots)")
         generate = self.generator(result.device)
-        rows = generate(
-            workload,
-            keys.table,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-            layer_id,
-            result.shape[0],
-            req_to_token if locations else None,
-        )
-        return rows.to(result.dtype)
+        out = generate(workload, keys.table, slots, lens, layer_id, rows, req_to_token if locations else None)
+        return out.to(result.dtype)
 
     @staticmethod
     def generator(device):
@@ -462,7 +499,7 @@ class TopKReplacement:
 
 
 def register() -> None:
-    """Entry point (group ``sglang.srt.plugins``): the two hooks when a profile is set, else nothing."""
+    """Entry point (group ``sglang.srt.plugins``): the hooks when a profile is set, else nothing."""
     params, top_k_given = params_from_env()
     if params is None:
         _say(f"off ({ENV_PROFILE} unset or {OFF})")
@@ -471,8 +508,12 @@ def register() -> None:
 
     replacement = TopKReplacement(params, top_k_given)
     HookRegistry.register(WORKER_TARGET, replacement.before_forward, HookType.BEFORE)
+    HookRegistry.register(SPEC_WORKER_TARGET, replacement.before_forward, HookType.BEFORE)
     HookRegistry.register(INDEXER_TARGET, replacement.around_indexer, HookType.AROUND)
-    _say(f"profile {os.environ[ENV_PROFILE]}: BEFORE hook on {WORKER_TARGET}, AROUND hook on {INDEXER_TARGET}")
+    _say(
+        f"profile {os.environ[ENV_PROFILE]}: BEFORE hooks on {WORKER_TARGET} and {SPEC_WORKER_TARGET}, "
+        f"AROUND hook on {INDEXER_TARGET}"
+    )
 
 
 # ------------------------------------------------------------------------------------ GPU self-check
