@@ -218,6 +218,29 @@ def test_every_server_gets_the_fixture_and_a_standalone_model(tmp_path):
     assert int(done.stdout) == request_key_from_tokens([5, 6])
 
 
+def test_every_server_of_every_arm_gets_the_same_workload(tmp_path):
+    """Both instances of a PD arm and every speculative arm's server get the profile and its parameters
+    (the fixture serves the PD decode and the verify forwards too; an arm without it would attend to
+    the tiny model's own top-k and its figures would not compare)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(E2E))
+        import arms
+        import options
+
+        params = '{"context_len": 32768}'
+        args = options.parse_args(
+            ["--state-dir", str(tmp_path), "--topk-profile", "high-locality", "--topk-params", params]
+        )
+        common, plugin_dir, _ = arms.prepare_pyext(tmp_path, args)
+        servers = [
+            server for arm in arms.ALL_ARMS for server in arms.arm_servers(arm, args, {}, {}, common, plugin_dir)
+        ]
+    assert len(servers) == len(arms.ALL_ARMS) + len(arms.PD_ARMS)
+    for server in servers:
+        assert server.env["HISPARSE_E2E_TOPK_PROFILE"] == "high-locality", server
+        assert server.env["HISPARSE_E2E_TOPK_PARAMS"] == params, server
+
+
 def test_the_copy_is_the_package_module():
     """The copy is made from the package's file at run time, so there is one source of the model."""
     assert (
