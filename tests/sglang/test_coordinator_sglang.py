@@ -35,6 +35,35 @@ def token_values(uid: int, positions: torch.Tensor, layer: int):
     return nope, rope
 
 
+# --kv-cache-dtype of the pool: the MLA pool's torch dtype and its row (kv_cache_dim elements, bytes)
+KV_DTYPES = {
+    "bf16": (torch.bfloat16, 576, 1152),
+    # FlashMLA's fp8 layout: 512 fp8 nope + 4 fp32 scales + 64 bf16 rope (SGLang stores it as uint8)
+    "fp8": (torch.float8_e4m3fn, 656, 656),
+}
+
+
+def token_rows(uid: int, positions: torch.Tensor, layer: int, row_bytes: int) -> torch.Tensor:
+    """uint8 ``[n, row_bytes]``: a token's row as the pool stores it. A bf16 row is the bytes of
+    :func:`token_values`; an fp8 row starts with their first 8 bytes (position, uid and layer as bf16,
+    so a rejected draft's negative uid is recognisable, :func:`row_uids`) and every later byte comes
+    from the same three values, so a copy that moves part of a row is caught."""
+    n = positions.numel()
+    nope, rope = token_values(uid, positions, layer)
+    rows = torch.cat([nope, rope], dim=-1).reshape(n, 576).view(torch.uint8)
+    if row_bytes == rows.shape[1]:
+        return rows
+    words = -(-(row_bytes - 8) // 4)
+    fill = positions.to(torch.int64).reshape(n, 1) * 1_000_003 + uid * 7_919 + layer * 104_729 + torch.arange(words)
+    fill = (fill & 0x7FFFFFFF).to(torch.int32).view(torch.uint8).reshape(n, 4 * words)
+    return torch.cat([rows[:, :8], fill[:, : row_bytes - 8]], dim=1)
+
+
+def row_uids(rows: torch.Tensor) -> torch.Tensor:
+    """The uid field of byte rows ``[n, row_bytes]`` (see :func:`token_rows`)."""
+    return rows[:, 4:6].contiguous().view(torch.bfloat16).reshape(-1)
+
+
 class Stack:
     """SGLang's pools and our adapter on CPU tensors. ``tp_group``/``dp_attention``/``share_host_pool`` make it
     one TP rank (tests/sglang/tp_share_peer.py); ``collective`` runs where a TP forward has its all-reduces."""
@@ -42,6 +71,7 @@ class Stack:
     def __init__(
         self, resident_first=True, device_tokens=PAGE * 40, ratio=4, buffer_size=256, top_k=128, req_to_token_pool=None,
         tp_group=None, dp_attention=False, share_host_pool=False, collective=None, num_draft_tokens=0,
+        kv_dtype="bf16",
     ):
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -55,13 +85,15 @@ class Stack:
             resident_first=resident_first, switch_cooldown_steps=2, promote_free_fraction=0.0,
             share_host_pool_across_tp=share_host_pool,
         )
+        dtype, kv_cache_dim, self.row_bytes = KV_DTYPES[kv_dtype]
         self.pool = HiSparseDevicePool(
-            size=device_tokens, page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16, qk_rope_head_dim=64,
-            layer_num=LAYERS, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=576,
+            size=device_tokens, page_size=PAGE, kv_lora_rank=512, dtype=dtype, qk_rope_head_dim=64,
+            layer_num=LAYERS, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=kv_cache_dim,
             host_to_device_ratio=ratio,
         )
+        assert self.pool.kv_buffer[0].view(torch.uint8).shape[1:] == (1, self.row_bytes)
         self.allocator = HiSparseTokenAllocator(
-            device_tokens, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=self.pool,
+            device_tokens, page_size=PAGE, dtype=dtype, device="cpu", kvcache=self.pool,
             need_sort=False, host_to_device_ratio=ratio,
         )
         # A PD decode test passes SGLang's DecodeReqToTokenPool.
@@ -80,6 +112,13 @@ class Stack:
         self.uids: dict[str, int] = {}
         self.generator = torch.Generator().manual_seed(0)
 
+    def kv_rows(self, layer_id: int) -> torch.Tensor:
+        """The device pool's layer as byte rows ``[rows, row_bytes]`` (a view)."""
+        return self.pool.kv_buffer[layer_id].view(torch.uint8).reshape(-1, self.row_bytes)
+
+    def token_rows(self, uid: int, positions: torch.Tensor, layer_id: int) -> torch.Tensor:
+        return token_rows(uid, positions, layer_id, self.row_bytes)
+
     def new_req(self, rid: str, prompt_len: int):
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
@@ -95,8 +134,7 @@ class Stack:
         rows = self.pool.translate_loc_to_hisparse_device(locs).to(torch.int64)
         assert bool((rows > 0).all()), "a token is written to an unmapped location"
         for layer in self.layers:
-            nope, rope = token_values(self.uids[req.rid], positions, layer.layer_id)
-            self.pool.kv_buffer[layer.layer_id][rows] = torch.cat([nope, rope], dim=-1)
+            self.kv_rows(layer.layer_id)[rows] = self.token_rows(self.uids[req.rid], positions, layer.layer_id)
 
     def prefill(self, req, prompt_len: int) -> None:
         self.req_to_token_pool.alloc([req])
@@ -139,10 +177,9 @@ class Stack:
             for b, r in enumerate(reqs):
                 valid = top_k[b] >= 0
                 positions = top_k[b][valid].to(torch.int64)
-                got = self.pool.kv_buffer[layer.layer_id][rows[b][valid].to(torch.int64)]
-                nope, rope = token_values(self.uids[r.rid], positions, layer.layer_id)
-                assert torch.equal(got[:, :, :512], nope), f"{r.rid} layer {layer.layer_id}: wrong KV rows"
-                assert torch.equal(got[:, :, 512:], rope)
+                got = self.kv_rows(layer.layer_id)[rows[b][valid].to(torch.int64)]
+                want = self.token_rows(self.uids[r.rid], positions, layer.layer_id)
+                assert torch.equal(got, want), f"{r.rid} layer {layer.layer_id}: wrong KV rows"
 
     def pd_prealloc(self, req, fill_len: int) -> torch.Tensor:
         """DecodePreallocQueue._pre_alloc under HiSparse (with our hook): logical locations only,
@@ -169,9 +206,8 @@ class Stack:
         then direct admission."""
         host_rows = self.pd_prealloc(req, prompt_len)
         for layer in self.layers:
-            nope, rope = token_values(self.uids[req.rid], torch.arange(prompt_len), layer.layer_id)
-            row_bytes = torch.cat([nope, rope], dim=-1).reshape(prompt_len, -1).view(torch.uint8)
-            self.coordinator.host_pool.layers[layer.layer_id][host_rows] = row_bytes
+            rows = self.token_rows(self.uids[req.rid], torch.arange(prompt_len), layer.layer_id)
+            self.coordinator.host_pool.layers[layer.layer_id][host_rows] = rows
         self.coordinator.admit_request_direct(req)
 
     def release(self, req) -> None:

@@ -16,7 +16,7 @@ import types
 import drive
 import pytest
 import torch
-from test_coordinator_sglang import LAYERS, PAGE
+from test_coordinator_sglang import KV_DTYPES, LAYERS, PAGE
 from test_speculative_sglang import SPEC_ARGS, SpecRun, T, random_accepts
 
 from hisparse_sglang.integration.sglang import compat
@@ -101,7 +101,8 @@ class HookedRun(SpecRun):
         )
         graph_s = torch.cat([s, torch.zeros(int(padded), dtype=torch.int64)])
         backend = types.SimpleNamespace(
-            hisparse_coordinator=coordinator, token_to_kv_pool=stack.pool,
+            hisparse_coordinator=coordinator,
+            token_to_kv_pool=stack.pool,
             forward_metadata=types.SimpleNamespace(
                 dsa_seqlens_expanded=(graph_s[:, None] + torch.arange(T) + 1).reshape(-1).to(torch.int32)
             ),
@@ -125,10 +126,13 @@ class HookedRun(SpecRun):
         self.accepted(reqs, accept)
 
 
+@pytest.mark.parametrize("kv_dtype", sorted(KV_DTYPES))
 @pytest.mark.parametrize("host_lag", [False, True])
 @pytest.mark.parametrize("resident_first", [True, False])
-def test_verify_steps_through_the_hooks_serve_the_right_kv_and_commit_only_accepted_tokens(resident_first, host_lag):
-    run = HookedRun(host_lag=host_lag, resident_first=resident_first)
+def test_verify_steps_through_the_hooks_serve_the_right_kv_and_commit_only_accepted_tokens(
+    resident_first, host_lag, kv_dtype
+):
+    run = HookedRun(host_lag=host_lag, resident_first=resident_first, kv_dtype=kv_dtype)
     reqs = [run.admit("a", 3 * PAGE + 5), run.admit("b", 2 * PAGE - 1)]
     for step, accept in enumerate(random_accepts(run, 8)):
         run.step(reqs, [accept, max(1, T - accept)], padded=step % 2 == 1)
@@ -170,7 +174,9 @@ def test_outside_a_verify_with_our_coordinator_the_hooks_call_sglang_unchanged()
     # An EXTEND forward (prefill) is SGLang's own; so is everything without our coordinator.
     backend = types.SimpleNamespace(hisparse_coordinator=run.coordinator)
     extend = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND)
-    assert hooks._forward_extend(lambda *a, **k: "sglang", backend, 1, 2, 3, None, extend, topk_indices=None) == "sglang"
+    assert (
+        hooks._forward_extend(lambda *a, **k: "sglang", backend, 1, 2, 3, None, extend, topk_indices=None) == "sglang"
+    )
     verify = types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY)
     none = types.SimpleNamespace(hisparse_coordinator=None)
     assert hooks._forward_extend(lambda *a, **k: "sglang", none, 1, 2, 3, None, verify) == "sglang"
@@ -218,8 +224,15 @@ def _staged_future_map():
     pool = ReqToTokenPool(size=8, max_context_len=64, device="cpu", enable_memory_saver=False)
     future_map = FutureMap(torch.device("cpu"), algo, pool, needs_cpu_seq_lens=False)
     slots = torch.tensor([3, 5])
-    future_map.stash(slots, RelayPayload(bonus_tokens=torch.tensor([11, 12]), topk_p=torch.tensor([[0.5], [0.25]]),
-                                         topk_index=torch.tensor([[7], [9]]), hidden_states=torch.ones(2, 4)))
+    future_map.stash(
+        slots,
+        RelayPayload(
+            bonus_tokens=torch.tensor([11, 12]),
+            topk_p=torch.tensor([[0.5], [0.25]]),
+            topk_index=torch.tensor([[7], [9]]),
+            hidden_states=torch.ones(2, 4),
+        ),
+    )
     return future_map, slots, algo
 
 
@@ -267,8 +280,11 @@ def test_staging_without_our_speculative_coordinator_is_sglangs_own():
     run = HookedRun(host_lag=False)
     none = SpeculativeAlgorithm.from_string("NONE")
     pool = ReqToTokenPool(size=8, max_context_len=64, device="cpu", enable_memory_saver=False)
-    plain = types.SimpleNamespace(spec_algorithm=none, hisparse_coordinator=run.coordinator,
-                                  future_map=FutureMap(torch.device("cpu"), none, pool, needs_cpu_seq_lens=False))
+    plain = types.SimpleNamespace(
+        spec_algorithm=none,
+        hisparse_coordinator=run.coordinator,
+        future_map=FutureMap(torch.device("cpu"), none, pool, needs_cpu_seq_lens=False),
+    )
     batch = hooks._build_hisparse_decode_batch(_staging(slots, torch.tensor([1, 2])), plain, [])
     assert batch.spec_info is None
     assert plain.future_map.output_tokens_buf[slots].tolist() == [1, 2]
@@ -295,7 +311,9 @@ def test_the_draft_pool_is_sglangs_plain_pool_over_the_logical_space():
     fields = {name: None for name in _PoolSizes.__struct_fields__}
     sizes = _PoolSizes(**dict(fields, max_total_num_tokens=allocator.device_tokens, max_running_requests=8))
     logical = hooks._derive_pool_sizes_after(sizes, draft, config=None).max_total_num_tokens
-    assert logical == -(-allocator.size_full // PAGE) * PAGE and logical >= allocator.size_full > allocator.device_tokens
+    assert (
+        logical == -(-allocator.size_full // PAGE) * PAGE and logical >= allocator.size_full > allocator.device_tokens
+    )
     assert hooks._derive_pool_sizes_after(sizes, target, config=None) is sizes
     theirs = types.SimpleNamespace(is_draft_worker=True, token_to_kv_pool_allocator=object(), pool_page_size=PAGE)
     assert msgspec.structs.asdict(hooks._derive_pool_sizes_after(sizes, theirs, config=None)) == msgspec.structs.asdict(
@@ -309,4 +327,3 @@ def test_the_model_runner_hook_leaves_the_draft_runner_without_a_coordinator():
     draft = types.SimpleNamespace(enable_hisparse=True, is_draft_worker=True, hisparse_coordinator=None)
     _maybe_init_hisparse_coordinator(draft)
     assert draft.hisparse_coordinator is None
-

@@ -22,7 +22,7 @@ import types
 import drive
 import pytest
 import torch
-from test_coordinator_sglang import LAYERS, PAGE, Stack, token_values
+from test_coordinator_sglang import KV_DTYPES, LAYERS, PAGE, Stack, row_uids
 
 from hisparse_sglang.integration.sglang import compat
 
@@ -39,8 +39,11 @@ STEPS = 1  # --speculative-num-steps
 T = STEPS + 1  # --speculative-num-draft-tokens (topk 1)
 RESERVE = 2 * T  # what alloc_for_spec_decode reserves beyond the committed length: 2 x max(steps x topk, T)
 SPEC_ARGS = dict(
-    speculative_algorithm="EAGLE", speculative_num_steps=STEPS, speculative_eagle_topk=1,
-    speculative_num_draft_tokens=T, page_size=PAGE,
+    speculative_algorithm="EAGLE",
+    speculative_num_steps=STEPS,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=T,
+    page_size=PAGE,
 )
 
 
@@ -111,7 +114,12 @@ class SpecRun:
 
         model_config = types.SimpleNamespace(vocab_size=32000, is_encoder_decoder=False)
         batch = ScheduleBatch.init_new(
-            list(reqs), self.stack.req_to_token_pool, self.stack.allocator, self.stack.cache, model_config, False,
+            list(reqs),
+            self.stack.req_to_token_pool,
+            self.stack.allocator,
+            self.stack.cache,
+            model_config,
+            False,
             SpeculativeAlgorithm.from_string("EAGLE"),
         )
         batch.hisparse_coordinator = self.coordinator
@@ -212,8 +220,9 @@ class SpecRun:
         assert bool((rows > 0).all()), f"{req.rid}: verify position {position} is not bound to a device row"
         uid = self.stack.uids[req.rid] * (-1 if rejected else 1)
         for layer in self.stack.layers:
-            nope, rope = token_values(uid, torch.tensor([position]), layer.layer_id)
-            self.stack.pool.kv_buffer[layer.layer_id][rows] = torch.cat([nope, rope], dim=-1)
+            self.stack.kv_rows(layer.layer_id)[rows] = self.stack.token_rows(
+                uid, torch.tensor([position]), layer.layer_id
+            )
 
     def top_k(self, graph_s: torch.Tensor, real: int) -> torch.Tensor:
         """int32 [B, T, K]: query position j picks among [0, s + j] (its own verify positions always),
@@ -233,7 +242,7 @@ class SpecRun:
         return top_k
 
     def check_rows(self, reqs, s, accept, top_k, rows, layer_id: int) -> None:
-        kv = self.stack.pool.kv_buffer[layer_id]
+        kv = self.stack.kv_rows(layer_id)
         assert bool((rows[len(reqs) :] == -1).all()), "a CUDA-graph padding row was served"
         for b, req in enumerate(reqs):
             for j in range(T):
@@ -246,27 +255,21 @@ class SpecRun:
                 # This verify's rejected positions read what it wrote (the poisoned KV); the rest the true KV.
                 rejected = positions >= int(s[b]) + accept[b]
                 for want_uid, mask in ((uid, ~rejected), (-uid, rejected)):
-                    nope, rope = token_values(want_uid, positions[mask], layer_id)
-                    where = f"{req.rid} layer {layer_id} query position {j}"
-                    assert torch.equal(got[mask][:, :, :512], nope), f"{where}: wrong KV"
-                    assert torch.equal(got[mask][:, :, 512:], rope)
-
-    def host_rows(self, layer_id: int) -> torch.Tensor:
-        """The host pool's layer as bf16 [locations, 576]."""
-        return self.coordinator.host_pool.layers[layer_id].view(torch.bfloat16)
+                    want = self.stack.token_rows(want_uid, positions[mask], layer_id)
+                    assert torch.equal(got[mask], want), f"{req.rid} layer {layer_id} query position {j}: wrong KV"
 
     def check_host(self, reqs) -> None:
         for layer_id in range(LAYERS):
-            host = self.host_rows(layer_id)
-            poisoned = torch.nonzero(host[:, 2] < 0).reshape(-1)
+            host = self.coordinator.host_pool.layers[layer_id]  # uint8 [locations, row bytes]
+            assert host.shape[1] == self.stack.row_bytes
+            poisoned = torch.nonzero(row_uids(host) < 0).reshape(-1)
             assert poisoned.numel() == 0, (
                 f"layer {layer_id}: host rows {poisoned[:8].tolist()} hold a rejected draft's KV"
             )
             for req in reqs:
                 committed = torch.arange(self.device_len[req.rid])
                 locs = self.stack.req_to_token_pool.req_to_token[compat.req_slot(req), committed].to(torch.int64)
-                nope, rope = token_values(self.stack.uids[req.rid], committed, layer_id)
-                want = torch.cat([nope, rope], dim=-1).reshape(committed.numel(), -1)
+                want = self.stack.token_rows(self.stack.uids[req.rid], committed, layer_id)
                 assert torch.equal(host[locs], want), (
                     f"{req.rid} layer {layer_id}: a committed token is not on its host row"
                 )
@@ -284,10 +287,11 @@ def random_accepts(run: SpecRun, count: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("kv_dtype", sorted(KV_DTYPES))
 @pytest.mark.parametrize("resident_first", [True, False], ids=["resident-first", "always-offload"])
 @pytest.mark.parametrize("host_lag", [False, True], ids=["synchronous", "overlap"])
-def test_verify_steps_serve_the_right_kv_and_commit_only_accepted_tokens(resident_first, host_lag):
-    run = SpecRun(host_lag=host_lag, resident_first=resident_first)
+def test_verify_steps_serve_the_right_kv_and_commit_only_accepted_tokens(resident_first, host_lag, kv_dtype):
+    run = SpecRun(host_lag=host_lag, resident_first=resident_first, kv_dtype=kv_dtype)
     reqs = [run.admit("long", 700), run.admit("short", 150), run.admit("pd", 520, pd=True)]
     modes = {req.rid: run.coordinator.core.requests[compat.req_slot(req)].mode for req in reqs}
     assert modes["pd"] == "offloaded" and modes["short"] == "resident"
@@ -355,8 +359,9 @@ def test_the_coordinator_gets_sglangs_slots_lengths_and_accept_lengths():
     run.stack.assert_all_free()
 
 
-def test_rejected_drafts_never_reach_the_host_even_when_every_draft_is_rejected():
-    run = SpecRun(host_lag=False, resident_first=False)
+@pytest.mark.parametrize("kv_dtype", sorted(KV_DTYPES))
+def test_rejected_drafts_never_reach_the_host_even_when_every_draft_is_rejected(kv_dtype):
+    run = SpecRun(host_lag=False, resident_first=False, kv_dtype=kv_dtype)
     req = run.admit("x", 700)
     for _ in range(5):
         run.step([req], [1])  # only the root: the draft position is rejected every time
@@ -364,7 +369,16 @@ def test_rejected_drafts_never_reach_the_host_even_when_every_draft_is_rejected(
     assert run.device_len["x"] == 705
     # the rejected position s of the last verify still holds the poisoned KV on the device, not on the host
     loc = int(run.stack.req_to_token_pool.req_to_token[compat.req_slot(req), 705])
-    assert all(float(run.host_rows(layer)[loc, 2]) >= 0 for layer in range(LAYERS))
+    assert all(float(row_uids(run.coordinator.host_pool.layers[layer][[loc]])) >= 0 for layer in range(LAYERS))
+    assert any(
+        float(
+            row_uids(
+                run.stack.kv_rows(layer)[[run.stack.pool.translate_loc_to_hisparse_device(torch.tensor([loc])).item()]]
+            )
+        )
+        < 0
+        for layer in range(LAYERS)
+    )
     run.end(req, "abort")
     run.stack.assert_all_free()
 
@@ -443,8 +457,9 @@ def test_a_coordinator_started_without_speculation_refuses_the_verify_calls():
     req = stack.new_req("x", 100)
     stack.prefill(req, 100)
     stack.coordinator.collect_ready_reqs()
-    batch = types.SimpleNamespace(reqs=[req], req_pool_indices=torch.tensor([compat.req_slot(req)]),
-                                  seq_lens=torch.tensor([100]))
+    batch = types.SimpleNamespace(
+        reqs=[req], req_pool_indices=torch.tensor([compat.req_slot(req)]), seq_lens=torch.tensor([100])
+    )
     with pytest.raises(HiSparseMemoryError, match="started without speculative decoding"):
         stack.coordinator.prepare_spec_verify(batch)
     stack.coordinator.request_finished(req)
