@@ -42,6 +42,17 @@ def run_harness(arms: str, state: pathlib.Path, extra: list[str]) -> dict:
     return data
 
 
+def assert_run_kv_dtype(data: dict, state: pathlib.Path, kv_dtype: str) -> None:
+    """Fails the test if the results are of another ``--kv-cache-dtype`` than the one asked for (a state
+    dir reused with HISPARSE_E2E_RUN=0 may hold a run of the other dtype)."""
+    ran_with = data["meta"]["args"].get("kv_cache_dtype")
+    if ran_with != kv_dtype:
+        pytest.fail(
+            f"the results in {state} are of --kv-cache-dtype {ran_with}, not {kv_dtype}: run them again "
+            "(HISPARSE_E2E_RUN=1) or point HISPARSE_E2E_STATE at a run of that dtype"
+        )
+
+
 def verdict_against_baseline(data: dict, arm: str, baseline: str = "a") -> dict:
     """judge.judge_correctness of `arm` against `baseline` (arm a, or a+mtp), recomputed from the results."""
     comparison = data["compare"].get(f"{arm}_vs_{baseline}")

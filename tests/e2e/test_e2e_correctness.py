@@ -25,7 +25,13 @@ import os
 import pathlib
 
 import pytest
-from e2e_harness import assert_decodes_like_baseline, kv_check_of, run_harness, verdict_against_baseline
+from e2e_harness import (
+    assert_decodes_like_baseline,
+    assert_run_kv_dtype,
+    kv_check_of,
+    run_harness,
+    verdict_against_baseline,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -36,7 +42,9 @@ PLUGIN_ARMS = ("c", "d")  # resident-first (default) and always-offload (every d
 def data() -> dict:
     state = pathlib.Path(os.environ.get("HISPARSE_E2E_STATE", "/tmp/hisparse_e2e"))
     kv_dtype = os.environ.get("HISPARSE_E2E_KV_DTYPE", "bfloat16")  # fp8_e4m3: the flashmla_kv path
-    return run_harness(os.environ.get("HISPARSE_E2E_ARMS", "a,c,d"), state, ["--kv-cache-dtype", kv_dtype])
+    data = run_harness(os.environ.get("HISPARSE_E2E_ARMS", "a,c,d"), state, ["--kv-cache-dtype", kv_dtype])
+    assert_run_kv_dtype(data, state, kv_dtype)
+    return data
 
 
 @pytest.mark.parametrize("arm", PLUGIN_ARMS)

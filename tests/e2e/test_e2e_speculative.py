@@ -14,7 +14,9 @@ verify with SGLang's own acceptance simulation (the draft's real tokens), so the
 the dummy-weight draft's own acceptance is about 1.0. Then only a+mtp is the baseline, and every MTP arm
 must show exactly that accept length. HISPARSE_E2E_MTP_PD=1 adds arm pd-c+mtp (PD decode with the plugin, both
 instances speculating; needs bundle part 2, Mooncake, in HISPARSE_E2E_SITE, default /tmp/site), judged and
-KV-checked as the co-located plugin arms. HISPARSE_E2E_RUN / HISPARSE_E2E_STATE as in test_e2e_correctness.py.
+KV-checked as the co-located plugin arms. HISPARSE_E2E_KV_DTYPE=fp8_e4m3 runs every arm with an fp8 KV cache
+(DSA backend flashmla_kv, 656-B rows) instead of bfloat16. HISPARSE_E2E_RUN / HISPARSE_E2E_STATE as in
+test_e2e_correctness.py (a state reused with HISPARSE_E2E_RUN=0 must be of the KV dtype asked for).
 """
 
 import json
@@ -22,7 +24,7 @@ import os
 import pathlib
 
 import pytest
-from e2e_harness import assert_decodes_like_baseline, run_harness
+from e2e_harness import assert_decodes_like_baseline, assert_run_kv_dtype, run_harness
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -30,6 +32,7 @@ STEPS = int(os.environ.get("HISPARSE_E2E_MTP_STEPS", "1"))
 ACCEPT_LEN = float(os.environ.get("HISPARSE_E2E_MTP_ACCEPT_LEN", "0"))
 PD = os.environ.get("HISPARSE_E2E_MTP_PD", "0") == "1"
 SITE = pathlib.Path(os.environ.get("HISPARSE_E2E_SITE", "/tmp/site"))
+KV_DTYPE = os.environ.get("HISPARSE_E2E_KV_DTYPE", "bfloat16")  # fp8_e4m3: the flashmla_kv path
 PLUGIN_MTP_ARMS = ("c+mtp", "d+mtp") + (("pd-c+mtp",) if PD else ())
 
 
@@ -39,11 +42,14 @@ def data() -> dict:
         pytest.skip(f"HISPARSE_E2E_MTP_PD=1 needs Mooncake (bundle part 2) in {SITE}: "
                     "bash tools/gpu-bundle/install_part.sh .e2e/parts/part2.tar.xz (docs/gpu-e2e.md)")
     state = pathlib.Path(os.environ.get("HISPARSE_E2E_STATE", "/tmp/hisparse_e2e_mtp"))
-    extra = ["--mtp-steps", str(STEPS), "--mtp-accept-len", str(ACCEPT_LEN)] + (["--site", str(SITE)] if PD else [])
+    extra = ["--mtp-steps", str(STEPS), "--mtp-accept-len", str(ACCEPT_LEN), "--kv-cache-dtype", KV_DTYPE]
+    extra += ["--site", str(SITE)] if PD else []
     if STEPS > 1:
         extra += ["--plugin-hisparse-config", json.dumps({"device_buffer_size": (STEPS + 1) * 2048})]
     arms = ",".join(("a+mtp",) + PLUGIN_MTP_ARMS) + ("" if ACCEPT_LEN else ",a")
-    return run_harness(arms, state, extra)
+    data = run_harness(arms, state, extra)
+    assert_run_kv_dtype(data, state, KV_DTYPE)
+    return data
 
 
 @pytest.mark.parametrize("arm", PLUGIN_MTP_ARMS)

@@ -786,7 +786,13 @@ def tests_helper_checks(td: Path) -> None:
         # the PD + MTP run (mock_pd_mtp) as tests/e2e/test_e2e_speculative.py judges it with HISPARSE_E2E_MTP_PD=1
         data = e2e_harness.run_harness("a+mtp,pd-c+mtp", td / "pdmtp_state", [])
         e2e_harness.assert_decodes_like_baseline(data, "pd-c+mtp", kv_checked=False, baseline="a+mtp")
+        e2e_harness.assert_run_kv_dtype(data, td / "pdmtp_state", "bfloat16")
         check(True, "")
+        try:
+            e2e_harness.assert_run_kv_dtype(data, td / "pdmtp_state", "fp8_e4m3")
+            check(False, "tests/e2e must fail on results of another KV dtype")
+        except BaseException as e:  # pytest's Failed
+            check("of --kv-cache-dtype bfloat16, not fp8_e4m3" in str(e), f"tests/e2e fails on another KV dtype: {e}")
         try:
             e2e_harness.run_harness("a,pd-c,d", td / "pd_state", [])
             check(False, "tests/e2e must fail on an arm without results")
