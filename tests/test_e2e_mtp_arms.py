@@ -166,7 +166,13 @@ def test_probed_port_bases_stay_out_of_the_ephemeral_ports(tmp_path, monkeypatch
 
 
 def test_the_port_offsets_are_every_port_an_arm_listens_on(tmp_path):
+    """The ports in every arm's server command lines (--port, --disaggregation-bootstrap-port)."""
     args = options.parse_args(["--state-dir", str(tmp_path)])
-    listened = {arms.arm_port(args, arm) - args.port_base for arm in arms.ALL_ARMS}
-    listened |= {port - args.port_base for arm in arms.PD_ARMS for port in arms.pd_ports(args, arm)}
+    common, plugin_dir, _ = arms.prepare_pyext(tmp_path, args)
+    listened = set()
+    for arm in arms.ALL_ARMS:
+        for server in arms.arm_servers(arm, args, {}, {}, common, plugin_dir):
+            for flag in ("--port", "--disaggregation-bootstrap-port"):
+                if flag in server.cmd:
+                    listened.add(int(server.cmd[server.cmd.index(flag) + 1]) - args.port_base)
     assert set(arms.port_offsets()) == listened and 112 in listened

@@ -6,6 +6,7 @@ with their own --max-total-tokens and --mem-fraction-static, Mooncake over TCP o
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -108,7 +109,9 @@ def arm_port(args, arm: str) -> int:
 
 def port_offsets() -> tuple[int, ...]:
     """Every port offset from --port-base that an arm's servers listen on (arm_port, pd_ports), in order."""
-    return tuple(10 * i + k for i, arm in enumerate(ALL_ARMS) for k in ((0, 1, 2) if arm in PD_ARMS else (0,)))
+    at_zero = argparse.Namespace(port_base=0)
+    return tuple(port for arm in ALL_ARMS
+                 for port in (pd_ports(at_zero, arm) if arm in PD_ARMS else (arm_port(at_zero, arm),)))
 
 
 def pd_ports(args, arm: str) -> tuple[int, int, int]:
