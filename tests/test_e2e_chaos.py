@@ -28,7 +28,6 @@ REPO = Path(__file__).resolve().parents[1]
 E2E = REPO / "benchmarks" / "e2e"
 sys.path[:0] = [str(E2E), str(REPO / "tools" / "e2e-selftest")]
 
-import arms  # noqa: E402
 import chaos  # noqa: E402
 import hostpool  # noqa: E402
 import scrape  # noqa: E402
@@ -68,7 +67,7 @@ RUNS = {
 def free_port_bases(n: int) -> list[int]:
     """n bases of 100 ports none of which answers now (other test sessions may run mock servers too), below the
     ephemeral ports (servers.free_port_bases)."""
-    return servers.free_port_bases(n, arms.port_offsets() + (hostpool.HOSTPOOL_PORT_OFFSET,), start=26000)
+    return servers.free_port_bases(n, hostpool.harness_port_offsets(), start=26000)
 
 
 @pytest.fixture(scope="module")

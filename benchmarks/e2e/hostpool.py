@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 
-from arms import arm_spec
+from arms import arm_spec, port_offsets
 from client import Colocated
 from common import REPO, Run
 from logs import file_size, read_from
@@ -346,6 +346,11 @@ def _gib(v):
 
 
 # ---------------------------------------------------------------------------------------------- the phase
+def harness_port_offsets() -> tuple[int, ...]:
+    """Every port offset from --port-base a harness run may listen on: the arms' and this phase's server."""
+    return port_offsets() + (HOSTPOOL_PORT_OFFSET,)
+
+
 def hostpool_server(args, env0: dict, common, plugin_dir, ratio: int, device_tokens: int) -> tuple[list, dict, int]:
     """The server of --hostpool-arm with the ratio (and GPU pool) of the requested host pool."""
     a = argparse.Namespace(**vars(args))

@@ -382,8 +382,8 @@ def backend_req_to_token(backend):
 def speculative_rows(backend, metadata, req_pool_indices, rows: int):
     """Per-row (request slot, length) of a verify or V2 draft-extend batch: ``T`` rows per request,
     request-major (``T = backend.speculative_num_draft_tokens``), each row's length the one the
-    indexer masks it to (``metadata.get_seqlens_expanded()``). Tensor views and one expand: nothing
-    that syncs or changes shape between CUDA-graph replays.
+    indexer masks it to (``metadata.get_seqlens_expanded()``). A slice and an expanded copy of the
+    static inputs: nothing that syncs or changes shape between CUDA-graph replays.
 
     Raises:
         RuntimeError: the batch is not ``T`` rows per request (padded rows, topk > 1 trees).

@@ -456,7 +456,7 @@ def free_port_base() -> int:
     import hostpool
     import servers
 
-    return servers.free_port_bases(1, arms.port_offsets() + (hostpool.HOSTPOOL_PORT_OFFSET,), start=23100)[0]
+    return servers.free_port_bases(1, hostpool.harness_port_offsets(), start=23100)[0]
 
 
 # --------------------------------------------------------------------------------------------
