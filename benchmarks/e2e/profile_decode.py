@@ -10,7 +10,12 @@ For each variant (an arm of run_e2e.py, optionally with extra server flags, e.g.
    * py-spy samples the scheduler process (``--idle``: waits count) for ``--spy-seconds``;
    * with ``--kernel-steps N``, SGLang's own profiler (``/start_profile``, torch profiler, GPU activity) records N
      forward steps, and the trace is summed per kernel name: GPU time per step and the kernels that take it;
-2. decodes ``--repeats`` more requests without any instrumentation: time per output token.
+2. decodes ``--repeats`` more requests without any instrumentation: time per output token;
+3. with ``--placement-sweep``, pins every thread of the scheduler process to one CPU at a time (each CPU it may
+   run on) and decodes ``--sweep-repeats`` requests of ``--sweep-output-len`` tokens per CPU, then restores its
+   affinity and decodes once more: whether the time per token depends on where the scheduler runs (the CPU's
+   SMT siblings and the other busy threads of the machine, sampled from /proc during the traced request, are
+   recorded beside it).
 
 A variant is an arm (``c``, ``c+mtp``: run_e2e.py's arms, its flags from ``--harness-args``) optionally followed by
 ``+--flag+value`` server flags.
@@ -73,6 +78,95 @@ def find_scheduler_pid(root_pid: int) -> int | None:
             if "scheduler" in cmdline:
                 found.append(child)
     return min(found) if found else None
+
+
+def cpu_topology() -> dict:
+    """CPU -> its SMT siblings (``thread_siblings_list``) and the machine's model name."""
+    siblings = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        siblings[cpu] = path.read_text().strip() if path.exists() else "?"
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "?")
+    return {"model": model, "siblings": siblings}
+
+
+def thread_times() -> dict[tuple[int, int], tuple[str, int, int]]:
+    """(pid, tid) -> (name, user+system clock ticks, CPU last run on) of every thread on the machine."""
+    out = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            tasks = list((proc / "task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                head, tail = (task / "stat").read_text().rsplit(")", 1)
+            except OSError:
+                continue
+            fields = tail.split()
+            out[(int(proc.name), int(task.name))] = (head.split("(", 1)[1], int(fields[11]) + int(fields[12]),
+                                                     int(fields[36]))
+    return out
+
+
+def busy_threads(seconds: float, top: int = 12) -> list[dict]:
+    """The threads that used the most CPU time over ``seconds`` (share of one CPU, and the CPU each ran on)."""
+    before = thread_times()
+    time.sleep(seconds)
+    after = thread_times()
+    hz = os.sysconf("SC_CLK_TCK")
+    rows = []
+    for key, (name, ticks, cpu) in after.items():
+        used = ticks - before.get(key, (name, ticks, cpu))[1]
+        if used > 0:
+            rows.append({"pid": key[0], "tid": key[1], "name": name, "cpu": cpu,
+                         "busy": round(used / hz / seconds, 2)})
+    return sorted(rows, key=lambda r: -r["busy"])[:top]
+
+
+def pin_process(pid: int, cpus: set[int]) -> dict[int, set[int]]:
+    """Set the affinity of every thread of ``pid``; returns each thread's previous affinity."""
+    previous = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        tid = int(task.name)
+        try:
+            previous[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # the thread ended
+            pass
+    return previous
+
+
+def placement_sweep(port: int, pid: int, args, vocab: int, log) -> dict:
+    """Time per output token with the scheduler process pinned to each CPU in turn, then unpinned again."""
+    cpus = sorted(os.sched_getaffinity(pid))
+    prompt = client.make_prompt(200, args.input_len, vocab)
+
+    def tpot() -> list[float]:
+        out = []
+        for _ in range(args.sweep_repeats):
+            res = client.generate_stream(port, prompt, args.sweep_output_len, timeout=600)
+            if res.get("tpot_s"):
+                out.append(round(1e3 * res["tpot_s"], 3))
+        return out
+
+    per_cpu = {}
+    original = None
+    for cpu in cpus:
+        previous = pin_process(pid, {cpu})
+        original = original or previous
+        per_cpu[cpu] = tpot()
+    for tid, mask in (original or {}).items():
+        try:
+            os.sched_setaffinity(tid, mask)
+        except OSError:
+            pass
+    unpinned = tpot()
+    log(f"placement sweep: per CPU {per_cpu}; unpinned again {unpinned}")
+    return {"per_cpu_tpot_ms": per_cpu, "unpinned_tpot_ms": unpinned, "cpus": cpus}
 
 
 def unpack_py_spy(wheel: Path, dest: Path) -> Path | None:
@@ -162,6 +256,11 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
             target=lambda: traced.update(client.generate_stream(port, prompt, args.trace_out, timeout=600))
         )
         thread.start()
+        scheduler_pid = find_scheduler_pid(server.proc.pid)
+        if scheduler_pid is not None:
+            with open(f"/proc/{scheduler_pid}/stat") as stat:
+                result["scheduler_cpu"] = int(stat.read().rsplit(")", 1)[1].split()[36])
+            result["busy_threads"] = busy_threads(1.0)
         if args.kernel_steps:
             time.sleep(args.spy_delay)
             trace_dir = args.state_dir / f"torch-{name}"
@@ -207,6 +306,8 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
         if tpots:
             result["tpot_ms_median"] = round(statistics.median(tpots), 3)
         log(f"{variant}: TPOT ms {result['tpot_ms']}")
+        if args.placement_sweep and scheduler_pid is not None:
+            result["placement"] = placement_sweep(port, scheduler_pid, args, vocab, log)
     except Exception as exc:  # the other variants still run
         result["error"] = f"{type(exc).__name__}: {exc}"
         log(f"{variant}: FAILED {result['error']}")
@@ -227,6 +328,15 @@ def render(results: list[dict]) -> str:
                      f"{per_batch if per_batch is None else round(per_batch, 2)} |")
     for r in results:
         lines.append(f"\n### {r['variant']}\n")
+        if "scheduler_cpu" in r:
+            lines.append(f"scheduler process on CPU {r['scheduler_cpu']}; busiest threads during the traced request "
+                         "(share of one CPU, CPU): " + ", ".join(
+                             f"{t['name']} {t['busy']} @{t['cpu']}" for t in r.get("busy_threads", [])))
+        placement = r.get("placement")
+        if placement:
+            lines.append("\nscheduler pinned to one CPU, TPOT ms per CPU: " + "; ".join(
+                f"{cpu}: {v}" for cpu, v in placement["per_cpu_tpot_ms"].items())
+                + f"; unpinned again: {placement['unpinned_tpot_ms']}\n")
         for trace in r.get("sync_traces", []):
             for s in trace.get("stacks", [])[:8]:
                 lines.append(f"- {s['count']}x `{s['stack'][:600]}`")
@@ -263,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--health-timeout", type=float, default=420)
     parser.add_argument("--kernel-steps", type=int, default=0,
                         help="record this many forward steps with SGLang's profiler and sum GPU time per kernel")
+    parser.add_argument("--placement-sweep", action="store_true",
+                        help="time per token with the scheduler process pinned to each CPU in turn")
+    parser.add_argument("--sweep-repeats", type=int, default=2)
+    parser.add_argument("--sweep-output-len", type=int, default=256)
     parser.add_argument("--harness-args", default="", help="run_e2e.py flags of the servers (shell-quoted string)")
     args = parser.parse_args(argv)
     # the server flags of run_e2e.py, with its defaults
@@ -281,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     spy = unpack_py_spy(args.py_spy, args.state_dir)
     log(f"py-spy: {spy}")
     results = []
+    if args.placement_sweep:
+        topology = cpu_topology()
+        log(f"CPUs: {topology}")
+        (args.out / "cpu_topology.json").write_text(json.dumps(topology, indent=1))
     for variant in args.variants.split(","):
         results.append(run_variant(variant, args, env0, common, plugin_dir, vocab, spy, log))
         (args.out / "profile.json").write_text(json.dumps(results, indent=1))

@@ -14,7 +14,8 @@ verify with SGLang's own acceptance simulation (the draft's real tokens), so the
 the dummy-weight draft's own acceptance is about 1.0. Then only a+mtp is the baseline, and every MTP arm
 must show exactly that accept length. HISPARSE_E2E_MTP_PD=1 adds arm pd-c+mtp (PD decode with the plugin, both
 instances speculating; needs bundle part 2, Mooncake, in HISPARSE_E2E_SITE, default /tmp/site), judged and
-KV-checked as the co-located plugin arms. HISPARSE_E2E_KV_DTYPE=fp8_e4m3 runs every arm with an fp8 KV cache
+KV-checked as the co-located plugin arms. HISPARSE_E2E_MTP_ARMS (default: all of them) runs a subset of the
+plugin arms, e.g. pd-c+mtp alone beside its baselines. HISPARSE_E2E_KV_DTYPE=fp8_e4m3 runs every arm with an fp8 KV cache
 (DSA backend flashmla_kv, 656-B rows) instead of bfloat16. HISPARSE_E2E_RUN / HISPARSE_E2E_STATE as in
 test_e2e_correctness.py (a state reused with HISPARSE_E2E_RUN=0 must be of the KV dtype asked for).
 """
@@ -33,7 +34,11 @@ ACCEPT_LEN = float(os.environ.get("HISPARSE_E2E_MTP_ACCEPT_LEN", "0"))
 PD = os.environ.get("HISPARSE_E2E_MTP_PD", "0") == "1"
 SITE = pathlib.Path(os.environ.get("HISPARSE_E2E_SITE", "/tmp/site"))
 KV_DTYPE = os.environ.get("HISPARSE_E2E_KV_DTYPE", "bfloat16")  # fp8_e4m3: the flashmla_kv path
-PLUGIN_MTP_ARMS = ("c+mtp", "d+mtp") + (("pd-c+mtp",) if PD else ())
+ALL_PLUGIN_MTP_ARMS = ("c+mtp", "d+mtp") + (("pd-c+mtp",) if PD else ())
+PLUGIN_MTP_ARMS = tuple(os.environ.get("HISPARSE_E2E_MTP_ARMS", ",".join(ALL_PLUGIN_MTP_ARMS)).split(","))
+if not set(PLUGIN_MTP_ARMS) <= set(ALL_PLUGIN_MTP_ARMS):
+    raise ValueError(f"HISPARSE_E2E_MTP_ARMS={','.join(PLUGIN_MTP_ARMS)}: each arm must be one of "
+                     f"{', '.join(ALL_PLUGIN_MTP_ARMS)} (pd-c+mtp needs HISPARSE_E2E_MTP_PD=1)")
 
 
 @pytest.fixture(scope="module")

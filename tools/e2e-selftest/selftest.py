@@ -220,7 +220,38 @@ def unit_checks() -> None:
         check(True, "")
     except ImportError as e:
         check(False, f"profile_decode.py does not import: {e}")
+    paired_checks()
     print(f"unit checks: {PASSES} passed, {len(FAILS)} failed", flush=True)
+
+
+def paired_checks() -> None:
+    """paired_decode.summarize: ratios taken per round (the CPU of a round slows both arms alike), a failed
+    request leaves its round out of that arm's figures only; --ratios picks the pairs; the table and the rounds."""
+    import paired_decode
+    speeds = [1.0, 2.1, 1.3, 1.7]  # the CPU / minute of each round
+    rounds = [{"round": i, "cpu": 2 + i, "order": ["a", "c"], "tpot_ms": {"a": {"1": 1.5 * f}, "c": {"1": 1.5 * f * 1.08}}}
+              for i, f in enumerate(speeds)]
+    rounds.append({"round": 4, "cpu": 6, "order": ["c", "a"], "tpot_ms": {"a": {"1": 1.5}, "c": {"1": "HTTP 500"}}})
+    summary = paired_decode.summarize(["a", "c"], [1], rounds, within=0.05)["1"]
+    ratio = summary["ratio"]["c / a"]
+    check(abs(ratio["median"] - 1.08) < 1e-3 and ratio["max"] - ratio["min"] < 1e-3 and ratio["n"] == 4
+          and ratio["within"] == 0 and summary["tpot_ms"]["a"]["n"] == 5 and summary["tpot_ms"]["c"]["n"] == 4,
+          f"paired ratios per round: {summary}")
+    wide = paired_decode.summarize(["a", "c"], [1], rounds, within=0.1)["1"]["ratio"]["c / a"]["within"]
+    check(wide == 4, f"paired: rounds within 10 %: {wide}")
+    inverse = paired_decode.summarize(["a", "c"], [1], rounds, 0.05, paired_decode.parse_ratios("a/c", ["a", "c"]))
+    check(list(inverse["1"]["ratio"]) == ["a / c"] and abs(inverse["1"]["ratio"]["a / c"]["median"] - 1 / 1.08) < 1e-3,
+          f"paired --ratios a/c: {inverse}")
+    try:
+        paired_decode.parse_ratios("c/b", ["a", "c"])
+        check(False, "paired --ratios c/b with no arm b was accepted")
+    except ValueError:
+        check(True, "")
+    text = paired_decode.render(["a", "c"], {"1": summary}, {"rounds": 5, "cpus": [2, 3], "park_cpu": 1,
+                                                            "client_cpu": 0, "input_len": 8, "output_len": 4,
+                                                            "within": 0.05}, rounds)
+    check("**1.080**" in text and "0 of 4" in text and "| 4 | 6 | c, a | 1.5 | HTTP 500 |" in text,
+          f"paired table and rounds: {text}")
 
 
 def pd_checks(a, common: Path, plug: Path) -> None:

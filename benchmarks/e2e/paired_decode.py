@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Time per output token of several arms side by side: every arm's server runs at once and the requests
+alternate between them, each on the same CPU.
+
+Why: on the lent GPU machines the scheduler process sets the pace of a small batch (a step of one request is
+host-bound), and the same arm's time per token differs by up to 2.1x between server starts while repeating within
+a few percent inside one (docs/speculative.md, section 7); a placement sweep (profile_decode.py
+``--placement-sweep``) showed 1.2-2.4 ms per token for one server depending on the CPU its scheduler was pinned
+to and on when. Timing arms one after the other therefore compares machines, not arms. Here all servers are up
+together; round ``r`` pins the scheduler process of the arm being measured to CPU ``cpus[r]`` (the others wait on
+the parking CPU, the client runs on its own CPU), and the arms take turns, in an order rotated every round, on the
+same CPU within seconds of each other. The ratio of an arm to the first one is taken per round (per CPU), so a
+slow CPU or a slow minute slows both sides of a ratio alike.
+
+For each level N of ``--levels`` the arm being measured gets N requests of ``--input-len`` + ``--output-len``
+tokens at once (the same prompts for every arm of a round): its time per output token is the mean over those
+requests of (last token - first token) / (tokens - 1).
+
+    python3 benchmarks/e2e/paired_decode.py --variants a+mtp,c+mtp,d+mtp --levels 1,2,4 --rounds 14 \\
+        --harness-args "--mtp-steps 3 --mtp-accept-len 3 --plugin-hisparse-config '{\\"device_buffer_size\\": 8192}'"
+
+Writes ``paired.json`` and ``paired.md`` (the tables, then every round's figures) to ``--out``; the servers' logs
+stay in the state directory. ``--ratios c/a,c/b`` picks the ratios reported (default: every arm against the
+first); ``--from-json paired.json --ratios ...`` renders an earlier run's tables with other ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import threading
+from pathlib import Path
+
+import client
+import logs
+import options
+from arms import MTP_ARMS, arm_spec, prepare_mtp_model, prepare_pyext
+from common import Log
+from environment import base_env
+from profile_decode import find_scheduler_pid, pin_process
+from servers import Server
+
+
+def decode_level(port: int, prompts: list[list[int]], output_len: int) -> dict:
+    """Send every prompt at once; the mean time per output token over the requests (ms) and any error."""
+    results: list[dict] = [{} for _ in prompts]
+
+    def one(i: int) -> None:
+        results[i] = client.generate_stream(port, prompts[i], output_len, timeout=600)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    errors = [r.get("error") for r in results if not r.get("tpot_s")]
+    if errors:
+        return {"error": str(errors[0])}
+    return {"tpot_ms": round(1e3 * statistics.mean(r["tpot_s"] for r in results), 4)}
+
+
+def spread(values: list[float]) -> dict:
+    ordered = sorted(values)
+    q = statistics.quantiles(ordered, n=4) if len(ordered) >= 2 else [ordered[0]] * 3
+    return {"median": round(statistics.median(ordered), 4), "min": round(ordered[0], 4),
+            "max": round(ordered[-1], 4), "q1": round(q[0], 4), "q3": round(q[2], 4), "n": len(ordered)}
+
+
+def summarize(variants: list[str], levels: list[int], rounds: list[dict], within: float,
+              ratios: list[tuple[str, str]] | None = None) -> dict:
+    """Per level: each arm's time per token over the rounds, and per ``(arm, baseline)`` of ``ratios`` (default:
+    every arm against the first) the arm's per-round ratio to the baseline."""
+    ratios = ratios or [(v, variants[0]) for v in variants[1:]]
+    out = {}
+    for level in levels:
+        key = str(level)
+        per_arm = {v: [r["tpot_ms"][v][key] for r in rounds if isinstance(r["tpot_ms"][v].get(key), float)]
+                   for v in variants}
+        per_pair = {}
+        for v, base in ratios:
+            pairs = [r["tpot_ms"][v][key] / r["tpot_ms"][base][key] for r in rounds
+                     if isinstance(r["tpot_ms"][v].get(key), float) and isinstance(r["tpot_ms"][base].get(key), float)]
+            if pairs:
+                per_pair[f"{v} / {base}"] = spread(pairs) | {"within": sum(abs(p - 1) <= within for p in pairs)}
+        out[key] = {"tpot_ms": {v: spread(t) for v, t in per_arm.items() if t}, "ratio": per_pair}
+    return out
+
+
+def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | None = None) -> str:
+    """The table of every level (arms' time per token, the ratios per round), then every round's figures."""
+    names = list(next(iter(summary.values()))["ratio"]) if summary else []
+    lines = [f"Arms side by side ({meta['rounds']} rounds, scheduler of the measured arm pinned to one CPU per round: "
+             f"{meta['cpus']}; parking CPU {meta['park_cpu']}, client CPU {meta['client_cpu']}; "
+             f"{meta['input_len']} + {meta['output_len']} tokens per request)\n",
+             "| concurrency | " + " | ".join(f"{v} TPOT ms, median [q1-q3] (min-max)" for v in variants)
+             + "".join(f" | {name} per round, median [q1-q3] (min-max), rounds within {meta['within']:.0%}"
+                       for name in names) + " |",
+             "|---" * (1 + len(variants) + len(names)) + "|"]
+    for level, row in summary.items():
+        cells = []
+        for v in variants:
+            s = row["tpot_ms"].get(v)
+            cells.append(f"{s['median']} [{s['q1']}-{s['q3']}] ({s['min']}-{s['max']})" if s else "–")
+        for name in names:
+            s = row["ratio"].get(name)
+            cells.append(f"**{s['median']:.3f}** [{s['q1']:.3f}-{s['q3']:.3f}] ({s['min']:.3f}-{s['max']:.3f}), "
+                         f"{s['within']} of {s['n']}" if s else "–")
+        lines.append(f"| {level} | " + " | ".join(cells) + " |")
+    if rounds:
+        levels = list(summary)
+        lines += ["\nEvery round (TPOT ms per arm at each concurrency, in the order the arms ran):\n",
+                  "| round | CPU | order | " + " | ".join(f"{v} at {'/'.join(levels)}" for v in variants) + " |",
+                  "|---" * (3 + len(variants)) + "|"]
+        for r in rounds:
+            cells = ["/".join(str(r["tpot_ms"][v].get(level, "–")) for level in levels) for v in variants]
+            lines.append(f"| {r['round']} | {r['cpu']} | {', '.join(r['order'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_ratios(text: str, variants: list[str]) -> list[tuple[str, str]] | None:
+    """``"c/a,c/b"`` -> [("c", "a"), ("c", "b")]; every name must be one of the variants."""
+    if not text:
+        return None
+    pairs = [tuple(item.split("/", 1)) for item in text.split(",")]
+    bad = [item for item in pairs if len(item) != 2 or not set(item) <= set(variants)]
+    if bad:
+        raise ValueError(f"--ratios {text!r}: each item is ARM/BASELINE with both among the variants {variants}")
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="a,c", help="arms of run_e2e.py; the first is the baseline of the ratios")
+    parser.add_argument("--levels", default="1,2,4", help="requests sent at once")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--input-len", type=int, default=16384)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--within", type=float, default=0.05, help="count the rounds whose ratio is within this of 1")
+    parser.add_argument("--server-mem-fraction", type=float, default=0.25,
+                        help="--mem-fraction-static of each server (they share the GPU)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/hisparse_paired")))
+    parser.add_argument("--port-base", type=int, default=31300)
+    parser.add_argument("--health-timeout", type=float, default=420)
+    parser.add_argument("--ratios", default="", help="ARM/BASELINE pairs to report, e.g. c/a,c/b "
+                        "(default: every arm against the first)")
+    parser.add_argument("--from-json", type=Path, help="render the tables of an earlier run's paired.json "
+                        "(with --ratios) instead of running servers")
+    parser.add_argument("--harness-args", default="", help="run_e2e.py flags of the servers (shell-quoted string)")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        earlier = json.loads(args.from_json.read_text())
+        variants = earlier["variants"]
+        # a run written before the file kept its "meta": the CPUs from its rounds, the rest from the flags
+        meta = earlier.get("meta") or {"cpus": sorted({r["cpu"] for r in earlier["rounds"]}), "park_cpu": "?",
+                                       "client_cpu": "?", "input_len": args.input_len,
+                                       "output_len": args.output_len, "within": args.within}
+        summary = summarize(variants, earlier["levels"], earlier["rounds"], meta["within"],
+                            parse_ratios(args.ratios, variants))
+        print(render(variants, summary, meta | {"rounds": len(earlier["rounds"])}, earlier["rounds"]), end="")
+        return 0
+    harness_args = options.parse_args(shlex.split(args.harness_args))
+    for key, value in vars(harness_args).items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    variants = args.variants.split(",")
+    levels = [int(x) for x in args.levels.split(",")]
+    ratios = parse_ratios(args.ratios, variants)
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 3:
+        parser.error(f"needs at least 3 CPUs (client, parking, measured); this process may use {cpus}")
+    client_cpu, park_cpu, sweep = cpus[0], cpus[1], cpus[2:]
+    args.state_dir.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = Log([args.out / "paired.log"])
+    env0, _ = base_env(args, args.state_dir, log)
+    common, plugin_dir, _ = prepare_pyext(args.state_dir, args)
+    if any(v in MTP_ARMS for v in variants):
+        prepare_mtp_model(args)
+    vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
+
+    servers: dict[str, Server] = {}
+    schedulers: dict[str, int] = {}
+    meta = {"cpus": sweep, "park_cpu": park_cpu, "client_cpu": client_cpu, "input_len": args.input_len,
+            "output_len": args.output_len, "within": args.within}
+    result: dict = {"variants": variants, "levels": levels, "meta": meta, "rounds": []}
+    try:
+        for i, variant in enumerate(variants):
+            port = args.port_base + 10 * i
+            cmd, env = arm_spec(variant, args, env0, common, plugin_dir, port,
+                                mem_fraction_static=args.server_mem_fraction)
+            name = variant.replace("+", "-")
+            server = Server(f"paired-{name}", cmd, env, args.state_dir / f"server-paired-{name}.log", port,
+                            args.state_dir, log)
+            server.start()
+            startup = server.wait_healthy(args.health_timeout)
+            client.generate(port, client.make_prompt(3, 4096, vocab), 16, timeout=300)
+            pid = find_scheduler_pid(server.proc.pid)
+            if pid is None:
+                raise RuntimeError(f"{variant}: no scheduler process found under pid {server.proc.pid}")
+            servers[variant], schedulers[variant] = server, pid
+            pin_process(pid, {park_cpu})
+            log(f"{variant}: healthy after {startup:.1f} s on port {port}, scheduler pid {pid}")
+        pin_process(os.getpid(), {client_cpu})
+        for r in range(args.rounds):
+            cpu = sweep[r % len(sweep)]
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            entry = {"round": r, "cpu": cpu, "order": order, "tpot_ms": {v: {} for v in variants}}
+            for level in levels:
+                prompts = [client.make_prompt(10_000 * r + 100 * level + j, args.input_len, vocab) for j in range(level)]
+                for variant in order:
+                    for other, pid in schedulers.items():
+                        pin_process(pid, {cpu} if other == variant else {park_cpu})
+                    out = decode_level(servers[variant].port, prompts, args.output_len)
+                    entry["tpot_ms"][variant][str(level)] = out.get("tpot_ms", out.get("error"))
+                    servers[variant].check()
+            result["rounds"].append(entry)
+            log(f"round {r} (CPU {cpu}): {entry['tpot_ms']}")
+            result["summary"] = summarize(variants, levels, result["rounds"], args.within, ratios)
+            (args.out / "paired.json").write_text(json.dumps(result, indent=1))
+    finally:
+        for variant, server in servers.items():
+            server.stop()
+            text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
+            result.setdefault("hisparse_log", {})[variant] = logs.summarize_hisparse(text)
+        (args.out / "paired.json").write_text(json.dumps(result, indent=1))
+    text = render(variants, result.get("summary", {}), meta | {"rounds": len(result["rounds"])}, result["rounds"])
+    (args.out / "paired.md").write_text(text)
+    log(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
