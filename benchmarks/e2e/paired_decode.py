@@ -90,8 +90,10 @@ def summarize(variants: list[str], levels: list[int], rounds: list[dict], within
     return out
 
 
-def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | None = None) -> str:
-    """The table of every level (arms' time per token, the ratios per round), then every round's figures."""
+def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | None = None,
+           hisparse_log: dict | None = None) -> str:
+    """The table of every level (arms' time per token, the ratios per round), what the plugin's log lines say
+    per arm (modes, hit rate, host work), then every round's figures."""
     names = list(next(iter(summary.values()))["ratio"]) if summary else []
     lines = [f"Arms side by side ({meta['rounds']} rounds, scheduler of the measured arm pinned to one CPU per round: "
              f"{meta['cpus']}; parking CPU {meta['park_cpu']}, client CPU {meta['client_cpu']}; "
@@ -110,6 +112,14 @@ def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | 
             cells.append(f"**{s['median']:.3f}** [{s['q1']:.3f}-{s['q3']:.3f}] ({s['min']:.3f}-{s['max']:.3f}), "
                          f"{s['within']} of {s['n']}" if s else "–")
         lines.append(f"| {level} | " + " | ".join(cells) + " |")
+    for variant, plugin in (hisparse_log or {}).items():
+        if plugin:
+            hit = plugin["hit_rate_pct_min"]
+            lines.append(f"\n{variant}, the plugin's log lines ({plugin['lines']}): at most {plugin['resident_max']} "
+                         f"requests resident and {plugin['offloaded_max']} offloaded at once, lowest LRU hit rate "
+                         + (f"{hit} %" if hit is not None else "none (no request offloaded)")
+                         + f", host work per step {plugin['step_host_ms_median']} ms (median), mode switches up to "
+                         f"{plugin['switch_work_max_ms']} ms")
     if rounds:
         levels = list(summary)
         lines += ["\nEvery round (TPOT ms per arm at each concurrency, in the order the arms ran):\n",
@@ -160,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "output_len": args.output_len, "within": args.within}
         summary = summarize(variants, earlier["levels"], earlier["rounds"], meta["within"],
                             parse_ratios(args.ratios, variants))
-        print(render(variants, summary, meta | {"rounds": len(earlier["rounds"])}, earlier["rounds"]), end="")
+        print(render(variants, summary, meta | {"rounds": len(earlier["rounds"])}, earlier["rounds"],
+                     earlier.get("hisparse_log")), end="")
         return 0
     harness_args = options.parse_args(shlex.split(args.harness_args))
     for key, value in vars(harness_args).items():
@@ -227,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
             result.setdefault("hisparse_log", {})[variant] = logs.summarize_hisparse(text)
         (args.out / "paired.json").write_text(json.dumps(result, indent=1))
-    text = render(variants, result.get("summary", {}), meta | {"rounds": len(result["rounds"])}, result["rounds"])
+    text = render(variants, result.get("summary", {}), meta | {"rounds": len(result["rounds"])}, result["rounds"],
+                  result.get("hisparse_log"))
     (args.out / "paired.md").write_text(text)
     log(text)
     return 0

@@ -249,9 +249,14 @@ def paired_checks() -> None:
         check(True, "")
     text = paired_decode.render(["a", "c"], {"1": summary}, {"rounds": 5, "cpus": [2, 3], "park_cpu": 1,
                                                             "client_cpu": 0, "input_len": 8, "output_len": 4,
-                                                            "within": 0.05}, rounds)
-    check("**1.080**" in text and "0 of 4" in text and "| 4 | 6 | c, a | 1.5 | HTTP 500 |" in text,
-          f"paired table and rounds: {text}")
+                                                            "within": 0.05}, rounds,
+                                {"a": None, "c": {"lines": 9, "resident_max": 2, "offloaded_max": 1,
+                                                  "hit_rate_pct_min": 58.4, "step_host_ms_median": 0.016,
+                                                  "switch_work_max_ms": 4.6}})
+    check("**1.080**" in text and "0 of 4" in text and "| 4 | 6 | c, a | 1.5 | HTTP 500 |" in text
+          and "c, the plugin's log lines (9): at most 2 requests resident and 1 offloaded" in text
+          and "lowest LRU hit rate 58.4 %" in text and "a, the plugin" not in text,
+          f"paired table, plugin lines and rounds: {text}")
 
 
 def pd_checks(a, common: Path, plug: Path) -> None:
