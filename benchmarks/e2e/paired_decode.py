@@ -32,7 +32,6 @@ import os
 import shlex
 import statistics
 import sys
-import threading
 from pathlib import Path
 
 import client
@@ -41,26 +40,19 @@ import options
 from arms import MTP_ARMS, arm_spec, prepare_mtp_model, prepare_pyext
 from common import Log
 from environment import base_env
+from phases import run_level
 from profile_decode import find_scheduler_pid, pin_process
 from servers import Server
 
 
-def decode_level(port: int, prompts: list[list[int]], output_len: int) -> dict:
-    """Send every prompt at once; the mean time per output token over the requests (ms) and any error."""
-    results: list[dict] = [{} for _ in prompts]
-
-    def one(i: int) -> None:
-        results[i] = client.generate_stream(port, prompts[i], output_len, timeout=600)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    errors = [r.get("error") for r in results if not r.get("tpot_s")]
-    if errors:
-        return {"error": str(errors[0])}
-    return {"tpot_ms": round(1e3 * statistics.mean(r["tpot_s"] for r in results), 4)}
+def decode_level(server: Server, prompts: list[list[int]], output_len: int) -> dict:
+    """Every prompt at once (phases.run_level): the mean time per output token over the requests (ms), or the
+    first error when a request gave no time per token."""
+    row = run_level(server, None, prompts, output_len, timeout=600)
+    tpots = row["tpot_ms_per_request"]
+    if len(tpots) < len(prompts):
+        return {"error": str(row["errors"][0] if row["errors"] else "a request without a time per token")}
+    return {"tpot_ms": round(statistics.mean(tpots), 4)}
 
 
 def spread(values: list[float]) -> dict:
@@ -225,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 for variant in order:
                     for other, pid in schedulers.items():
                         pin_process(pid, {cpu} if other == variant else {park_cpu})
-                    out = decode_level(servers[variant].port, prompts, args.output_len)
+                    out = decode_level(servers[variant], prompts, args.output_len)
                     entry["tpot_ms"][variant][str(level)] = out.get("tpot_ms", out.get("error"))
                     servers[variant].check()
             result["rounds"].append(entry)

@@ -275,7 +275,7 @@ def run_level(target, run: Run, prompts: list[list[int]], out_len: int, timeout:
     """All `prompts` sent at once (streaming): client and server-log figures of the level.
 
     steady=True adds each request's time per output token while every request of the level decodes
-    (stats.steady_window: prefills of the level no longer interleave) and the per-request TPOTs."""
+    (stats.steady_window: prefills of the level no longer interleave). `run` is not read."""
     off = file_size(target.log_path)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
@@ -304,6 +304,7 @@ def run_level(target, run: Run, prompts: list[list[int]], out_len: int, timeout:
             "hisparse_resident_max": hs.get("resident_max"), "hisparse_offloaded_max": hs.get("offloaded_max"),
             "hisparse_all_resident": hs.get("all_resident"),
             "speculative": spec_summary([o.get("spec") or {} for o in ok]),
+            "tpot_ms_per_request": [round(1000 * t, 3) for t in tpots],
             # per request, in send order: [TTFT s, end-to-end s, output tokens] (the tail of a level)
             "requests": [[round(o["ttft_s"], 3) if o.get("ttft_s") is not None else None,
                           round(o["e2e_s"], 3), o["tokens"]] for o in ok]}
@@ -311,8 +312,7 @@ def run_level(target, run: Run, prompts: list[list[int]], out_len: int, timeout:
         window = steady_window([o.get("arrivals") or [] for o in outs]) if len(ok) == len(outs) else None
         per_request = [w for w in (window_tpot(o["arrivals"], window) for o in ok) if w] if window else []
         row.update({"steady_window_s": round(window[1] - window[0], 3) if window else None,
-                    "steady_tpot_ms_median": round(1000 * statistics.median(per_request), 3) if per_request else None,
-                    "tpot_ms_per_request": [round(1000 * t, 3) for t in tpots]})
+                    "steady_tpot_ms_median": round(1000 * statistics.median(per_request), 3) if per_request else None})
     return row
 
 

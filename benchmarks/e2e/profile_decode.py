@@ -140,18 +140,26 @@ def pin_process(pid: int, cpus: set[int]) -> dict[int, set[int]]:
     return previous
 
 
+def timed_requests(port: int, prompts: list[list[int]], output_len: int) -> tuple[list[float], list]:
+    """The prompts decoded one after the other: each request's time per output token (ms, rounded to
+    microseconds) and the errors of those that gave none."""
+    tpots, errors = [], []
+    for prompt in prompts:
+        out = client.generate_stream(port, prompt, output_len, timeout=600)
+        if out.get("tpot_s"):
+            tpots.append(round(1e3 * out["tpot_s"], 3))
+        else:
+            errors.append(out.get("error"))
+    return tpots, errors
+
+
 def placement_sweep(port: int, pid: int, args, vocab: int, log) -> dict:
     """Time per output token with the scheduler process pinned to each CPU in turn, then unpinned again."""
     cpus = sorted(os.sched_getaffinity(pid))
-    prompt = client.make_prompt(200, args.input_len, vocab)
+    prompts = [client.make_prompt(200, args.input_len, vocab)] * args.sweep_repeats
 
     def tpot() -> list[float]:
-        out = []
-        for _ in range(args.sweep_repeats):
-            res = client.generate_stream(port, prompt, args.sweep_output_len, timeout=600)
-            if res.get("tpot_s"):
-                out.append(round(1e3 * res["tpot_s"], 3))
-        return out
+        return timed_requests(port, prompts, args.sweep_output_len)[0]
 
     per_cpu = {}
     original = None
@@ -256,8 +264,8 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
             target=lambda: traced.update(client.generate_stream(port, prompt, args.trace_out, timeout=600))
         )
         thread.start()
-        scheduler_pid = find_scheduler_pid(server.proc.pid)
-        if scheduler_pid is not None:
+        scheduler_pid = find_scheduler_pid(server.proc.pid) if args.placement_sweep else None
+        if scheduler_pid is not None:  # where the scheduler runs and what else is busy, beside the sweep
             with open(f"/proc/{scheduler_pid}/stat") as stat:
                 result["scheduler_cpu"] = int(stat.read().rsplit(")", 1)[1].split()[36])
             result["busy_threads"] = busy_threads(1.0)
@@ -294,19 +302,16 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
                     result["spy_error"] = (proc.stderr or proc.stdout)[-800:]
         thread.join()
         result["traced_request"] = {k: traced.get(k) for k in ("tokens", "tpot_s", "error")}
-        tpots = []
-        for repeat in range(args.repeats):
-            out = client.generate_stream(port, client.make_prompt(100 + repeat, args.input_len, vocab),
-                                          args.output_len, timeout=600)
-            if out.get("tpot_s"):
-                tpots.append(1e3 * out["tpot_s"])
-            else:
-                result.setdefault("errors", []).append(out.get("error"))
-        result["tpot_ms"] = [round(t, 3) for t in tpots]
+        tpots, errors = timed_requests(
+            port, [client.make_prompt(100 + repeat, args.input_len, vocab) for repeat in range(args.repeats)],
+            args.output_len)
+        if errors:
+            result["errors"] = errors
+        result["tpot_ms"] = tpots
         if tpots:
             result["tpot_ms_median"] = round(statistics.median(tpots), 3)
         log(f"{variant}: TPOT ms {result['tpot_ms']}")
-        if args.placement_sweep and scheduler_pid is not None:
+        if scheduler_pid is not None:
             result["placement"] = placement_sweep(port, scheduler_pid, args, vocab, log)
     except Exception as exc:  # the other variants still run
         result["error"] = f"{type(exc).__name__}: {exc}"

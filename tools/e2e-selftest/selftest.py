@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import types
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -247,6 +248,21 @@ def paired_checks() -> None:
         check(False, "paired --ratios c/b with no arm b was accepted")
     except ValueError:
         check(True, "")
+    # one level through phases.run_level: the mean of the requests' times per token, or the first error
+    class Endpoint:
+        def __init__(self, outs):
+            self.outs = iter(outs)
+
+        def generate_stream(self, ids, out_len, timeout, trace=False):
+            return next(self.outs)
+
+    target = types.SimpleNamespace(log_path=Path("/nonexistent/server.log"))
+    target.endpoint = Endpoint([{"tpot_s": 0.001, "tokens": 4, "e2e_s": 1.0}, {"tpot_s": 0.002, "tokens": 4, "e2e_s": 1.0}])
+    level = paired_decode.decode_level(target, [[1], [2]], 4)
+    target.endpoint = Endpoint([{"tpot_s": 0.001, "tokens": 4, "e2e_s": 1.0}, {"error": "HTTP 500: boom"}])
+    failed = paired_decode.decode_level(target, [[1], [2]], 4)
+    check(level == {"tpot_ms": 1.5} and failed == {"error": "HTTP 500: boom"},
+          f"paired: a level's mean time per token and its error: {level} {failed}")
     text = paired_decode.render(["a", "c"], {"1": summary}, {"rounds": 5, "cpus": [2, 3], "park_cpu": 1,
                                                             "client_cpu": 0, "input_len": 8, "output_len": 4,
                                                             "within": 0.05}, rounds,
