@@ -28,29 +28,31 @@ TOPK_WORKLOAD_SOURCE = REPO / "src/hisparse_sglang/testing/workload.py"  # copie
 # model whose config declares one NextN layer (prepare_mtp_model); everything else as the arm's. In
 # "pd-c+mtp" both instances run it, as SGLang's PD with MTP needs: the prefill runs the draft's first step.
 MTP_SUFFIX = "+mtp"
-MTP_ARMS = ("a+mtp", "b+mtp", "c+mtp", "d+mtp", "pd-c+mtp")
+MTP_ARMS = ("a+mtp", "b+mtp", "c+mtp", "d+mtp", "pd-c+mtp", "dx+mtp")
 ALL_ARMS = ("a", "b", "c", "d", "pd-c", "pd-b", "dx") + MTP_ARMS
 ARM_LABELS = {"a": "baseline (no HiSparse)", "b": "SGLang in-tree HiSparse", "c": "hisparse-sglang plugin",
               "d": "hisparse-sglang plugin, always offload",
               "pd-c": "PD, decode with hisparse-sglang", "pd-b": "PD, decode with SGLang in-tree HiSparse",
               "dx": "plugin, always offload, kernel build corrupting 1 in 16 missed rows (must fail)",
               "a+mtp": "baseline + MTP", "b+mtp": "SGLang in-tree HiSparse + MTP", "c+mtp": "hisparse-sglang + MTP",
-              "d+mtp": "hisparse-sglang, always offload, + MTP", "pd-c+mtp": "PD, decode with hisparse-sglang, + MTP"}
+              "d+mtp": "hisparse-sglang, always offload, + MTP", "pd-c+mtp": "PD, decode with hisparse-sglang, + MTP",
+              "dx+mtp": "dx + MTP: the verify swap-in of the corrupting build (must fail)"}
 COLOCATED_ARMS = ("a", "b", "c", "d")
 # dx: arm d on a kernel build that copies every 16th missed row of a swap-in from the wrong host row
 # (csrc/swap_in.cuh, HISPARSE_TEST_CORRUPT_MISSES): what the correctness judge and the in-server KV
-# check must reject, to show they can fail.
+# check must reject, to show they can fail. dx+mtp: the same build under speculation, where the verify's
+# multi-position swap-in (the same kernel body) corrupts its misses.
 CORRUPT_DEFINES = "HISPARSE_TEST_CORRUPT_MISSES=16"
-ARM_ENV = {"dx": {"HISPARSE_E2E_KERNEL_DEFINES": CORRUPT_DEFINES}}
+ARM_ENV = {"dx": {"HISPARSE_E2E_KERNEL_DEFINES": CORRUPT_DEFINES}, "dx+mtp": {"HISPARSE_E2E_KERNEL_DEFINES": CORRUPT_DEFINES}}
 # The co-located arms whose flags a PD arm's decode / prefill instance takes.
 PD_DECODE_ARM = {"pd-c": "c", "pd-b": "b", "pd-c+mtp": "c+mtp"}
 PD_PREFILL_ARM = {"pd-c": "a", "pd-b": "a", "pd-c+mtp": "a+mtp"}
 PD_ARMS = tuple(PD_DECODE_ARM)
 # arms that load our plugin (its dist-info + src on PYTHONPATH; a PD arm: its decode)
-PLUGIN_ARMS = ("c", "d", "pd-c", "dx", "c+mtp", "d+mtp", "pd-c+mtp")
+PLUGIN_ARMS = ("c", "d", "pd-c", "dx", "c+mtp", "d+mtp", "pd-c+mtp", "dx+mtp")
 PD_TRANSFER_BACKEND = "mooncake_tcp"  # SGLang 0.5.17: Mooncake with MC_FORCE_TCP=1 (no RDMA NIC on the GPU machine)
 ARM_HISPARSE_OVERRIDES = {"d": {"resident_first": False}, "dx": {"resident_first": False},
-                          "d+mtp": {"resident_first": False}}  # merged into --hisparse-config
+                          "d+mtp": {"resident_first": False}, "dx+mtp": {"resident_first": False}}  # merged into --hisparse-config
 # The DSA backend of each KV cache dtype whose decode path calls the HiSparse swap-in (SGLang 0.5.17).
 DSA_BACKEND_OF_KV_DTYPE = {"bfloat16": "flashmla_sparse", "fp8_e4m3": "flashmla_kv"}
 
@@ -102,7 +104,7 @@ def speculative_env(args) -> dict[str, str]:
 
 
 def arm_port(args, arm: str) -> int:
-    """Arms a/b/c/d/pd-c/pd-b/dx/a+mtp/.../d+mtp/pd-c+mtp listen on --port-base +0/+10/.../+110 (a PD arm: its
+    """Arms a/b/c/d/pd-c/pd-b/dx/a+mtp/.../pd-c+mtp/dx+mtp listen on --port-base +0/+10/.../+120 (a PD arm: its
     prefill; decode +1, bootstrap +2)."""
     return args.port_base + 10 * ALL_ARMS.index(arm)
 

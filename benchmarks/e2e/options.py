@@ -13,6 +13,7 @@ from pathlib import Path
 import bench_serving_phase
 from arms import (
     ALL_ARMS,
+    ARM_HISPARSE_OVERRIDES,
     DEFAULT_HISPARSE_CONFIG,
     DEFAULT_MODEL,
     DSA_BACKEND_OF_KV_DTYPE,
@@ -315,8 +316,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"arm {arm}: --mtp-steps {args.mtp_steps} verifies {args.mtp_steps + 1} positions of top_k "
                      f"{config.get('top_k', 2048)} each, so device_buffer_size must be >= {need} (the config gives "
                      f"{config['device_buffer_size']}); pass it in --hisparse-config or --plugin-hisparse-config")
-    if ("d" in args.arms or "dx" in args.arms) and args.plugin_no_enable_hisparse:
-        ap.error("arm d passes \"resident_first\": false through --hisparse-config; drop --plugin-no-enable-hisparse")
+    overridden = [arm for arm in args.arms if arm in ARM_HISPARSE_OVERRIDES]
+    if overridden and args.plugin_no_enable_hisparse:
+        ap.error(f"arm(s) {', '.join(overridden)} pass \"resident_first\": false through --hisparse-config; drop "
+                 "--plugin-no-enable-hisparse")
     if any(a in args.arms for a in PD_ARMS):
         args.preflight_mooncake = True
         if args.pd_decode_max_total_tokens > args.pd_prefill_max_total_tokens:

@@ -20,7 +20,8 @@ from stats import compare_outputs
 COMPARE_PAIRS = (("b", "a"), ("c", "a"), ("c", "b"), ("d", "a"), ("c", "d"), ("pd-c", "a"), ("pd-b", "a"),
                  ("pd-c", "pd-b"), ("dx", "a"),
                  ("c+mtp", "a+mtp"), ("d+mtp", "a+mtp"), ("b+mtp", "a+mtp"), ("a+mtp", "a"), ("c+mtp", "a"),
-                 ("d+mtp", "a"), ("c+mtp", "c"), ("pd-c+mtp", "a+mtp"), ("pd-c+mtp", "a"), ("pd-c+mtp", "pd-c"))
+                 ("d+mtp", "a"), ("c+mtp", "c"), ("pd-c+mtp", "a+mtp"), ("pd-c+mtp", "a"), ("pd-c+mtp", "pd-c"),
+                 ("dx+mtp", "a+mtp"))
 BASELINE_ARMS = ("a", "a+mtp")  # the judge's verdict is given against these (judge.py)
 MAX_OUT_FILES = 8  # what the device tool brings back from $OUT
 

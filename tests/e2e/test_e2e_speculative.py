@@ -15,7 +15,9 @@ the dummy-weight draft's own acceptance is about 1.0. Then only a+mtp is the bas
 must show exactly that accept length. HISPARSE_E2E_MTP_PD=1 adds arm pd-c+mtp (PD decode with the plugin, both
 instances speculating; needs bundle part 2, Mooncake, in HISPARSE_E2E_SITE, default /tmp/site), judged and
 KV-checked as the co-located plugin arms. HISPARSE_E2E_MTP_ARMS (default: all of them) runs a subset of the
-plugin arms, e.g. pd-c+mtp alone beside its baselines. HISPARSE_E2E_KV_DTYPE=fp8_e4m3 runs every arm with an fp8 KV cache
+plugin arms, e.g. pd-c+mtp alone beside its baselines. HISPARSE_E2E_MTP_DX=1 adds arm dx+mtp (d+mtp on the kernel
+build that copies every 16th missed row from the wrong host row, the verify's swap-in included): the in-server
+KV check must see wrong rows and the judge must reject it against a+mtp. HISPARSE_E2E_KV_DTYPE=fp8_e4m3 runs every arm with an fp8 KV cache
 (DSA backend flashmla_kv, 656-B rows) instead of bfloat16. HISPARSE_E2E_RUN / HISPARSE_E2E_STATE as in
 test_e2e_correctness.py (a state reused with HISPARSE_E2E_RUN=0 must be of the KV dtype asked for).
 """
@@ -25,13 +27,14 @@ import os
 import pathlib
 
 import pytest
-from e2e_harness import assert_decodes_like_baseline, assert_run_kv_dtype, run_harness
+from e2e_harness import assert_decodes_like_baseline, assert_run_kv_dtype, kv_check_of, run_harness, verdict_against_baseline
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
 STEPS = int(os.environ.get("HISPARSE_E2E_MTP_STEPS", "1"))
 ACCEPT_LEN = float(os.environ.get("HISPARSE_E2E_MTP_ACCEPT_LEN", "0"))
 PD = os.environ.get("HISPARSE_E2E_MTP_PD", "0") == "1"
+DX = os.environ.get("HISPARSE_E2E_MTP_DX", "0") == "1"
 SITE = pathlib.Path(os.environ.get("HISPARSE_E2E_SITE", "/tmp/site"))
 KV_DTYPE = os.environ.get("HISPARSE_E2E_KV_DTYPE", "bfloat16")  # fp8_e4m3: the flashmla_kv path
 ALL_PLUGIN_MTP_ARMS = ("c+mtp", "d+mtp") + (("pd-c+mtp",) if PD else ())
@@ -51,7 +54,7 @@ def data() -> dict:
     extra += ["--site", str(SITE)] if PD else []
     if STEPS > 1:
         extra += ["--plugin-hisparse-config", json.dumps({"device_buffer_size": (STEPS + 1) * 2048})]
-    arms = ",".join(("a+mtp",) + PLUGIN_MTP_ARMS) + ("" if ACCEPT_LEN else ",a")
+    arms = ",".join(("a+mtp",) + PLUGIN_MTP_ARMS + (("dx+mtp",) if DX else ())) + ("" if ACCEPT_LEN else ",a")
     data = run_harness(arms, state, extra)
     assert_run_kv_dtype(data, state, KV_DTYPE)
     return data
@@ -75,3 +78,12 @@ def test_every_mtp_arm_verified_with_the_accept_length_asked_for(data):
         assert spec and spec["verify_steps"] > 0, f"arm {arm}: no speculative verify steps recorded: {spec}"
         if ACCEPT_LEN:
             assert spec["accept_length"] == pytest.approx(ACCEPT_LEN), f"arm {arm}: {spec}"
+
+
+def test_a_corrupting_kernel_build_with_mtp_is_rejected(data):
+    if not DX:
+        pytest.skip("arm dx+mtp was not asked for (HISPARSE_E2E_MTP_DX=1)")
+    kv = kv_check_of(data, "dx+mtp")
+    assert kv["mismatches"] > 0, f"the in-server KV check did not see the corrupted rows: {kv}"
+    verdict = verdict_against_baseline(data, "dx+mtp", baseline="a+mtp")
+    assert not verdict["ok"], f"the judge accepted a kernel build that corrupts the verify's rows: {verdict}"
