@@ -54,6 +54,19 @@ def test_the_mtp_arms_keep_their_arms_hisparse_settings(tmp_path):
     assert "pyext-plugin" not in b_env["PYTHONPATH"]
 
 
+def test_the_corrupting_mtp_arm_is_d_mtp_on_the_corrupting_kernel_build(tmp_path):
+    d_cmd, d_env = spec_of("d+mtp", [], tmp_path)
+    dx_cmd, dx_env = spec_of("dx+mtp", [], tmp_path)
+    assert dx_env["HISPARSE_E2E_KERNEL_DEFINES"] == arms.CORRUPT_DEFINES
+    assert "HISPARSE_E2E_KERNEL_DEFINES" not in d_env
+    assert dx_env["PYTHONPATH"] == d_env["PYTHONPATH"]
+    port = dx_cmd.index("--port")
+    assert dx_cmd[:port] + dx_cmd[port + 2:] == d_cmd[:port] + d_cmd[port + 2:]  # every flag as d+mtp's
+    assert len(set(arms.port_offsets())) == len(arms.port_offsets())
+    with pytest.raises(SystemExit):
+        options.parse_args(["--state-dir", str(tmp_path), "--arms", "dx+mtp", "--plugin-no-enable-hisparse"])
+
+
 def test_simulated_acceptance_is_sglangs_own_with_the_drafts_tokens(tmp_path):
     _, env = spec_of("a+mtp", ["--mtp-steps", "3", "--mtp-accept-len", "3"], tmp_path)
     assert env["SGLANG_SIMULATE_ACC_LEN"] == "3.0"

@@ -207,7 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--topk-params", default="",
                    help='JSON object of workload parameters over the profile\'s, e.g. \'{"persistence": 0.6, '
                         '"context_len": 16384}\' (context_len: the prompt length the persistence is solved for)')
-    g = ap.add_argument_group("speculative decoding (arms a+mtp, b+mtp, c+mtp, d+mtp, pd-c+mtp; arms.py)")
+    g = ap.add_argument_group("speculative decoding (arms a+mtp, b+mtp, c+mtp, d+mtp, pd-c+mtp, dx+mtp; arms.py)")
     g.add_argument("--mtp-steps", type=int, default=1, choices=(1, 2, 3),
                    help="EAGLE / NextN draft steps S of the MTP arms, topk 1, S + 1 draft tokens (default %(default)s)")
     g.add_argument("--mtp-accept-len", type=float, default=0.0,

@@ -27,7 +27,13 @@ import os
 import pathlib
 
 import pytest
-from e2e_harness import assert_decodes_like_baseline, assert_run_kv_dtype, kv_check_of, run_harness, verdict_against_baseline
+from e2e_harness import (
+    assert_decodes_like_baseline,
+    assert_run_kv_dtype,
+    kv_check_of,
+    run_harness,
+    verdict_against_baseline,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
