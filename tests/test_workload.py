@@ -30,6 +30,7 @@ from hisparse_sglang.testing.workload import (
     profile,
     request_key_from_tokens,
     step_overlap,
+    verify_unions,
 )
 
 TOP_K = 2048
@@ -390,3 +391,36 @@ def test_simulator_refuses_a_workload_of_another_top_k():
     config = HiSparseConfig(top_k=32, device_buffer_size=32, page_size=8, host_to_device_ratio=2)
     with pytest.raises(ValueError, match="workload top_k \\(2048\\) must equal the config's top_k \\(32\\)"):
         SimulatedServer(config, workload=TopKWorkload(PROFILES["calibrated"]))
+
+
+# ------------------------------------------------------------------------ speculative verify positions
+def test_verify_unions_count_distinct_tokens_of_consecutive_steps():
+    rows = torch.tensor([[0, 1, 2, -1], [0, 1, 2, -1], [3, 4, 5, 6], [0, 3, 7, -1]])
+    assert verify_unions(rows, 1).tolist() == [3, 3, 4, 3]
+    assert verify_unions(rows, 2).tolist() == [3, 7, 6]  # padding is no token
+    assert verify_unions(rows, 4).tolist() == [8]
+    assert verify_unions(rows[:2], 3).numel() == 0
+    with pytest.raises(ValueError, match="positions must be >= 1"):
+        verify_unions(rows, 0)
+
+
+def test_calibrated_verify_of_four_positions_fits_a_buffer_of_two_top_k_where_random_does_not():
+    """The figure docs/speculative.md section 7 states: under ``calibrated`` four consecutive steps name at most
+    ~3.5K distinct tokens (2 x top_k = 4096 slots hold them), under ``random`` ~6.9K (T x top_k is needed)."""
+    calibrated = measure(TopKWorkload(profile("calibrated", context_len=16384)), requests=1, layers=2, steps=48,
+                         warmup=8, verify_positions=(2, 4))
+    random = measure(TopKWorkload(profile("random", context_len=16384)), requests=1, layers=2, steps=48, warmup=8,
+                     verify_positions=(4,))
+    median, largest = calibrated.verify_union[4]
+    assert TOP_K < median <= largest <= 2 * TOP_K, calibrated.verify_union
+    assert calibrated.verify_union[2][1] < largest
+    assert 2 * TOP_K < random.verify_union[4][0] <= 4 * TOP_K, random.verify_union
+    assert calibrated.as_dict()["verify_union"] == {"2": list(calibrated.verify_union[2]), "4": [median, largest]}
+
+
+def test_cli_reports_verify_unions(capsys):
+    assert main(["--profile", "high-locality", "--context-len", "8192", "--requests", "1", "--layers", "1",
+                 "--steps", "16", "--warmup", "4", "--buffers", "1", "--verify-positions", "2"]) == 0
+    assert "union of 2 steps, median / max" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--verify-positions", "0"])

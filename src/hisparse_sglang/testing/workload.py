@@ -491,6 +491,28 @@ def step_overlap(top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(overlaps, dtype=torch.float64), torch.tensor(jaccards, dtype=torch.float64)
 
 
+def verify_unions(top_k: torch.Tensor, positions: int) -> torch.Tensor:
+    """Distinct tokens named by ``positions`` consecutive steps, for every window of them: what a speculative
+    verify of ``T = positions`` query positions asks one request's buffer to hold at once (its positions are
+    consecutive decode steps; docs/speculative.md 2.9 sizes the buffer for the worst case, ``T x top_k``).
+
+    Args:
+        top_k: int ``[S, K]``, one request and layer, -1 padding.
+        positions: ``T >= 1``.
+
+    Returns:
+        int64 ``[S - T + 1]`` (empty when ``S < T``): the union's size of steps ``i .. i + T - 1``.
+    """
+    if positions < 1:
+        raise ValueError(f"positions must be >= 1, got {positions}")
+    rows = top_k.to(torch.int64).cpu()
+    sizes = []
+    for first in range(rows.shape[0] - positions + 1):
+        window = rows[first : first + positions]
+        sizes.append(torch.unique(window[window >= 0]).numel())
+    return torch.tensor(sizes, dtype=torch.int64)
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkloadStats:
     """What :func:`measure` found: means over every request and layer, after the warm-up steps.
@@ -500,12 +522,15 @@ class WorkloadStats:
         jaccard: mean Jaccard similarity of consecutive top-k sets.
         lru_miss: buffer slots -> exact-LRU miss rate (distinct misses / lookups).
         context_len: prompt length of the measured requests.
+        verify_union: verify positions ``T`` -> (median, largest) distinct tokens of ``T`` consecutive steps
+            (:func:`verify_unions`), for the ``T`` asked for.
     """
 
     overlap: float
     jaccard: float
     lru_miss: dict[int, float]
     context_len: int
+    verify_union: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {
@@ -513,6 +538,7 @@ class WorkloadStats:
             "overlap": round(self.overlap, 4),
             "jaccard": round(self.jaccard, 4),
             "lru_miss": {str(slots): round(rate, 4) for slots, rate in self.lru_miss.items()},
+            "verify_union": {str(t): list(sizes) for t, sizes in self.verify_union.items()},
         }
 
 
@@ -525,10 +551,12 @@ def measure(
     steps: int = 192,
     warmup: int = 64,
     buffer_multiples: Iterable[float] = (1, 2, 4),
+    verify_positions: Iterable[int] = (),
 ) -> WorkloadStats:
     """Persistence and exact-LRU miss rates of ``workload`` for ``requests x layers`` streams of
     ``warmup + steps`` decode steps after a prompt of ``context_len`` (default: the parameters').
-    The buffers start empty; the first ``warmup`` steps fill them and are not counted."""
+    The buffers start empty; the first ``warmup`` steps fill them and are not counted. For each ``T`` of
+    ``verify_positions``, the median and largest union of ``T`` consecutive counted steps."""
     p = workload.params
     context_len = p.context_len if context_len is None else context_len
     seq_lens = torch.arange(context_len + 1, context_len + 1 + warmup + steps, dtype=torch.int64)
@@ -536,20 +564,29 @@ def measure(
     overlaps, jaccards = [], []
     looked = {slots: 0 for slots in buffers}
     missed = {slots: 0 for slots in buffers}
+    unions = {positions: [] for positions in sorted(set(verify_positions))}
     for request in range(requests):
         for layer in range(layers):
             rows = workload.stream(request, context_len, layer, seq_lens)
             overlap, jaccard = step_overlap(rows[warmup:])
             overlaps.append(overlap)
             jaccards.append(jaccard)
+            for positions, sizes in unions.items():
+                sizes.append(verify_unions(rows[warmup:], positions))
             for slots in buffers:
                 counts = lru_misses(rows, seq_lens, slots)
                 looked[slots] += int(counts.lookups[warmup:].sum())
                 missed[slots] += int(counts.misses[warmup:].sum())
     overlap = float(torch.cat(overlaps).mean()) if overlaps else 0.0
     jaccard = float(torch.cat(jaccards).mean()) if jaccards else 0.0
+    verify_union = {}
+    for positions, sizes in unions.items():
+        every = torch.cat(sizes) if sizes else torch.zeros(0, dtype=torch.int64)
+        if every.numel():
+            verify_union[positions] = (int(every.median()), int(every.max()))
     return WorkloadStats(
-        overlap, jaccard, {s: missed[s] / looked[s] if looked[s] else 0.0 for s in buffers}, context_len
+        overlap, jaccard, {s: missed[s] / looked[s] if looked[s] else 0.0 for s in buffers}, context_len,
+        verify_union,
     )
 
 
@@ -623,12 +660,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--contexts", default="", help="comma list of prompt lengths to measure instead of --context-len"
     )
+    parser.add_argument(
+        "--verify-positions", default="",
+        help="comma list of speculative verify positions T: also report the median and largest number of distinct "
+             "tokens T consecutive steps name (what one request's buffer must hold in a verify)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object per context instead of a table")
     args = parser.parse_args(argv)
     try:
         params = params_from_args(args)
         buffers = [float(x) for x in args.buffers.split(",") if x.strip()]
         contexts = [int(x) for x in args.contexts.split(",") if x.strip()] or [params.context_len]
+        verify = [int(x) for x in args.verify_positions.split(",") if x.strip()]
+        if any(t < 1 for t in verify):
+            raise ValueError(f"--verify-positions must be >= 1 each, got {args.verify_positions}")
     except (WorkloadParamError, ValueError) as error:
         parser.error(str(error))
     torch.set_num_threads(1)  # small tensors: one thread is faster than two contending ones
@@ -639,7 +684,10 @@ def main(argv: list[str] | None = None) -> int:
         + ("" if workload.reachable else "; persistence out of the model's reach, clamped")
     )
     labels = ["k" if m == 1 else f"{m:g}k" for m in buffers]
-    header = "| context | overlap | jaccard | " + " | ".join(f"LRU miss {label}" for label in labels) + " | seconds |"
+    header = (
+        "| context | overlap | jaccard | " + " | ".join(f"LRU miss {label}" for label in labels)
+        + "".join(f" | union of {t} steps, median / max" for t in verify) + " | seconds |"
+    )
     if not args.json:
         print(header)
         print("|" + "---|" * (header.count("|") - 1))
@@ -653,11 +701,13 @@ def main(argv: list[str] | None = None) -> int:
             steps=args.steps,
             warmup=args.warmup,
             buffer_multiples=buffers,
+            verify_positions=verify,
         )
         if args.json:
             print(json.dumps(stats.as_dict()))
             continue
         cells = " | ".join(f"{100 * stats.lru_miss[int(round(m * params.top_k))]:.1f} %" for m in buffers)
+        cells += "".join(" | {} / {}".format(*stats.verify_union[t]) for t in verify)
         print(f"| {context} | {stats.overlap:.3f} | {stats.jaccard:.3f} | {cells} | {time.monotonic() - started:.1f} |")
     return 0
 
