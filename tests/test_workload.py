@@ -422,5 +422,8 @@ def test_cli_reports_verify_unions(capsys):
     assert main(["--profile", "high-locality", "--context-len", "8192", "--requests", "1", "--layers", "1",
                  "--steps", "16", "--warmup", "4", "--buffers", "1", "--verify-positions", "2"]) == 0
     assert "union of 2 steps, median / max" in capsys.readouterr().out
+    assert main(["--profile", "high-locality", "--context-len", "8192", "--requests", "1", "--layers", "1",
+                 "--steps", "3", "--warmup", "1", "--buffers", "1", "--verify-positions", "4"]) == 0
+    assert capsys.readouterr().out.rstrip().split(" | ")[-2] == "–"  # fewer counted steps than T
     with pytest.raises(SystemExit):
         main(["--verify-positions", "0"])

@@ -707,7 +707,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(stats.as_dict()))
             continue
         cells = " | ".join(f"{100 * stats.lru_miss[int(round(m * params.top_k))]:.1f} %" for m in buffers)
-        cells += "".join(" | {} / {}".format(*stats.verify_union[t]) for t in verify)
+        cells += "".join(
+            " | {} / {}".format(*stats.verify_union[t]) if t in stats.verify_union else " | –" for t in verify
+        )  # – : fewer counted steps than T
         print(f"| {context} | {stats.overlap:.3f} | {stats.jaccard:.3f} | {cells} | {time.monotonic() - started:.1f} |")
     return 0
 
