@@ -43,16 +43,17 @@ COLOCATED_ARMS = ("a", "b", "c", "d")
 # check must reject, to show they can fail. dx+mtp: the same build under speculation, where the verify's
 # multi-position swap-in (the same kernel body) corrupts its misses.
 CORRUPT_DEFINES = "HISPARSE_TEST_CORRUPT_MISSES=16"
-ARM_ENV = {"dx": {"HISPARSE_E2E_KERNEL_DEFINES": CORRUPT_DEFINES}, "dx+mtp": {"HISPARSE_E2E_KERNEL_DEFINES": CORRUPT_DEFINES}}
+# Keyed by the arm without "+mtp" (base_arm): an MTP arm takes its arm's environment and overrides.
+ARM_ENV = {"dx": {"HISPARSE_E2E_KERNEL_DEFINES": CORRUPT_DEFINES}}
 # The co-located arms whose flags a PD arm's decode / prefill instance takes.
 PD_DECODE_ARM = {"pd-c": "c", "pd-b": "b", "pd-c+mtp": "c+mtp"}
 PD_PREFILL_ARM = {"pd-c": "a", "pd-b": "a", "pd-c+mtp": "a+mtp"}
 PD_ARMS = tuple(PD_DECODE_ARM)
 # arms that load our plugin (its dist-info + src on PYTHONPATH; a PD arm: its decode)
-PLUGIN_ARMS = ("c", "d", "pd-c", "dx", "c+mtp", "d+mtp", "pd-c+mtp", "dx+mtp")
+_PLUGIN_BASE_ARMS = ("c", "d", "pd-c", "dx")
+PLUGIN_ARMS = _PLUGIN_BASE_ARMS + tuple(a for a in MTP_ARMS if a.removesuffix(MTP_SUFFIX) in _PLUGIN_BASE_ARMS)
 PD_TRANSFER_BACKEND = "mooncake_tcp"  # SGLang 0.5.17: Mooncake with MC_FORCE_TCP=1 (no RDMA NIC on the GPU machine)
-ARM_HISPARSE_OVERRIDES = {"d": {"resident_first": False}, "dx": {"resident_first": False},
-                          "d+mtp": {"resident_first": False}, "dx+mtp": {"resident_first": False}}  # merged into --hisparse-config
+ARM_HISPARSE_OVERRIDES = {"d": {"resident_first": False}, "dx": {"resident_first": False}}  # merged into --hisparse-config
 # The DSA backend of each KV cache dtype whose decode path calls the HiSparse swap-in (SGLang 0.5.17).
 DSA_BACKEND_OF_KV_DTYPE = {"bfloat16": "flashmla_sparse", "fp8_e4m3": "flashmla_kv"}
 
@@ -205,7 +206,7 @@ def hisparse_config_json(config: str, arm: str, plugin_config: str = "") -> str:
             raise ValueError(f"--plugin-hisparse-config must be a JSON object, got {plugin_config!r}")
         if arm in PLUGIN_ARMS:
             merged.update(extra)
-    merged.update(ARM_HISPARSE_OVERRIDES.get(arm, {}))
+    merged.update(ARM_HISPARSE_OVERRIDES.get(base_arm(arm), {}))
     return json.dumps(merged, separators=(",", ":"))
 
 
@@ -253,7 +254,7 @@ def arm_spec(arm: str, args, env0: dict, common: Path, plugin_dir: Path, port: i
         # editable install lying in src/ (importlib.metadata keeps the first distribution per name)
         pp = [str(plugin_dir), str(args.plugin_src)] + pp
         env.update(parse_env_assignments(args.plugin_env))
-        env.update(ARM_ENV.get(arm, {}))
+        env.update(ARM_ENV.get(base_arm(arm), {}))
         if args.kv_check_every:
             env["HISPARSE_E2E_KV_CHECK"] = str(args.kv_check_every)
     cmd += shlex.split(args.extra_server_args)

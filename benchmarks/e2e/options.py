@@ -20,6 +20,7 @@ from arms import (
     MTP_ARMS,
     PD_ARMS,
     PLUGIN_ARMS,
+    base_arm,
     hisparse_config_json,
     parse_env_assignments,
 )
@@ -316,7 +317,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"arm {arm}: --mtp-steps {args.mtp_steps} verifies {args.mtp_steps + 1} positions of top_k "
                      f"{config.get('top_k', 2048)} each, so device_buffer_size must be >= {need} (the config gives "
                      f"{config['device_buffer_size']}); pass it in --hisparse-config or --plugin-hisparse-config")
-    overridden = [arm for arm in args.arms if arm in ARM_HISPARSE_OVERRIDES]
+    overridden = [arm for arm in args.arms if base_arm(arm) in ARM_HISPARSE_OVERRIDES]
     if overridden and args.plugin_no_enable_hisparse:
         ap.error(f"arm(s) {', '.join(overridden)} pass \"resident_first\": false through --hisparse-config; drop "
                  "--plugin-no-enable-hisparse")
