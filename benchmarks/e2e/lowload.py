@@ -43,7 +43,7 @@ def phase_lowload(target, run: Run, keep) -> dict:
             target.check()
             prompts = [make_prompt(lowload_prompt_seed(c, rep, i), L, run.vocab) for i in range(c)]
             timeout = max(20.0, min(args.ll_level_timeout, dl.left() - args.reserve_s))
-            row = {"level": c, "repeat": rep} | run_level(target, run, prompts, O, timeout, steady=True)
+            row = {"level": c, "repeat": rep} | run_level(target, prompts, O, timeout, steady=True)
             res["runs"].append(row)
             log(f"  lowload c={c} (repeat {rep + 1}/{args.ll_repeats}): TPOT median {row['tpot_ms_median']} ms "
                 f"(steady {row['steady_tpot_ms_median']} ms), {row['output_tok_s']} out tok/s, log decode "

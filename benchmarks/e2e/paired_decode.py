@@ -48,7 +48,7 @@ from servers import Server
 def decode_level(server: Server, prompts: list[list[int]], output_len: int) -> dict:
     """Every prompt at once (phases.run_level): the mean time per output token over the requests (ms), or the
     first error when a request gave no time per token."""
-    row = run_level(server, None, prompts, output_len, timeout=600)
+    row = run_level(server, prompts, output_len, timeout=600)
     tpots = row["tpot_ms_per_request"]
     if len(tpots) < len(prompts):
         return {"error": str(row["errors"][0] if row["errors"] else "a request without a time per token")}

@@ -122,7 +122,7 @@ def phase_saturation(target, run: Run, keep) -> dict:
             res["skipped_rest"] = "deadline"
             return res
         timeout = max(20.0, min(args.sat_timeout, dl.left() - args.reserve_s))
-        row = run_level(target, run, [make_prompt(900_000 + i, L, run.vocab)], O, timeout)
+        row = run_level(target, [make_prompt(900_000 + i, L, run.vocab)], O, timeout)
         runs.append({k: row[k] for k in ("ok", "errors", "tpot_ms_median", "ttft_s_median", "output_tok_s",
                                          "log_gen_tput_median", "hisparse_step_host_ms_median")})
         log(f"  saturation: concurrency 1, run {i + 1}: TPOT {row['tpot_ms_median']} ms, TTFT {row['ttft_s_median']} s")
@@ -136,7 +136,7 @@ def phase_saturation(target, run: Run, keep) -> dict:
     off = file_size(target.log_path)
     sampler = Sampler(target.endpoint.loads, 0.5)
     timeout = max(30.0, min(args.sat_timeout, dl.left() - args.reserve_s))
-    row = run_level(target, run, [make_prompt(910_000 + i, L, run.vocab) for i in range(N)], O, timeout)
+    row = run_level(target, [make_prompt(910_000 + i, L, run.vocab) for i in range(N)], O, timeout)
     samples = [(t, int(ld.get("num_running_reqs", 0))) for t, ld in sampler.stop() if ld]
     decode_lines = parse_decode_lines(read_from(target.log_path, off))
     most = max([r for _, r in samples] + [d["running"] for d in decode_lines] + [0])

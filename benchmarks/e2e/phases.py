@@ -271,11 +271,11 @@ def warm_up(target, run: Run, seed: int, input_len: int) -> float | None:
     return None
 
 
-def run_level(target, run: Run, prompts: list[list[int]], out_len: int, timeout: float, *, steady: bool = False) -> dict:
+def run_level(target, prompts: list[list[int]], out_len: int, timeout: float, *, steady: bool = False) -> dict:
     """All `prompts` sent at once (streaming): client and server-log figures of the level.
 
     steady=True adds each request's time per output token while every request of the level decodes
-    (stats.steady_window: prefills of the level no longer interleave). `run` is not read."""
+    (stats.steady_window: prefills of the level no longer interleave)."""
     off = file_size(target.log_path)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
@@ -339,7 +339,7 @@ def phase_throughput(target, run: Run, cap: int | None, keep) -> dict:
         target.check()
         prompts = [make_prompt(200_000 + 1000 * c + 100_000 * rep + i, L, run.vocab) for i in range(c)]
         timeout = max(20.0, min(args.tp_level_timeout, dl.left() - args.reserve_s))
-        row = {"level": lv, "repeat": rep} | run_level(target, run, prompts, O, timeout)
+        row = {"level": lv, "repeat": rep} | run_level(target, prompts, O, timeout)
         res["levels"].append(row)
         log(f"  throughput c={c:3d} ({lv}, run {rep + 1}/{args.tp_repeats}): {row['output_tok_s']} out tok/s, "
             f"TPOT median {row['tpot_ms_median']} ms, TTFT median {row['ttft_s_median']} s, "

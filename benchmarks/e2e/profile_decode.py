@@ -91,6 +91,16 @@ def cpu_topology() -> dict:
     return {"model": model, "siblings": siblings}
 
 
+# Fields of a /proc/<pid>[/task/<tid>]/stat after the name: user and system clock ticks, the CPU last run on.
+_UTIME, _STIME, _LAST_CPU = 11, 12, 36
+
+
+def proc_stat(path: Path | str) -> tuple[str, list[str]]:
+    """(name, the fields after it) of a /proc stat file (the name may hold spaces and parentheses)."""
+    head, tail = Path(path).read_text().rsplit(")", 1)
+    return head.split("(", 1)[1], tail.split()
+
+
 def thread_times() -> dict[tuple[int, int], tuple[str, int, int]]:
     """(pid, tid) -> (name, user+system clock ticks, CPU last run on) of every thread on the machine."""
     out = {}
@@ -103,12 +113,11 @@ def thread_times() -> dict[tuple[int, int], tuple[str, int, int]]:
             continue
         for task in tasks:
             try:
-                head, tail = (task / "stat").read_text().rsplit(")", 1)
+                name, fields = proc_stat(task / "stat")
             except OSError:
                 continue
-            fields = tail.split()
-            out[(int(proc.name), int(task.name))] = (head.split("(", 1)[1], int(fields[11]) + int(fields[12]),
-                                                     int(fields[36]))
+            out[(int(proc.name), int(task.name))] = (name, int(fields[_UTIME]) + int(fields[_STIME]),
+                                                     int(fields[_LAST_CPU]))
     return out
 
 
@@ -266,8 +275,7 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
         thread.start()
         scheduler_pid = find_scheduler_pid(server.proc.pid) if args.placement_sweep else None
         if scheduler_pid is not None:  # where the scheduler runs and what else is busy, beside the sweep
-            with open(f"/proc/{scheduler_pid}/stat") as stat:
-                result["scheduler_cpu"] = int(stat.read().rsplit(")", 1)[1].split()[36])
+            result["scheduler_cpu"] = int(proc_stat(f"/proc/{scheduler_pid}/stat")[1][_LAST_CPU])
             result["busy_threads"] = busy_threads(1.0)
         if args.kernel_steps:
             time.sleep(args.spy_delay)
