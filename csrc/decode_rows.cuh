@@ -15,10 +15,15 @@
 //   verify slot into slot D. The shape is fixed ([B, T + 1] x layers), the accept lengths are read on
 //   the device.
 //
+// * cap_accepted (no host plan; one thread per batch row): after acceptance, caps a row's accept length
+//   at the first verify position swap_in_positions could not serve (verify_limit), drops the capped
+//   positions from accept_index, and resets verify_limit for the next step.
+//
 // The verify kernels read s (seq_lens) and a (accept_lens) on the device: no host synchronization, and
 // a CUDA graph may capture them.
 //
-// Reference twins: ops/reference.py::bind_rows, ::backup_newest, ::bind_verify_slots, ::commit_accepted.
+// Reference twins: ops/reference.py::bind_rows, ::backup_newest, ::bind_verify_slots, ::commit_accepted,
+// ::cap_accepted.
 #pragma once
 
 #include <cstdint>
@@ -206,6 +211,34 @@ __global__ void commit_accepted_kernel(const CommitAcceptedParams p) {
     dst = device_kv + int64_t(rows[0]) * p.row_words;
   }
   for (int64_t word = threadIdx.x % kWarpSize; word < p.row_words; word += kWarpSize) dst[word] = src[word];
+}
+
+struct CapAcceptedParams {
+  int32_t* verify_limit;  // [>= B]: first position not served (kNoVerifyLimit: all were); reset here
+  void* accept_lens;  // [B] int32 or int64, in/out: positions accepted, the root included
+  int accept_lens_is_64;
+  int32_t* accept_index;  // [B, width] in/out: accepted entries, -1 after the last
+  int64_t width;
+  unsigned long long* counters;  // [2] or nullptr: rows capped, positions dropped
+  int64_t batch;
+};
+
+// Thread b: a row whose accept length exceeds its limit accepts the positions before the limit (at
+// least the root: a limit below 1 counts as 1, a precondition the kernel cannot raise).
+__global__ void cap_accepted_kernel(const CapAcceptedParams p) {
+  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= p.batch) return;
+  const int64_t limit = max(int64_t(p.verify_limit[b]), int64_t(1));
+  p.verify_limit[b] = kNoVerifyLimit;
+  const int64_t accepted = load_index(p.accept_lens, p.accept_lens_is_64, b);
+  if (accepted <= limit) return;
+  for (int64_t i = limit; i < p.width; ++i) p.accept_index[b * p.width + i] = -1;
+  if (p.accept_lens_is_64) static_cast<int64_t*>(p.accept_lens)[b] = limit;
+  else static_cast<int32_t*>(p.accept_lens)[b] = static_cast<int32_t>(limit);
+  if (p.counters != nullptr) {
+    atomicAdd(p.counters, 1ull);
+    atomicAdd(p.counters + 1, static_cast<unsigned long long>(accepted - limit));
+  }
 }
 
 }  // namespace hisparse

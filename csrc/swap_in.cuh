@@ -47,8 +47,12 @@
 // copied nearly twice one position's bytes, measured on an H100). The newest accepted token (t == s - 1) maps to slot D
 // and a verify token t in [s, s + j] to slot D + kVerifySlotBase + (t - s), both in the hit path; a
 // resident request translates every entry up to its position's limit. A later group finds what an earlier
-// one copied as hits and never evicts a row an earlier one returned (those carry stamp s, the newest, and
-// D >= T x K leaves enough older slots; reference.py states the argument). The shared-memory plan is sized
+// one copied as hits and never evicts a row an earlier one returned (stamp s this step: not a victim). Where
+// a group's misses outnumber the slots it may evict (D < the union of the positions' history), the first
+// position whose miss finds no slot and every later one are left out: their outputs are -1, the row's
+// verify_limit is lowered to that position (atomicMin; later groups and layers serve none at or past it),
+// and the caller caps the step's accepted tokens there (cap_accepted, decode_rows.cuh). The first group
+// always fits (G x K <= D), so position 0 is always served. The shared-memory plan is sized
 // by the G x K entries (ops/swap_in_plan.py::swap_in_positions_plan). Both kernels share one body,
 // specialised at compile time (POSITIONS), so swap_in's code is the one-position kernel's as before.
 #pragma once
@@ -132,6 +136,10 @@ struct SwapInParams {
   // position_offset + i / K). Last, so the fields swap_in reads keep their offsets.
   int position_width;
   int position_offset;
+  // swap_in_positions only: [batch] the first query position of each row that is not served this step
+  // (in/out; a large value when every position is). A launch serves no position at or past it and lowers
+  // it where its group's misses do not fit the slots it may evict (the planner, after its lookups).
+  int32_t* verify_limit;
 };
 
 // Phase timestamps for diagnostics (`benchmarks/bench_swap_in.py trace` builds with -DHISPARSE_TRACE):
@@ -348,6 +356,11 @@ __device__ __forceinline__ bool copier(const SwapInParams& p, int b, int c, int 
   __syncthreads();
 #endif
 
+  // POSITIONS: positions at or past the row's verify_limit are padding, as for the planner. The planner may
+  // lower the limit during this launch (to a position none of whose misses it places); a copier that reads
+  // the lower value leaves out only entries whose outputs the planner sets to -1.
+  const int32_t limit = POSITIONS ? __ldcg(p.verify_limit + b) : 0;
+
   // C1: lookups; a miss records its host row.
   int local = 0;
   const int rounds = (span + THREADS * kBatch - 1) / (THREADS * kBatch);
@@ -356,6 +369,13 @@ __device__ __forceinline__ bool copier(const SwapInParams& p, int b, int c, int 
     int16_t slot[kBatch];
     int32_t host_row[kBatch];
     load_top_k_batch<THREADS>(t, top_k, first_batch, round == 0, begin, tid + round * kBatch * THREADS, span);
+    if constexpr (POSITIONS) {
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = begin + tid + (round * kBatch + u) * THREADS;
+        if (p.position_offset + i / p.position_width >= limit) t[u] = -1;
+      }
+    }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) slot[u] = (t[u] >= 0 && t[u] < newest) ? token_slot[t[u]] : int16_t(0);
 #pragma unroll
@@ -502,6 +522,10 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
     asm volatile("red.relaxed.gpu.global.or.b32 [%0], %1;" ::"l"(p.row_counts + b), "r"(kPlannerStarted) : "memory");
   }
 
+  // POSITIONS: the first position this launch may not serve (an earlier group or layer of the step found
+  // its misses did not fit); its entries and every later position's are padding.
+  const int32_t limit = POSITIONS ? __ldcg(p.verify_limit + b) : 0;
+
   // H1: every entry is looked up in the token -> slot map.
   {
     const int32_t newest_row = slot_rows[D];
@@ -511,6 +535,12 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
       int32_t t[kBatch];
       int32_t slot[kBatch];
       load_top_k_batch<THREADS>(t, top_k, first_batch, base == tid, 0, base, K);
+      if constexpr (POSITIONS) {
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (p.position_offset + (base + u * THREADS) / p.position_width >= limit) t[u] = -1;
+        }
+      }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) slot[u] = (t[u] >= 0 && t[u] < newest) ? token_slot[t[u]] : -1;
       int32_t row[kBatch];
@@ -644,6 +674,9 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
       if (j0 + u < slot_end) {
         const int age = now - stamp[u];
         slot_age[j0 + u] = static_cast<int16_t>(age < 0 ? 0 : (age > kAgeCap ? kAgeCap : age));
+        // POSITIONS, a later group: a slot stamped s this step holds a row an earlier group returned and
+        // is never a victim (-1, like a hit's).
+        if (POSITIONS && p.position_offset > 0 && stamp[u] == now) slot_age[j0 + u] = -1;
         token_of_slot[j0 + u] = token[u];
         row_of_slot[j0 + u] = row[u];
       }
@@ -662,13 +695,15 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
   for (int j = slot_begin; j < slot_end; ++j) {
     if (slot_hit[j >> kBitmapWordShift] & (1u << (j & (kBitmapWordBits - 1)))) {
       slot_age[j] = -1;
-    } else {
+    } else if (!POSITIONS || slot_age[j] >= 0) {
       atomicAdd(coarse + (slot_age[j] >> kFineBits), 1);
+      if constexpr (POSITIONS) local += 1ull << 32;  // an evictable slot (the high half of the scan)
     }
   }
   uint64_t total;
   uint64_t rank = block_exclusive_scan<THREADS>(local, warp_sums, total);
-  const int num_miss = static_cast<int>(total);
+  int num_miss = static_cast<int>(total);
+  if constexpr (POSITIONS) rank &= 0xffffffffu;
   for (int i = entry_begin; i < entry_end; ++i) {
     const int h = entry_hash[i];
     if (entry_state[i] <= kMissBase && first[h] == i) {
@@ -676,43 +711,68 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
       ++rank;
     }
   }
-  if (tid < kWarpSize) warp_find_from_top(coarse, kCoarseBuckets, num_miss, &coarse_bucket, &coarse_above);
+  // POSITIONS: more misses than evictable slots. The misses are ranked position-major, so the position of
+  // the first one that finds no slot (rank `evictable`) is the first this step cannot serve: only the
+  // misses of earlier positions are placed, and that position and every later one are left out (outputs
+  // -1, M6; verify_limit lowered). The first group always fits (G x K <= D), so position 0 is served.
+  int failed = kNoVerifyLimit;  // the first position left out by this launch
+  if constexpr (POSITIONS) {
+    const int evictable = static_cast<int>(total >> 32);
+    if (num_miss > evictable) {
+      __syncthreads();  // miss_hash complete
+      failed = p.position_offset + first[miss_hash[evictable]] / p.position_width;
+      // Every thread finds the first rank of that position (ranks below `evictable` are of positions <= it).
+      int lo = 0;
+      int hi = evictable;
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (p.position_offset + first[miss_hash[mid]] / p.position_width >= failed) hi = mid;
+        else lo = mid + 1;
+      }
+      num_miss = lo;
+      if (tid == 0) atomicMin(p.verify_limit + b, failed);
+    }
+  }
+  if (tid < kWarpSize && (!POSITIONS || num_miss > 0)) warp_find_from_top(coarse, kCoarseBuckets, num_miss, &coarse_bucket, &coarse_above);
   __syncthreads();
   HISPARSE_MARK(3);
 
-  // M3: within the coarse bucket of the youngest victim, histogram the low bits of the age.
-  const int high = coarse_bucket;
-  for (int j = slot_begin; j < slot_end; ++j) {
-    const int age = slot_age[j];
-    if (age >= 0 && (age >> kFineBits) == high) atomicAdd(fine + (age & (kFineBuckets - 1)), 1);
-  }
-  __syncthreads();
-  if (tid < kWarpSize) warp_find_from_top(fine, kFineBuckets, num_miss - coarse_above, &fine_bucket, &fine_above);
-  __syncthreads();
-  const int youngest = (high << kFineBits) | fine_bucket;  // age of the youngest victim
-  const int older_total = coarse_above + fine_above;  // victims older than it
-  const int equal_needed = num_miss - older_total;
-
-  // M4: victims in order: the older ones by slot, then the needed ones of the youngest age by slot.
-  local = 0;
-  for (int j = slot_begin; j < slot_end; ++j) {
-    const int age = slot_age[j];
-    if (age > youngest) local += 1;
-    else if (age == youngest) local += 1ull << 32;
-  }
-  rank = block_exclusive_scan<THREADS>(local, warp_sums, total);
-  int older_rank = static_cast<int>(rank & 0xffffffffu);
-  int equal_rank = static_cast<int>(rank >> 32);
-  for (int j = slot_begin; j < slot_end; ++j) {
-    const int age = slot_age[j];
-    if (age > youngest) {
-      victim_slot[older_rank++] = static_cast<int16_t>(j);
-    } else if (age == youngest) {
-      if (equal_rank < equal_needed) victim_slot[older_total + equal_rank] = static_cast<int16_t>(j);
-      ++equal_rank;
+  // M3 and M4 select the victims (none when a launch of positions places no miss: every one was left out).
+  if (!POSITIONS || num_miss > 0) {
+    // M3: within the coarse bucket of the youngest victim, histogram the low bits of the age.
+    const int high = coarse_bucket;
+    for (int j = slot_begin; j < slot_end; ++j) {
+      const int age = slot_age[j];
+      if (age >= 0 && (age >> kFineBits) == high) atomicAdd(fine + (age & (kFineBuckets - 1)), 1);
     }
+    __syncthreads();
+    if (tid < kWarpSize) warp_find_from_top(fine, kFineBuckets, num_miss - coarse_above, &fine_bucket, &fine_above);
+    __syncthreads();
+    const int youngest = (high << kFineBits) | fine_bucket;  // age of the youngest victim
+    const int older_total = coarse_above + fine_above;  // victims older than it
+    const int equal_needed = num_miss - older_total;
+
+    // M4: victims in order: the older ones by slot, then the needed ones of the youngest age by slot.
+    local = 0;
+    for (int j = slot_begin; j < slot_end; ++j) {
+      const int age = slot_age[j];
+      if (age > youngest) local += 1;
+      else if (age == youngest) local += 1ull << 32;
+    }
+    rank = block_exclusive_scan<THREADS>(local, warp_sums, total);
+    int older_rank = static_cast<int>(rank & 0xffffffffu);
+    int equal_rank = static_cast<int>(rank >> 32);
+    for (int j = slot_begin; j < slot_end; ++j) {
+      const int age = slot_age[j];
+      if (age > youngest) {
+        victim_slot[older_rank++] = static_cast<int16_t>(j);
+      } else if (age == youngest) {
+        if (equal_rank < equal_needed) victim_slot[older_total + equal_rank] = static_cast<int16_t>(j);
+        ++equal_rank;
+      }
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
   // Close the claims: the copiers that keep a chunk must have looked their entries up before the map
   // changes; the chunks no copier keeps are the planner's to copy. selection[] (room for the claim
@@ -747,9 +807,12 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
   // later entry must not copy the row again (a launch of G = 2 positions copied nearly twice the bytes
   // of one position), so such an entry's output carries kDuplicateBase - row, which that copier turns
   // back into the row after reading it (copier, C3). The first entry's owner copies the row.
+  // POSITIONS: every entry of a position this launch left out (M2) is -1, its hits' too.
   const int copier_entries = p.splits > 1 ? copier_chunk(K, p.splits) : K;
   for (int i = entry_begin; i < entry_end; ++i) {
-    if (entry_state[i] <= kMissBase) {
+    if (POSITIONS && p.position_offset + i / p.position_width >= failed) {
+      out[i] = -1;
+    } else if (entry_state[i] <= kMissBase) {
       const int h = entry_hash[i];
       const int32_t row = hash_device_row[h];
       const bool duplicate = POSITIONS && p.splits > 1 && first[h] != i && chunk_kept(kept, i / copier_entries);

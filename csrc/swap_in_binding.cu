@@ -361,8 +361,8 @@ void hisparse_swap_in_positions(
     TensorView top_k, TensorView seq_lens, TensorView req_pool_indices, TensorView num_real_reqs,
     TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
     TensorView slot_tokens, TensorView slot_stamps, TensorView token_slot, TensorView host_kv, TensorView device_kv, TensorView out,
-    TensorView counters, TensorView sync, TensorView plan, int64_t positions_per_group, int64_t splits, int64_t threads,
-    int64_t stream) {
+    TensorView counters, TensorView verify_limit, TensorView sync, TensorView plan, int64_t positions_per_group,
+    int64_t splits, int64_t threads, int64_t stream) {
   constexpr const char* op = "swap_in_positions";
   // A batch row's T x K entries are read as one row: each position's K entries contiguous, positions adjacent.
   require_tensor(top_k.ndim() == 3 && is_int(top_k, 32) && on_cuda(top_k) && top_k.stride(2) == 1 &&
@@ -379,10 +379,9 @@ void hisparse_swap_in_positions(
   require(slot_rows.ndim() == 2 && (slot_rows.size(0) == 0 || T <= verify_slots), op,
           std::to_string(T) + " verify positions per request, but a buffer's reserved page holds " +
               std::to_string(verify_slots) + " (page size - 1)");
-  // The LRU slots hold the union of every group's rows: what keeps a later group from evicting them.
-  require(slot_tokens.ndim() != 2 || T * K <= D, op,  // a malformed slot_tokens is named by swap_in_params
-          "num_draft_tokens x top_k (" + std::to_string(T) + " x " + std::to_string(K) + " = " +
-              std::to_string(T * K) + ") must be <= device_buffer_size (" + std::to_string(D) + ")");
+  require_tensor(on_cuda(verify_limit) && verify_limit.ndim() == 1 && is_int(verify_limit, 32) &&
+                     verify_limit.size(0) >= batch && (verify_limit.size(0) == 0 || verify_limit.stride(0) == 1),
+                 op, "verify_limit", "a contiguous int32 [>= batch] tensor on CUDA", verify_limit);
   const int64_t G = positions_per_group;
   require(G >= 1 && G <= T, op,
           "positions_per_group must be in [1, " + std::to_string(T) + "] (the verify positions); got " +
@@ -396,6 +395,7 @@ void hisparse_swap_in_positions(
       device_row_of_loc, buffer_of_req, slot_rows, slot_tokens, slot_stamps, token_slot, host_kv, device_kv, out,
       out.stride(0), counters, sync, plan, splits, threads);
   if (batch == 0) return;
+  p.verify_limit = data_of<int32_t>(verify_limit);
   // Group after group in stream order: each launch finds the tables (and the workspace, reset by its
   // predecessor's last CTA) as the previous one left them.
   const int32_t* top_k_base = p.top_k_positions;
@@ -725,6 +725,38 @@ void hisparse_commit_accepted(
                          std::to_string(layers) + " layers");
 }
 
+// After acceptance, before SGLang uses the accept lengths: a row whose verify_limit (set by
+// swap_in_positions) is below its accept length accepts only the positions before the limit
+// (ops/reference.py::cap_accepted); every verify_limit entry of the batch is reset for the next step.
+void hisparse_cap_accepted(TensorView verify_limit, TensorView accept_lens, TensorView accept_index, TensorView counters,
+                           int64_t stream) {
+  constexpr const char* op = "cap_accepted";
+  require_tensor(on_cuda(accept_lens) && accept_lens.ndim() == 1 && is_index(accept_lens) &&
+                     (accept_lens.size(0) == 0 || accept_lens.stride(0) == 1),
+                 op, "accept_lens", "a contiguous int32/int64 [B] tensor on CUDA", accept_lens);
+  const int64_t batch = accept_lens.size(0);
+  require_tensor(on_cuda(accept_index) && accept_index.ndim() == 2 && accept_index.size(0) == batch &&
+                     is_int(accept_index, 32) && (batch == 0 || (accept_index.stride(1) == 1 &&
+                                                                 accept_index.stride(0) == accept_index.size(1))),
+                 op, "accept_index", "a contiguous int32 [B, W] tensor on CUDA, B as accept_lens", accept_index);
+  require_tensor(on_cuda(verify_limit) && verify_limit.ndim() == 1 && is_int(verify_limit, 32) &&
+                     verify_limit.size(0) >= batch && (verify_limit.size(0) == 0 || verify_limit.stride(0) == 1),
+                 op, "verify_limit", "a contiguous int32 [>= B] tensor on CUDA", verify_limit);
+  require_tensor(counters.numel() == 0 || (is_int(counters, 64) && counters.numel() >= 2 && on_cuda(counters)), op,
+                 "counters", "int64 [2] on CUDA or empty", counters);
+  if (batch == 0) return;
+  hisparse::CapAcceptedParams p{};
+  p.verify_limit = data_of<int32_t>(verify_limit);
+  p.accept_lens = data_of<void>(accept_lens);
+  p.accept_lens_is_64 = is_int(accept_lens, 64);
+  p.accept_index = data_of<int32_t>(accept_index);
+  p.width = accept_index.size(1);
+  p.counters = counters.numel() ? reinterpret_cast<unsigned long long*>(data_of<int64_t>(counters)) : nullptr;
+  p.batch = batch;
+  launch_decode_rows(hisparse::cap_accepted_kernel, p, (batch + kDecodeRowThreads - 1) / kDecodeRowThreads, stream, op,
+                     std::to_string(batch) + " batch rows");
+}
+
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in, hisparse_swap_in);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in_occupancy, hisparse_swap_in_occupancy);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in_positions, hisparse_swap_in_positions);
@@ -734,3 +766,4 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(backup_newest, hisparse_backup_newest);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bind_rows, hisparse_bind_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bind_verify_slots, hisparse_bind_verify_slots);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(commit_accepted, hisparse_commit_accepted);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(cap_accepted, hisparse_cap_accepted);

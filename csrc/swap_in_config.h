@@ -25,6 +25,8 @@ constexpr int kMaxBufferSize = 32767;     // slot ids are int16 (ops/swap_in_pla
 // Speculative decoding (docs/speculative.md 2.2): verify position j of an offloaded request lives in
 // buffer slot D + kVerifySlotBase + j; slot D keeps the newest accepted token (ops/reference.VERIFY_SLOT_BASE).
 constexpr int kVerifySlotBase = 1;
+// verify_limit of a batch row whose every verify position is served (ops/reference.NO_VERIFY_LIMIT).
+constexpr int32_t kNoVerifyLimit = 0x7fffffff;
 
 // LRU ages: now - stamp, capped, chosen by two histogram passes (the high bits, then the low bits
 // inside the bucket of the youngest victim).

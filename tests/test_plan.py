@@ -160,17 +160,17 @@ def test_cli_help_and_exit_codes(capsys):
 
 def test_speculative_decoding_sizes_the_nextn_layers_and_the_verify_buffer():
     """--speculative-num-draft-tokens T: the draft's NextN layer keeps KV of the same tokens (sized as one more
-    layer, GPU and host), and the default buffer holds max(2, T) x top_k slots as the plugin's own config does."""
+    layer, GPU and host); the default buffer stays 2 x top_k slots, as the plugin's own config keeps it."""
     spec = plan.PlanInput(model=plan.model_shape("DeepSeek-V3.2"), gpu_mem_gib=139.8, host_mem_gib=1800, tp=8)
     plain = plan.plan(spec)
     mtp3 = plan.plan(dataclasses.replace(spec, speculative_num_draft_tokens=4))
     mtp1 = plan.plan(dataclasses.replace(spec, speculative_num_draft_tokens=2))
     assert not (plain.errors or mtp3.errors or mtp1.errors)
     assert (plain.config.device_buffer_size, mtp1.config.device_buffer_size, mtp3.config.device_buffer_size) == (
-        4096, 4096, 8192)
+        4096, 4096, 4096)
     assert mtp3.bytes_per_token_with * 61 == plain.bytes_per_token_with * 62
     assert mtp3.host_pool_gib / mtp3.host_rows == pytest.approx(plain.host_pool_gib / plain.host_rows * 62 / 61)
-    assert '"device_buffer_size": 8192' in mtp3.hisparse_config_json
+    assert '"device_buffer_size": 4096' in mtp3.hisparse_config_json
 
 
 def test_speculative_decoding_needs_a_nextn_layer_and_at_most_four_positions(tmp_path, capsys):

@@ -47,7 +47,7 @@ class Case:
             self.stamps, self.token_slot, self.host, self.device,
         )
 
-    def run(self, top_k, reqs=(0,), committed=None, num_real=None, group=None):
+    def run(self, top_k, reqs=(0,), committed=None, num_real=None, group=None, verify_limit=None):
         top_k = torch.tensor(top_k, dtype=torch.int32)
         if top_k.dim() == 2:
             top_k = top_k.unsqueeze(0)
@@ -56,7 +56,7 @@ class Case:
         out = torch.full(top_k.shape, 12345, dtype=torch.int32)  # sentinel
         result = reference.swap_in_positions(
             top_k, seq_lens, torch.tensor(reqs, dtype=torch.int64), num_real, self.tables(), out=out,
-            counters=self.counters, group=group,
+            counters=self.counters, verify_limit=verify_limit, group=group,
         )
         assert result is out
         self.check_map()
@@ -109,7 +109,7 @@ def test_no_position_evicts_a_token_another_position_reads():
     # which position 1 reads; together, 11 and 12 are hits of the request and stay.
     stamps = (39, 10, 10, 10)
     case = Case(stamps=stamps)
-    out = case.run([[20, -1, -1], [11, 12, 21]])
+    out = case.run([[20, -1, -1], [11, 12, 21]], group=2)
     # hits 11 (slot 1), 12 (slot 2); misses 20, 21 take slots 3 (age 30) and 0 (age 1, the youngest victim)
     assert out.tolist() == [[[53, -1, -1], [51, 52, 50]]]
     assert case.slot_tokens.tolist() == [[21, 11, 12, 20]]
@@ -192,10 +192,79 @@ def test_padding_rows_output_minus_one_and_change_nothing():
     assert case.written_rows() == []
 
 
-def test_history_larger_than_the_buffer_is_refused():
+def test_positions_whose_misses_do_not_fit_are_left_out_and_lower_the_limit():
     case = Case()
-    with pytest.raises(ValueError, match="2 verify positions select 5 distinct history tokens .* device_buffer_size"):
-        case.run([[20, 21, 22], [23, 24, -1]])  # five distinct history tokens, four slots
+    limit = torch.full((1,), reference.NO_VERIFY_LIMIT, dtype=torch.int32)
+    top_k = [
+        [20, 39, -1],  # group 0: 20 misses; 39 is the newest accepted token (slot D)
+        [21, 40, -1],  # 21 misses; 40 is position 0's verify token (slot D + 1)
+        [12, 22, 41],  # group 1: 12 hits slot 2, 22 misses, 41 is a verify token
+        [23, 24, 42],  # 23 and 24 miss: no slot left for them
+    ]
+    out = case.run(top_k, group=2, verify_limit=limit)
+    # Group 0 takes slots 0 and 1 (equally old, lowest first). Group 1 may evict only slot 3: slots 0 and 1
+    # carry stamp 40 (group 0's rows) and slot 2 is its hit. Its misses in order are 22, 23, 24: 23, of
+    # position 3, is the first without a slot, so 22 alone is placed (slot 3) and position 3 is left out.
+    assert out.tolist() == [[[50, 60, -1], [51, 61, -1], [52, 53, 62], [-1, -1, -1]]]
+    assert limit.tolist() == [3]
+    assert case.slot_tokens.tolist() == [[20, 21, 12, 22]]
+    assert case.stamps.tolist() == [[40, 40, 40, 40]]
+    assert case.counters.tolist() == [6, 3]  # position 3's entries were looked up; three rows copied
+    assert case.written_rows() == [50, 51, 53]
+    # A later layer of the same forward serves no position at or past the limit: here every entry hits.
+    again = case.run(top_k, group=2, verify_limit=limit)
+    assert again.tolist() == out.tolist() and limit.tolist() == [3]
+    assert case.counters.tolist() == [6 + 4, 3]
+    # The acceptance then takes at most positions 0 .. 2.
+    accept_lens, accept_index = torch.tensor([4], dtype=torch.int32), torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    capped = torch.zeros(2, dtype=torch.int64)
+    reference.cap_accepted(limit, accept_lens, accept_index, capped)
+    assert accept_lens.tolist() == [3] and accept_index.tolist() == [[0, 1, 2, -1]] and capped.tolist() == [1, 1]
+    assert limit.tolist() == [reference.NO_VERIFY_LIMIT]
+
+
+def test_a_position_with_no_slot_left_leaves_out_every_later_one():
+    case = Case()
+    limit = torch.full((1,), reference.NO_VERIFY_LIMIT, dtype=torch.int32)
+    out = case.run([[20, 21, -1], [22, 23, 24], [20, 11, -1]], group=1, verify_limit=limit)
+    # Position 0 takes slots 0 and 1; position 1 may evict slots 2 and 3 only, for three misses: left out;
+    # position 2 is then padding (its 20 would have hit).
+    assert out.tolist() == [[[50, 51, -1], [-1, -1, -1], [-1, -1, -1]]]
+    assert limit.tolist() == [1]
+    assert case.slot_tokens.tolist() == [[20, 21, 12, 13]] and case.stamps.tolist() == [[40, 40, 30, 30]]
+    assert case.counters.tolist() == [5, 2]
+
+
+def test_stamps_equal_to_the_committed_length_only_make_fewer_slots_evictable():
+    # Slots 1..3 carry stamp s = 40 before the call (a previous call of the same committed length): position 1
+    # may evict none of them, nor slot 0 (position 0's hit), so it is left out instead of evicting a row.
+    case = Case(stamps=(30, 40, 40, 40))
+    limit = torch.full((1,), reference.NO_VERIFY_LIMIT, dtype=torch.int32)
+    assert case.run([[10], [21]], group=1, verify_limit=limit).tolist() == [[[50], [-1]]]
+    assert limit.tolist() == [1] and case.slot_tokens.tolist() == [[10, 11, 12, 13]]
+    # With stamps below s the same call is served.
+    fine = Case(stamps=(30, 39, 39, 39))
+    assert fine.run([[10], [21]], group=1).tolist() == [[[50], [51]]]
+
+
+def test_a_first_group_whose_history_exceeds_the_buffer_is_refused():
+    case = Case()
+    with pytest.raises(ValueError, match="first group's positions select 5 distinct history tokens .* 4 slots"):
+        case.run([[20, 21, 22, 23, 24]])  # five distinct history tokens, four slots: position 0 cannot be served
+
+
+def test_cap_accepted_caps_only_rows_above_their_limit():
+    limit = torch.tensor([2, reference.NO_VERIFY_LIMIT, 3, 0, 1], dtype=torch.int32)
+    accept_lens = torch.tensor([4, 4, 2, 3], dtype=torch.int64)
+    accept_index = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, -1, -1], [12, 13, 14, -1]], dtype=torch.int32)
+    counters = torch.zeros(2, dtype=torch.int64)
+    reference.cap_accepted(limit, accept_lens, accept_index, counters)
+    # Row 0: 4 -> 2; row 1: unlimited; row 2: 2 <= 3; row 3: a limit below 1 counts as 1 (the root).
+    assert accept_lens.tolist() == [2, 4, 2, 1]
+    assert accept_index.tolist() == [[0, 1, -1, -1], [4, 5, 6, 7], [8, 9, -1, -1], [12, -1, -1, -1]]
+    assert counters.tolist() == [2, 4]
+    # The batch's limits are reset; a row past the batch keeps its value.
+    assert limit.tolist() == [reference.NO_VERIFY_LIMIT] * 4 + [1]
 
 
 def test_more_positions_than_the_reserved_page_holds_are_refused():
@@ -237,17 +306,6 @@ def test_groups_of_one_never_evict_an_earlier_groups_row_but_recopy_what_it_evic
     together = Case(stamps=(39, 10, 10, 10))
     assert together.run([[20, -1, -1], [11, 12, 21]], group=2).tolist() == [[[53, -1, -1], [51, 52, 50]]]
     assert together.counters.tolist() == [4, 2]
-
-
-def test_a_later_group_that_would_evict_an_earlier_groups_row_is_refused():
-    # Slots 1..3 carry stamp s = 40 before the call (against the precondition): position 0 hits token 10
-    # (slot 0, stamp 40 now); every slot is then of age 0, and position 1's miss takes the lowest, slot 0.
-    case = Case(stamps=(30, 40, 40, 40))
-    with pytest.raises(ValueError, match="positions 1..1 evicted a row that an earlier group of positions returned"):
-        case.run([[10], [21]], group=1)
-    # With the precondition (stamps below s) the same call is served.
-    fine = Case(stamps=(30, 39, 39, 39))
-    assert fine.run([[10], [21]], group=1).tolist() == [[[50], [51]]]
 
 
 def test_a_group_outside_the_positions_is_refused():

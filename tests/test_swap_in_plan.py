@@ -3,7 +3,7 @@
 import pytest
 
 from hisparse_sglang.config import HiSparseConfig
-from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
+from hisparse_sglang.errors import HiSparseConfigError
 from hisparse_sglang.ops.swap_in_plan import (
     PLAN_FIELDS,
     SM90_SHARED_MEMORY_PER_BLOCK,
@@ -11,7 +11,6 @@ from hisparse_sglang.ops.swap_in_plan import (
     check_swap_in_fits,
     check_swap_in_positions_fits,
     largest_device_buffer_size,
-    largest_num_positions,
     largest_top_k,
     positions_per_group,
     swap_in_plan,
@@ -175,94 +174,62 @@ def test_the_positions_plan_is_the_plan_of_the_union_of_a_group():
     assert swap_in_positions_plan(2, 2048, 8192).total_bytes == 256_896 > SM90_SHARED_MEMORY_PER_BLOCK
 
 
-def test_positions_per_group_is_the_largest_group_that_fits_one_launch():
-    # top_k 2048 on sm_90: T <= 2 is one group (today's single launch), T = 3, 4 with D = T x K go one by one.
+def test_positions_per_group_is_the_largest_group_that_fits_the_buffer_and_one_launch():
+    # top_k 2048 on sm_90: two positions per launch with D 4096 to 5760 (T = 4: two launches), one from 6144 up.
     assert [positions_per_group(t, 2048, d) for t, d in [(1, 4096), (2, 4096), (2, 5760), (3, 6144), (4, 8192)]] == [
         1, 2, 2, 1, 1]
+    assert [positions_per_group(t, 2048, 4096) for t in (3, 4)] == [2, 2]
     assert positions_per_group(2, 2048, 5824) == 1  # 4096 entries need more with a buffer of 5824 slots
     assert [positions_per_group(t, 1024, 4096) for t in (1, 2, 3, 4)] == [1, 2, 3, 4]
     assert positions_per_group(8, 1024, 8192) == 2  # 3072 entries need 246,656 B with 8192 slots
     assert positions_per_group(3, 512, 4096) == 3
-    # Never above MAX_TOP_K entries; 1 when nothing fits (the check refuses such shapes).
+    # A group's entries never exceed the buffer (the first group must always fit it) nor MAX_TOP_K.
+    assert positions_per_group(4, 2048, 2048) == 1 and positions_per_group(4, 1024, 3072) == 3
     assert positions_per_group(8, 4096, 8192, limit=10**9) == 2
+    assert positions_per_group(8, 4096, 32767, limit=10**9) == 2
     assert positions_per_group(4, 2048, 8192, limit=1000) == 1
     for threads in SWAP_IN_BLOCK_SIZES:  # G fits every block size: the block size never changes a result
         for positions, top_k, buffer_size in [(4, 1024, 4096), (8, 1024, 8192), (2, 2048, 5760), (4, 2048, 8192)]:
             group = positions_per_group(positions, top_k, buffer_size)
             plan = swap_in_positions_plan(group, top_k, buffer_size, threads)
-            assert plan.total_bytes <= SM90_SHARED_MEMORY_PER_BLOCK
+            assert plan.total_bytes <= SM90_SHARED_MEMORY_PER_BLOCK and group * top_k <= buffer_size
     # The largest that fits: one more position does not (unless the group is every position).
-    for positions, top_k, buffer_size in [(8, 1024, 8192), (4, 2048, 8192), (3, 2048, 6144), (6, 700, 8192)]:
+    for positions, top_k, buffer_size in [(8, 1024, 8192), (4, 2048, 8192), (3, 2048, 6144), (6, 700, 8192),
+                                          (4, 2048, 4096)]:
         group = positions_per_group(positions, top_k, buffer_size)
-        assert group == positions or swap_in_positions_plan(group + 1, top_k, buffer_size, 1024).total_bytes > \
-            SM90_SHARED_MEMORY_PER_BLOCK
+        assert group == positions or (group + 1) * top_k > buffer_size or swap_in_positions_plan(
+            group + 1, top_k, buffer_size, 1024).total_bytes > SM90_SHARED_MEMORY_PER_BLOCK
 
 
-def test_the_most_verify_positions_that_fit():
-    limit = SM90_SHARED_MEMORY_PER_BLOCK
-    for threads in SWAP_IN_BLOCK_SIZES:
-        # One position's plan fits D up to 5760 / 14272 / 18496 / ... slots; T x top_k must fit D.
-        assert [largest_num_positions(k, 64, threads, limit) for k in (4096, 2048, 1024, 512)] == [1, 6, 18, 40]
-    assert largest_num_positions(2048, 64, 1024, limit, buffer_size=4096) == 2
-    assert largest_num_positions(2048, 64, 1024, limit, buffer_size=4095) == 1  # 2 x 2048 > the buffer
-    assert largest_num_positions(2048, 64, 1024, limit, buffer_size=8192) == 4  # served one position at a time
-    assert largest_num_positions(2048, 64, 1024, limit, buffer_size=14336) == 0  # one position does not fit
-    assert largest_num_positions(2048, 64, 1024, 101_376) == 0
-    for top_k in (2048, 1024, 700):
-        most = largest_num_positions(top_k, 64, 1024, limit)
-        check_swap_in_positions_fits(most, top_k, -(-most * top_k // 64) * 64, 64, 1024)  # the most fits
-        with pytest.raises(UnsupportedSetupError):
-            check_swap_in_positions_fits(most + 1, top_k, 16384, 64, 1024)
-
-
-def test_t_3_and_4_at_top_k_2048_are_served_one_position_per_launch():
+def test_any_number_of_positions_is_served_where_one_position_fits():
+    # The positions go group after group and need not fit the buffer together: T = 3, 4 at top_k 2048 take the
+    # default buffer of 4096 slots (two launches of two positions) or a larger one (one position per launch).
     for positions in (3, 4):
-        buffer_size = positions * 2048
-        plan = check_swap_in_positions_fits(positions, 2048, buffer_size, 64, 1024)
-        assert plan == swap_in_plan(2048, buffer_size, 1024) and plan.total_bytes <= SM90_SHARED_MEMORY_PER_BLOCK
-        for threads in SWAP_IN_BLOCK_SIZES:
-            assert check_swap_in_positions_fits(positions, 2048, buffer_size, 64, threads) == swap_in_plan(
-                2048, buffer_size, threads)
-    # T <= 2 keeps its one launch of T x K entries.
-    assert check_swap_in_positions_fits(2, 2048, 4096, 64, 1024) == swap_in_plan(4096, 4096, 1024)
+        assert check_swap_in_positions_fits(positions, 2048, 4096, 64, 1024) == swap_in_plan(4096, 4096, 1024)
+        for buffer_size in (positions * 2048, 14272):
+            for threads in SWAP_IN_BLOCK_SIZES:
+                plan = check_swap_in_positions_fits(positions, 2048, buffer_size, 64, threads)
+                assert plan == swap_in_plan(2048, buffer_size, threads) and plan.total_bytes <= SM90_SHARED_MEMORY_PER_BLOCK
+    assert check_swap_in_positions_fits(7, 2048, 2048, 64, 1024) == swap_in_plan(2048, 2048, 1024)
     assert check_swap_in_positions_fits(4, 1024, 4096, 64, 256) == swap_in_plan(4096, 4096, 256)
     # An explicit group: the same check, or a ValueError naming the largest that fits.
     assert check_swap_in_positions_fits(4, 1024, 4096, 64, 1024, group=3) == swap_in_plan(3072, 4096, 1024)
-    for group in (0, 5, 2):
-        positions, top_k, buffer_size = (4, 1024, 4096) if group != 2 else (4, 2048, 8192)
+    for group, (positions, top_k, buffer_size) in [(0, (4, 1024, 4096)), (5, (4, 1024, 4096)), (2, (4, 2048, 8192)),
+                                                   (2, (4, 2048, 2048))]:
         with pytest.raises(ValueError, match="groups of .* positions do not fit.*the largest group that fits is"):
             check_swap_in_positions_fits(positions, top_k, buffer_size, 64, 1024, group=group)
 
 
-def test_positions_beyond_even_one_position_per_launch_are_refused_naming_the_values_and_the_fix():
-    with pytest.raises(UnsupportedSetupError) as info:
-        check_swap_in_positions_fits(7, 2048, 14336, 64, 1024)
-    message = str(info.value)
-    needed = swap_in_plan(2048, 14336, 1024).total_bytes
-    assert needed > SM90_SHARED_MEMORY_PER_BLOCK
-    for fragment in ("7 verify positions", "num_draft_tokens x top_k (7 x 2048 = 14336)", f"{needed:,} B",
-                     "232,448 B", "even one position's launch", "device_buffer_size (14336)",
-                     "num_draft_tokens <= 6", "--speculative-num-draft-tokens <= 6", "--speculative-num-steps <= 5"):
-        assert fragment in message, message
-    with pytest.raises(UnsupportedSetupError, match="num_draft_tokens <= 1"):
-        check_swap_in_positions_fits(2, 4096, 8192, 64, 1024)
-    with pytest.raises(UnsupportedSetupError, match="NVIDIA L40S.*it takes no verify position"):
-        check_swap_in_positions_fits(1, 2048, 4096, 64, 1024, limit=101_376, device_name="NVIDIA L40S")
-
-
-def test_a_buffer_below_the_union_or_beyond_one_position_blames_device_buffer_size():
+def test_a_buffer_below_top_k_or_beyond_one_position_blames_device_buffer_size():
     with pytest.raises(HiSparseConfigError) as info:
-        check_swap_in_positions_fits(2, 2048, 4032, 64, 1024)
-    assert "device_buffer_size (4032) must be at least num_draft_tokens x top_k (2 x 2048 = 4096)" in str(info.value)
-    assert "device_buffer_size >= 4096" in str(info.value)
-    with pytest.raises(HiSparseConfigError, match=r"device_buffer_size \(12288\) must be at least .*\(8 x 2048"):
-        check_swap_in_positions_fits(8, 2048, 12288, 64, 1024, limit=10**6)
-    # A buffer beyond the 2-position plan is now served one position per launch; beyond the 1-position one it
-    # is refused.
-    assert check_swap_in_positions_fits(2, 2048, 8192, 64, 1024) == swap_in_plan(2048, 8192, 1024)
+        check_swap_in_positions_fits(2, 2048, 1984, 64, 1024)
+    assert "device_buffer_size (1984) must be at least top_k (2048)" in str(info.value)
+    assert "device_buffer_size >= 2048" in str(info.value)
     with pytest.raises(HiSparseConfigError) as info:
         check_swap_in_positions_fits(2, 2048, 16384, 64, 1024)
     needed = swap_in_plan(2048, 16384, 1024).total_bytes
-    assert "device_buffer_size (16384) is too large for swap_in_positions" in str(info.value)
+    assert "device_buffer_size (16384) is too large for the swap-in kernel" in str(info.value)
     assert f"{needed:,} B" in str(info.value) and "device_buffer_size <= 14272" in str(info.value)
     assert check_swap_in_positions_fits(2, 2048, 14272, 64, 1024).total_bytes <= SM90_SHARED_MEMORY_PER_BLOCK
+    with pytest.raises(HiSparseConfigError, match="NVIDIA L40S"):
+        check_swap_in_positions_fits(1, 2048, 4096, 64, 1024, limit=101_376, device_name="NVIDIA L40S")

@@ -153,7 +153,14 @@ def _wrap_swap_in(core) -> None:
         rows = original_swap_in_verify(self, req_pool_indices, seq_lens, top_k, layer_id)
         recorder = getattr(self, "_kv_check", None)
         if recorder is not None:
+            import torch
+
             batch, positions, k = top_k.shape
+            # A position the swap-in left out (its request's positions named more tokens than its buffer
+            # holds: at or past the row's verify limit) has every row -1 and is never accepted: not checked.
+            limit = self.speculative.verify_limit[:batch].to(torch.int64).reshape(-1, 1)
+            served = torch.arange(positions, device=top_k.device).reshape(1, -1) < limit
+            top_k = torch.where(served.unsqueeze(2), top_k, torch.full_like(top_k, -1))
             recorder.record(layer_id, top_k.reshape(batch * positions, k),
                             req_pool_indices.repeat_interleave(positions),
                             (seq_lens - 1).repeat_interleave(positions), rows.reshape(batch * positions, k), positions)

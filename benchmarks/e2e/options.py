@@ -17,9 +17,7 @@ from arms import (
     DEFAULT_HISPARSE_CONFIG,
     DEFAULT_MODEL,
     DSA_BACKEND_OF_KV_DTYPE,
-    MTP_ARMS,
     PD_ARMS,
-    PLUGIN_ARMS,
     base_arm,
     hisparse_config_json,
     parse_env_assignments,
@@ -310,13 +308,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--kv-check-every must be >= 0")
     if args.mtp_accept_len and not 1 <= args.mtp_accept_len <= args.mtp_steps + 1:
         ap.error(f"--mtp-accept-len {args.mtp_accept_len} must be 0 or within 1 .. --mtp-steps + 1 = {args.mtp_steps + 1}")
-    for arm in (x for x in args.arms if x in MTP_ARMS and x in PLUGIN_ARMS):
-        config = json.loads(hisparse_config_json(args.hisparse_config, arm, args.plugin_hisparse_config))
-        need = (args.mtp_steps + 1) * int(config.get("top_k", 2048))
-        if int(config.get("device_buffer_size", need)) < need:
-            ap.error(f"arm {arm}: --mtp-steps {args.mtp_steps} verifies {args.mtp_steps + 1} positions of top_k "
-                     f"{config.get('top_k', 2048)} each, so device_buffer_size must be >= {need} (the config gives "
-                     f"{config['device_buffer_size']}); pass it in --hisparse-config or --plugin-hisparse-config")
     overridden = [arm for arm in args.arms if base_arm(arm) in ARM_HISPARSE_OVERRIDES]
     if overridden and args.plugin_no_enable_hisparse:
         ap.error(f"arm(s) {', '.join(overridden)} pass \"resident_first\": false through --hisparse-config; drop "

@@ -103,7 +103,7 @@ class HiSparseConfig:
 
     @classmethod
     def from_json(
-        cls, text: str | None, model_index_topk: int | None = None, verify_positions: int = 1
+        cls, text: str | None, model_index_topk: int | None = None
     ) -> "HiSparseConfig":
         """Parse the ``--hisparse-config`` JSON object.
 
@@ -111,19 +111,15 @@ class HiSparseConfig:
             text: the JSON text; None, empty or JSON whitespace only means all defaults.
             model_index_topk: the model's ``index_topk`` if it has one. It is the default
                 ``top_k``, and an explicit ``top_k`` must agree with it.
-            verify_positions: query positions per request and step, ``T`` (speculative decoding's
-                ``--speculative-num-draft-tokens``; 1 without it). The default ``device_buffer_size``
-                holds ``max(2, T) x top_k`` slots, since a verify step's positions share one buffer.
 
         Raises:
             HiSparseConfigError: malformed JSON, unknown key, wrong type or bad value.
         """
-        return cls.from_dict(parse_config_text(text), model_index_topk=model_index_topk,
-                             verify_positions=verify_positions)
+        return cls.from_dict(parse_config_text(text), model_index_topk=model_index_topk)
 
     @classmethod
     def from_dict(
-        cls, values: dict[str, Any], model_index_topk: int | None = None, verify_positions: int = 1
+        cls, values: dict[str, Any], model_index_topk: int | None = None
     ) -> "HiSparseConfig":
         """Build from the parsed object; keys not given take their defaults (see from_json)."""
         if not isinstance(values, dict):
@@ -153,12 +149,8 @@ class HiSparseConfig:
         kwargs.setdefault("top_k", DEFAULT_TOP_K)
         kwargs.setdefault("page_size", DEFAULT_PAGE_SIZE)
         if "device_buffer_size" not in kwargs:
-            multiple = max(2, verify_positions)
-            origins["device_buffer_size"] = (
-                "its default, 2 x top_k rounded up to a page" if multiple == 2 else
-                f"its default with {verify_positions} verify positions, {multiple} x top_k rounded up to a page"
-            )
-            default = _default_buffer_size(kwargs, multiple)
+            origins["device_buffer_size"] = "its default, 2 x top_k rounded up to a page"
+            default = _default_buffer_size(kwargs)
             if default is not None:
                 kwargs["device_buffer_size"] = default
         _validate({**_defaults(), **kwargs}, origins)
@@ -238,8 +230,8 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-def _default_buffer_size(values: dict[str, Any], multiple: int = 2) -> int | None:
-    """``multiple`` x top_k (2, or the verify positions where more) rounded up to a page, capped at the
+def _default_buffer_size(values: dict[str, Any]) -> int | None:
+    """2 x top_k rounded up to a page, capped at the
     largest buffer the swap-in kernel can run on sm_90 (never below top_k); None while top_k or
     page_size is invalid (their own check reports it)."""
     top_k, page_size = values["top_k"], values["page_size"]
@@ -248,7 +240,7 @@ def _default_buffer_size(values: dict[str, Any], multiple: int = 2) -> int | Non
         threads is None or threads in SWAP_IN_BLOCK_SIZES
     ):
         return None
-    preferred = min(_round_up(multiple * top_k, page_size), MAX_DEVICE_BUFFER_SIZE // page_size * page_size)
+    preferred = min(_round_up(2 * top_k, page_size), MAX_DEVICE_BUFFER_SIZE // page_size * page_size)
     if top_k > MAX_TOP_K:
         return preferred
     largest = largest_device_buffer_size(top_k, page_size, threads, shared_memory_per_block())

@@ -275,20 +275,17 @@ def plan(spec: PlanInput) -> Plan:
     or a config that cannot be read at all."""
     errors, warnings = [], []
     shape = kv_shape(spec)
-    draft_tokens = spec.speculative_num_draft_tokens
     if spec.kv_dtype not in KV_DTYPES:
         raise HiSparseConfigError(f"kv dtype {spec.kv_dtype!r}: use one of {', '.join(KV_DTYPES)}.")
     if spec.tp < 1 or spec.dp < 1 or spec.tp % spec.dp:
         raise HiSparseConfigError(f"--tp ({spec.tp}) must be a positive multiple of --dp ({spec.dp}).")
     try:
-        config = HiSparseConfig.from_json(
-            spec.hisparse_config or None, model_index_topk=shape.index_topk, verify_positions=draft_tokens
-        )
+        config = HiSparseConfig.from_json(spec.hisparse_config or None, model_index_topk=shape.index_topk)
     except HiSparseConfigError as exc:
         errors.append(f"--hisparse-config: {exc}")
         config = None
     effective = config or HiSparseConfig(
-        top_k=shape.index_topk, device_buffer_size=max(2, draft_tokens) * shape.index_topk
+        top_k=shape.index_topk, device_buffer_size=2 * shape.index_topk
     )
     page, ratio = effective.page_size, effective.host_to_device_ratio
     context = spec.context_length or shape.context_length

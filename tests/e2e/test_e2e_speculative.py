@@ -8,8 +8,10 @@ outputs are the target's own greedy ones (no acceptance simulation), against a. 
 every 4th decode batch's rows are checked against the host pool (kv_check_fixture.py: a verify's history
 before the newest committed token).
 
-HISPARSE_E2E_MTP_STEPS (1 - 3, default 1): draft steps S (T = S + 1 verify positions; S > 1 runs the plugin
-with device_buffer_size T x 2048). HISPARSE_E2E_MTP_ACCEPT_LEN (default 0): > 0 accepts that many tokens per
+HISPARSE_E2E_MTP_STEPS (1 - 3, default 1): draft steps S (T = S + 1 verify positions). HISPARSE_E2E_MTP_BUFFER
+(default: the plugin's default, 4096 slots): the plugin arms' device_buffer_size; below T x 2048 a step whose
+positions name more distinct tokens than the buffer holds leaves its later positions out and accepts fewer
+drafts (the tiny model's random indexer does so at most steps at T = 4). HISPARSE_E2E_MTP_ACCEPT_LEN (default 0): > 0 accepts that many tokens per
 verify with SGLang's own acceptance simulation (the draft's real tokens), so the paths of long accepts run;
 the dummy-weight draft's own acceptance is about 1.0. Then only a+mtp is the baseline, and every MTP arm
 must show exactly that accept length. HISPARSE_E2E_MTP_PD=1 adds arm pd-c+mtp (PD decode with the plugin, both
@@ -42,6 +44,7 @@ ACCEPT_LEN = float(os.environ.get("HISPARSE_E2E_MTP_ACCEPT_LEN", "0"))
 PD = os.environ.get("HISPARSE_E2E_MTP_PD", "0") == "1"
 DX = os.environ.get("HISPARSE_E2E_MTP_DX", "0") == "1"
 SITE = pathlib.Path(os.environ.get("HISPARSE_E2E_SITE", "/tmp/site"))
+BUFFER = int(os.environ.get("HISPARSE_E2E_MTP_BUFFER", "0"))  # 0: the plugin's default device_buffer_size
 KV_DTYPE = os.environ.get("HISPARSE_E2E_KV_DTYPE", "bfloat16")  # fp8_e4m3: the flashmla_kv path
 ALL_PLUGIN_MTP_ARMS = ("c+mtp", "d+mtp") + (("pd-c+mtp",) if PD else ())
 PLUGIN_MTP_ARMS = tuple(os.environ.get("HISPARSE_E2E_MTP_ARMS", ",".join(ALL_PLUGIN_MTP_ARMS)).split(","))
@@ -58,8 +61,8 @@ def data() -> dict:
     state = pathlib.Path(os.environ.get("HISPARSE_E2E_STATE", "/tmp/hisparse_e2e_mtp"))
     extra = ["--mtp-steps", str(STEPS), "--mtp-accept-len", str(ACCEPT_LEN), "--kv-cache-dtype", KV_DTYPE]
     extra += ["--site", str(SITE)] if PD else []
-    if STEPS > 1:
-        extra += ["--plugin-hisparse-config", json.dumps({"device_buffer_size": (STEPS + 1) * 2048})]
+    if BUFFER:
+        extra += ["--plugin-hisparse-config", json.dumps({"device_buffer_size": BUFFER})]
     arms = ",".join(("a+mtp",) + PLUGIN_MTP_ARMS + (("dx+mtp",) if DX else ())) + ("" if ACCEPT_LEN else ",a")
     data = run_harness(arms, state, extra)
     assert_run_kv_dtype(data, state, KV_DTYPE)

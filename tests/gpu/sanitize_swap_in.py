@@ -29,10 +29,11 @@ VARIANTS = {
 RUNS = (("production", 1), ("production", 4), ("production", 17), ("late copiers", 4), ("late arrivals", 5),
         ("late arrivals", 17), ("late planner", 5))
 # swap_in_positions: T = 2 verify positions of top_k 2048 (4096 entries per request in one launch, the largest
-# plan), and T = 4 with device_buffer_size 8192 (one launch per position, each finding the previous one's rows).
+# plan), T = 4 with device_buffer_size 8192 (one launch per position, each finding the previous one's rows), and
+# T = 4 with 4096 (two launches of two positions; with these misses the second leaves positions out).
 POSITION_RUNS = (("production", 1), ("production", 5), ("late copiers", 4), ("late arrivals", 5),
                  ("late planner", 5))
-POSITION_SHAPES = ((2, 4096), (4, 8192))  # (T, device_buffer_size), top_k 2048
+POSITION_SHAPES = ((2, 4096, 0.3, 0.7), (4, 8192, 0.3, 0.7), (4, 4096, 0.6, 0.3))  # (T, D, miss rate, overlap)
 
 
 def main() -> int:
@@ -112,23 +113,27 @@ def decode_rows_match(case, ops: CudaOps) -> bool:
 def positions_match(ops: dict) -> bool:
     """swap_in_positions (each of POSITION_SHAPES) on 3 requests, one resident, one padded row: every build of
     RUNS' kinds."""
-    return all(positions_shape_match(ops, positions, buffer_size) for positions, buffer_size in POSITION_SHAPES)
+    return all(positions_shape_match(ops, *shape) for shape in POSITION_SHAPES)
 
 
-def positions_shape_match(ops: dict, positions: int, buffer_size: int) -> bool:
+def positions_shape_match(ops: dict, positions: int, buffer_size: int, miss_rate: float, overlap: float) -> bool:
     case = make_positions_case(
-        4, positions, 2048, buffer_size, 1152, miss_rate=0.3, overlap=0.7, duplicate_fraction=0.02,
+        4, positions, 2048, buffer_size, 1152, miss_rate=miss_rate, overlap=overlap, duplicate_fraction=0.02,
         padding_fraction=0.01, out_of_range_fraction=0.01, resident_fraction=0.34, num_real=3, seed=43,
     )
     expected = case.clone()
     expected_counters = torch.zeros(2, dtype=torch.int64)
-    expected_out = reference.swap_in_positions(*expected.args(), counters=expected_counters)
+    expected_limit = torch.full((4,), reference.NO_VERIFY_LIMIT, dtype=torch.int32)
+    expected_out = reference.swap_in_positions(*expected.args(), counters=expected_counters,
+                                               verify_limit=expected_limit)
     for name, splits in POSITION_RUNS:
         actual = case.clone(device="cuda", pin_host=True)
         counters = torch.zeros(2, dtype=torch.int64, device="cuda")
-        out = ops[name].swap_in_positions(*actual.args(), counters=counters, splits=splits)
+        limit = torch.full((4,), reference.NO_VERIFY_LIMIT, dtype=torch.int32, device="cuda")
+        out = ops[name].swap_in_positions(*actual.args(), counters=counters, verify_limit=limit, splits=splits)
         torch.cuda.synchronize()
         for what, want, got in (
+            ("verify_limit", expected_limit, limit),
             ("out", expected_out, out),
             ("slot_tokens", expected.slot_tokens, actual.slot_tokens),
             ("slot_stamps", expected.slot_stamps, actual.slot_stamps),

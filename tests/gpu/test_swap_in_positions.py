@@ -2,14 +2,15 @@
 their reference twins in ops/reference.py, bit for bit (GPU only).
 
 swap_in_positions: outputs, slot tokens, stamps, the token -> slot map, the whole device KV tensor and the
-counters, on bf16 (1152-B) and fp8 (656-B) rows, T = 1 .. 4 at top_k 2048 (T = 3, 4 with
-device_buffer_size T x 2048: one launch per position, the reference twin with the same group) and at top_k
-1024 (one launch, or explicit groups of 1 .. 3), resident and offloaded requests in one batch, padded rows,
-tokens shared by several positions, every split and the test-hook builds, CUDA-graph replay with drifting
-top-k and lengths growing by 1..T per replay; and the shapes it refuses before any launch (only where not
-even one position fits a launch). bind_verify_slots and
-commit_accepted: the location -> row table, every host and device layer, padded rows, accept lengths 0..T,
-graph replay.
+counters and the verify limits, on bf16 (1152-B) and fp8 (656-B) rows, T = 1 .. 4 at top_k 2048 (T = 3, 4
+with the default device_buffer_size 4096: two launches of two positions whose misses may not fit, so later
+positions are left out and the limit lowered; with T x 2048: one launch per position, the reference twin with
+the same group) and at top_k 1024 (one launch, or explicit groups of 1 .. 3), resident and offloaded requests in
+one batch, padded rows, tokens shared by several positions, limits set by an earlier layer, every split and the
+test-hook builds, CUDA-graph replay with drifting top-k and lengths growing by 1..T per replay; and the shapes
+it refuses before any launch (only where not even one position fits a launch). bind_verify_slots,
+commit_accepted and cap_accepted: the location -> row table, every host and device layer, padded rows, accept
+lengths 0..T, the capped accept lengths and indices, graph replay.
 """
 
 import pytest
@@ -72,13 +73,19 @@ def default_group(case):
     return positions_per_group(positions, top_k, case.slot_tokens.shape[1])
 
 
-def run_both(case, splits=None, threads=None, module=None, group=None):
+def run_both(case, splits=None, threads=None, module=None, group=None, limit=None):
     """The reference on CPU copies, the kernel (of ``module``, default the production build) on GPU
     copies with a sentinel-filled output, both with ``group`` (None: each twin's default, which must be the
-    same); both states, the workspace checked clear."""
+    same) and verify limits ``limit`` (None: none set yet); both states and limits, the workspace checked
+    clear."""
+    if limit is None:
+        limit = torch.full((case.top_k.shape[0],), reference.NO_VERIFY_LIMIT, dtype=torch.int32)
     expected = case.clone()
     expected_counters = torch.zeros(2, dtype=torch.int64)
-    expected_out = reference.swap_in_positions(*expected.args(), counters=expected_counters, group=group)
+    expected_limit = limit.clone()
+    expected_out = reference.swap_in_positions(*expected.args(), counters=expected_counters,
+                                               verify_limit=expected_limit, group=group)
+    actual_limit = limit.clone().cuda()
 
     actual = case.clone(device="cuda", pin_host=True)
     counters = torch.zeros(2, dtype=torch.int64, device="cuda")
@@ -88,16 +95,19 @@ def run_both(case, splits=None, threads=None, module=None, group=None):
     assert ops.positions_group(positions, top_k, case.slot_tokens.shape[1]) == default_group(case), (
         "this GPU's shared memory per block gives another default group than the reference's (sm_90's)"
     )
-    result = ops.swap_in_positions(*actual.args(), out=out, counters=counters, splits=splits, threads=threads,
-                                   group=group)
+    result = ops.swap_in_positions(*actual.args(), out=out, counters=counters, verify_limit=actual_limit,
+                                   splits=splits, threads=threads, group=group)
     assert result is out
     torch.cuda.synchronize()
     assert_workspace_clear(ops)
-    return (expected, expected_out, expected_counters), (actual, out.cpu(), counters.cpu())
+    return (expected, expected_out, expected_counters, expected_limit), (actual, out.cpu(), counters.cpu(),
+                                                                         actual_limit.cpu())
 
 
 def check(case, **kwargs):
-    (exp, exp_out, exp_counters), (act, out, counters) = run_both(case, **kwargs)
+    """Both twins bit for bit (outputs, tables, KV, counters, limits); returns (outputs, limits)."""
+    (exp, exp_out, exp_counters, exp_limit), (act, out, counters, limit) = run_both(case, **kwargs)
+    assert_same("verify_limit", exp_limit, limit)
     assert_same("out", exp_out, out)
     assert_same("slot_tokens", exp.slot_tokens, act.slot_tokens)
     assert_same("slot_stamps", exp.slot_stamps, act.slot_stamps)
@@ -106,19 +116,22 @@ def check(case, **kwargs):
     assert_same("counters", exp_counters, counters)
     assert torch.equal(act.host_kv, case.host_kv), "the kernel wrote host memory"
     group = kwargs.get("group") or default_group(case)
-    if group >= case.top_k.shape[1]:
+    if bool((limit < case.top_k.shape[1]).any()):
+        pass  # positions left out: fewer copies than the union's misses
+    elif group >= case.top_k.shape[1]:
         assert int(exp_counters[1]) == case.expected_misses  # one group: the union's misses, each once
     else:
         # Groups: every union miss is copied (once per group that misses it; a later group may miss a token an
         # earlier group's misses evicted), and every returned row still holds its token after the last group.
         assert int(exp_counters[1]) >= case.expected_misses
-    assert_history_rows_hold_their_kv(case, act, out)
-    return exp_out
+    assert_history_rows_hold_their_kv(case, act, out, limit)
+    return exp_out, limit
 
 
-def assert_history_rows_hold_their_kv(case, state, out):
-    """After the call (after its last group): every history entry's row, whichever group returned it, holds its
-    token's host row, and every verify entry maps to its verify slot."""
+def assert_history_rows_hold_their_kv(case, state, out, limit=None):
+    """After the call (after its last group): every served history entry's row, whichever group returned it,
+    holds its token's host row, every served verify entry maps to its verify slot, and every entry of a
+    position at or past the row's limit is -1."""
     positions = case.top_k.shape[1]
     buffer_size = case.slot_tokens.shape[1]
     device_kv = state.device_kv.cpu()
@@ -127,8 +140,11 @@ def assert_history_rows_hold_their_kv(case, state, out):
         buf = int(case.buffer_of_req[req])
         if buf < 0:
             continue
+        served = positions if limit is None else max(0, min(positions, int(limit[b])))
+        assert bool((out[b][served:] == -1).all()), f"batch row {b}: a position past its limit was served"
         tokens = case.top_k[b].to(torch.int64)
         valid = (tokens >= 0) & (tokens <= committed + torch.arange(positions).reshape(-1, 1))
+        valid[served:] = False
         history = valid & (tokens < committed - 1)
         rows = out[b][history].to(torch.int64)
         want = case.host_kv[case.req_to_token[req, tokens[history]].to(torch.int64)]
@@ -158,6 +174,13 @@ CORRECTNESS = [
     (3, 4, 2048, 8192, 1152, 0.0),
     # T = 2 with a buffer beyond the 2-position plan (refused before groups): one position per launch.
     (3, 2, 2048, 8192, 1152, 0.3),
+    # T = 3, 4 at top_k 2048 with the default buffer of 4096: two positions per launch; where the later group's
+    # misses do not fit, its later positions are left out (test_positions_left_out_... asserts some are).
+    (3, 3, 2048, 4096, 1152, 0.2),
+    (4, 4, 2048, 4096, 656, 0.3),
+    (2, 4, 2048, 4096, 1152, 1.0),
+    (6, 4, 2048, 4096, 1152, 0.05),
+    (5, 4, 1024, 2048, 656, 0.5),
 ]
 
 
@@ -171,9 +194,28 @@ def test_matches_reference(batch, positions, top_k, buffer_size, row_bytes, miss
     check(case)
 
 
+def test_positions_left_out_where_their_misses_do_not_fit():
+    """T = 4 at top_k 2048 with 4096 slots and many misses: some rows' later positions are left out (limit
+    below 4, every one of their entries -1), never position 0 or 1 (the first group always fits), in every
+    split; a limit an earlier layer set is honoured (no position at or past it served, nothing lowered above)."""
+    left_out = 0
+    for splits in (None, 1, 3, 17):
+        case = make_positions_case(6, 4, 2048, 4096, 1152, miss_rate=0.6, overlap=0.3, resident_fraction=0.17,
+                                   seed=200 + (splits or 0))
+        _, limit = check(case, splits=splits)
+        assert bool((limit >= 2).all())
+        left_out += int((limit < 4).sum())
+    assert left_out > 0, "no position was left out: the case does not exercise the overflow path"
+    case = make_positions_case(5, 4, 2048, 4096, 656, miss_rate=0.3, resident_fraction=0.2, seed=210)
+    preset = torch.tensor([2, 3, reference.NO_VERIFY_LIMIT, 1, 4], dtype=torch.int32)
+    for splits in (None, 1, 5):
+        _, limit = check(case, splits=splits, limit=preset)
+        assert bool((limit <= preset).all())
+
+
 @pytest.mark.parametrize("threads", [256, 512, 1024])
 @pytest.mark.parametrize("row_bytes", [1152, 656])
-@pytest.mark.parametrize("positions,buffer_size", [(2, 4096), (4, 8192)])
+@pytest.mark.parametrize("positions,buffer_size", [(2, 4096), (4, 8192), (4, 4096)])
 def test_every_block_size_and_row_size(threads, row_bytes, positions, buffer_size):
     case = make_positions_case(4, positions, 2048, buffer_size, row_bytes, miss_rate=0.3, resident_fraction=0.25,
                                duplicate_fraction=0.02, seed=threads + row_bytes + positions)
@@ -203,7 +245,7 @@ def test_every_split_matches_reference(splits):
     (LATE_COPIERS, 2), (LATE_COPIERS, 17), (LATE_COPIERS, 65), (LATE_ARRIVALS, 3), (LATE_ARRIVALS, 17),
     (LATE_PLANNER, 5),
 ])
-@pytest.mark.parametrize("positions,buffer_size", [(2, 4096), (4, 8192)])
+@pytest.mark.parametrize("positions,buffer_size", [(2, 4096), (4, 8192), (4, 4096)])
 def test_late_copiers_arrivals_and_planner(defines, splits, positions, buffer_size):
     """The planner/copier handshake over a launch's G x K entries: copiers that look up late (the planner
     waits), claim late (the planner copies their chunks), or a planner that announces itself late; with T = 4
@@ -217,7 +259,7 @@ def test_tokens_shared_by_positions_are_looked_up_and_copied_once():
     """Every position names the same entries (overlap 1): each missed token is copied once, and every
     position reads the same row for it; the lookups count every position's history entries."""
     case = make_positions_case(2, 2, 2048, 4096, 1152, miss_rate=0.5, overlap=1.0, verify_entries=False, seed=90)
-    out = check(case)
+    out, _ = check(case)
     assert torch.equal(out[:, 0], out[:, 1])
     # Position 1 names position 0's misses again: a miss only position 1 named is also copied once.
     case = make_positions_case(2, 2, 1024, 4096, 656, miss_rate=1.0, overlap=0.5, seed=91)
@@ -247,15 +289,15 @@ def test_one_position_equals_swap_in():
 
 def test_padded_rows_output_minus_one_and_touch_nothing():
     case = make_positions_case(8, 2, 1024, 2048, 1152, miss_rate=0.5, resident_fraction=0.25, num_real=3, seed=93)
-    out = check(case)
+    out, _ = check(case)
     assert bool((out[3:] == -1).all())
     for positions, row_bytes in ((3, 656), (4, 1152)):  # every launch of a group writes its padded rows' -1
         case = make_positions_case(6, positions, 2048, positions * 2048, row_bytes, miss_rate=0.4,
                                    resident_fraction=0.25, num_real=3, seed=93 + positions)
-        out = check(case)
-        assert bool((out[3:] == -1).all())
+        out, limit = check(case)
+        assert bool((out[3:] == -1).all()) and bool((limit[3:] == reference.NO_VERIFY_LIMIT).all())
     empty = make_positions_case(4, 2, 512, 1024, 64, miss_rate=0.5, num_real=0, seed=94)
-    assert bool((check(empty) == -1).all())
+    assert bool((check(empty)[0] == -1).all())
 
 
 def test_seq_len_around_buffer_size_and_short_requests():
@@ -277,7 +319,7 @@ def drift(top_k, committed, generator, keep=0.8):
 
 @pytest.mark.parametrize("positions,top_k,buffer_size,row_bytes", [(2, 1024, 2048, 656), (2, 2048, 4096, 1152),
                                                                    (4, 512, 2048, 1152), (3, 2048, 6144, 1152),
-                                                                   (4, 2048, 8192, 656)])
+                                                                   (4, 2048, 8192, 656), (4, 2048, 4096, 1152)])
 def test_graph_replays_with_drifting_top_k_and_growing_lengths(positions, top_k, buffer_size, row_bytes):
     """Capture once, replay 12 verifies: each request's s grows by its accept length 1..T, the top-k drifts
     (20 % fresh entries within each position's causal range), and the number of real rows changes; every
@@ -291,6 +333,8 @@ def test_graph_replays_with_drifting_top_k_and_growing_lengths(positions, top_k,
     out = torch.full(tuple(base.top_k.shape), 777, dtype=torch.int32, device="cuda")
     counters = torch.zeros(2, dtype=torch.int64, device="cuda")
     ref_counters = torch.zeros(2, dtype=torch.int64)
+    limit = torch.full((batch,), reference.NO_VERIFY_LIMIT, dtype=torch.int32, device="cuda")
+    ref_limit = limit.cpu()
     ops = cuda_ops()
     ops.reserve(batch, top_k, buffer_size, num_positions=positions)
     warm = gpu.clone(device="cuda", pin_host=True)
@@ -298,7 +342,7 @@ def test_graph_replays_with_drifting_top_k_and_growing_lengths(positions, top_k,
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.swap_in_positions(*gpu.args(), out=out, counters=counters, splits=3)
+        ops.swap_in_positions(*gpu.args(), out=out, counters=counters, verify_limit=limit, splits=3)
     generator = torch.Generator().manual_seed(97)
     committed = base.seq_lens.clone()
     top = base.top_k.clone()
@@ -310,35 +354,39 @@ def test_graph_replays_with_drifting_top_k_and_growing_lengths(positions, top_k,
             state.top_k.copy_(top)
             state.seq_lens.copy_(committed)
             state.num_real_reqs.fill_(real)
-        expected = reference.swap_in_positions(*ref.args(), counters=ref_counters)
+        limit.fill_(reference.NO_VERIFY_LIMIT)  # what cap_accepted does after each step's acceptance
+        ref_limit.fill_(reference.NO_VERIFY_LIMIT)
+        expected = reference.swap_in_positions(*ref.args(), counters=ref_counters, verify_limit=ref_limit)
         graph.replay()
         torch.cuda.synchronize()
+        assert_same(f"verify_limit step {step}", ref_limit, limit)
         assert_same(f"out step {step}", expected, out)
         for name in ("slot_tokens", "slot_stamps", "token_slot", "device_kv"):
             assert_same(f"{name} step {step}", getattr(ref, name), getattr(gpu, name))
         assert_same(f"counters step {step}", ref_counters, counters)
-        assert_history_rows_hold_their_kv(ref, gpu, out.cpu())
+        assert_history_rows_hold_their_kv(ref, gpu, out.cpu(), ref_limit)
         assert_workspace_clear(ops)
     assert int(ref_counters[1]) > 0, "the replays never missed"
 
 
 def test_shapes_the_kernel_cannot_plan_are_refused_before_any_launch():
-    from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
+    from hisparse_sglang.errors import HiSparseConfigError
 
     ops = cuda_ops()
-    # T = 3, 4 with top_k 2048 are served (one position per launch): reserve checks them without raising.
+    # T = 3, 4 with top_k 2048 are served with the default buffer and with one position per launch: reserve
+    # checks them without raising.
+    ops.reserve(4, 2048, 4096, num_positions=4)
     ops.reserve(4, 2048, 6144, num_positions=3)
     ops.reserve(4, 2048, 8192, num_positions=4)
-    # T = 7 with top_k 2048: a buffer of 7 x 2048 = 14336 slots is too large for even one position's launch.
+    # A buffer of 14336 slots is too large for even one position's launch with top_k 2048.
     case = make_positions_case(1, 7, 2048, 14336, 64, miss_rate=0.5, seed=98)
     gpu = case.clone(device="cuda", pin_host=True)
     out = torch.full(tuple(case.top_k.shape), 777, dtype=torch.int32, device="cuda")
-    with pytest.raises(UnsupportedSetupError) as info:
+    with pytest.raises(HiSparseConfigError) as info:
         ops.swap_in_positions(*gpu.args(), out=out)
-    for fragment in ("7 verify positions", "7 x 2048 = 14336", "even one position's launch", "num_draft_tokens <= 6",
-                     "232,448 B"):
+    for fragment in ("device_buffer_size (14336) is too large", "device_buffer_size <= 14272", "232,448 B"):
         assert fragment in str(info.value), str(info.value)
-    with pytest.raises(UnsupportedSetupError):
+    with pytest.raises(HiSparseConfigError):
         ops.reserve(4, 2048, 14336, num_positions=7)
     # An explicit group too large for a launch (2 x 2048 entries with 8192 slots).
     case4 = make_positions_case(1, 4, 2048, 8192, 64, miss_rate=0.5, seed=98)
@@ -350,8 +398,8 @@ def test_shapes_the_kernel_cannot_plan_are_refused_before_any_launch():
     assert bool((out == 777).all()) and bool((out4 == 777).all()), "a refused call launched"
     assert torch.equal(gpu.slot_tokens.cpu(), case.slot_tokens)
     assert torch.equal(gpu4.slot_tokens.cpu(), case4.slot_tokens)
-    # T x top_k above device_buffer_size, and a buffer too large for even one position's plan.
-    for buffer_size, fragment in ((2048, "device_buffer_size (2048) must be at least"),
+    # top_k above device_buffer_size, and a buffer too large for even one position's plan.
+    for buffer_size, fragment in ((1984, "device_buffer_size (1984) must be at least top_k (2048)"),
                                   (16384, "device_buffer_size <= 14272")):
         case = make_positions_case(1, 2, 2048, buffer_size, 64, miss_rate=0.5, seed=99)
         with pytest.raises(HiSparseConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
@@ -572,3 +620,52 @@ def test_verify_ops_refuse_bad_arguments_by_name():
     with pytest.raises(ValueError, match="device rows of 64 B but host rows of 32 B"):
         ops.commit_accepted(*commit_args(gpu, accept_lens, num_real, 2, device,
                                          [layer[:, :32].contiguous().pin_memory() for layer in t["host_layers"]]))
+
+
+# ------------------------------------------------------------------------------------ cap_accepted
+@pytest.mark.parametrize("batch", [1, 5, 200])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_cap_accepted_matches_reference(batch, index_dtype):
+    generator = torch.Generator().manual_seed(batch)
+    width = 4
+    limit = torch.randint(0, width + 1, (batch + 3,), generator=generator, dtype=torch.int32)
+    limit[torch.rand(batch + 3, generator=generator) < 0.4] = reference.NO_VERIFY_LIMIT
+    accept_lens = torch.randint(1, width + 1, (batch,), generator=generator).to(index_dtype)
+    accept_index = torch.arange(batch * width, dtype=torch.int32).reshape(batch, width)
+    accept_index[torch.arange(width).reshape(1, -1) >= accept_lens.reshape(-1, 1)] = -1
+    ref = [limit.clone(), accept_lens.clone(), accept_index.clone(), torch.zeros(2, dtype=torch.int64)]
+    reference.cap_accepted(*ref)
+    gpu = [t.clone().cuda() for t in (limit, accept_lens, accept_index)] + [torch.zeros(2, dtype=torch.int64,
+                                                                                    device="cuda")]
+    cuda_ops().cap_accepted(*gpu)
+    torch.cuda.synchronize()
+    for name, expected, actual in zip(("verify_limit", "accept_lens", "accept_index", "counters"), ref, gpu):
+        assert_same(name, expected, actual)
+    assert int(ref[3][0]) > 0 or batch == 1
+
+
+def test_cap_accepted_replays_in_a_cuda_graph_and_refuses_bad_arguments():
+    ops = cuda_ops()
+    limit = torch.full((8,), reference.NO_VERIFY_LIMIT, dtype=torch.int32, device="cuda")
+    accept_lens = torch.zeros(4, dtype=torch.int32, device="cuda")
+    accept_index = torch.zeros((4, 4), dtype=torch.int32, device="cuda")
+    ops.cap_accepted(limit, accept_lens, accept_index)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.cap_accepted(limit, accept_lens, accept_index)
+    for lens, limits in (([4, 2, 3, 1], [2, 1, 5, 3]), ([3, 3, 3, 3], [3, 2, 1, 4])):
+        limit[:4].copy_(torch.tensor(limits, dtype=torch.int32))
+        accept_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        accept_index.copy_(torch.arange(16, dtype=torch.int32).reshape(4, 4))
+        ref = [limit.cpu(), accept_lens.cpu(), accept_index.cpu()]
+        reference.cap_accepted(*ref)
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, expected, actual in zip(("verify_limit", "accept_lens", "accept_index"), ref,
+                                          (limit, accept_lens, accept_index)):
+            assert_same(name, expected, actual)
+    with pytest.raises(ValueError, match="cap_accepted: accept_index"):
+        ops.cap_accepted(limit, accept_lens, accept_index[:3])
+    with pytest.raises(ValueError, match="cap_accepted: verify_limit"):
+        ops.cap_accepted(limit[:2], accept_lens, accept_index)

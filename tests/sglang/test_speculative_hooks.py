@@ -17,7 +17,7 @@ import drive
 import pytest
 import torch
 from test_coordinator_sglang import KV_DTYPES, LAYERS, PAGE
-from test_speculative_sglang import SPEC_ARGS, SpecRun, T, random_accepts
+from test_speculative_sglang import SPEC_ARGS, SpecRun, T, random_accepts, run_positions_left_out
 
 from hisparse_sglang.integration.sglang import compat
 from hisparse_sglang.integration.sglang import hooks_speculative as hooks
@@ -121,6 +121,7 @@ class HookedRun(SpecRun):
             )
             self.check_rows(reqs, s, accept, top_k, rows.view(rows_in_graph, T, -1), layer.layer_id)
 
+        accept = self.sample(batch, accept)
         result = types.SimpleNamespace(accept_lens=torch.tensor(accept, dtype=torch.int32))
         assert hooks._run_eagle_verify_after(result, batch, target_worker=None) is result
         self.accepted(reqs, accept)
@@ -139,6 +140,14 @@ def test_verify_steps_through_the_hooks_serve_the_right_kv_and_commit_only_accep
     for req, how in zip(reqs, ("finish", "retract")):
         run.end(req, how)
     assert run.stack.allocator.rows.stats().device_rows_used == 0
+
+
+@pytest.mark.parametrize("host_lag", [False, True])
+def test_through_the_hooks_positions_a_buffer_cannot_hold_are_left_out_and_never_accepted(host_lag):
+    """A buffer of top_k slots with T = 2: an offloaded request's second position, when its misses do not fit
+    the slots its first position left, is left out by H4's swap-in and H10 caps the acceptance (0.5.17 - 0.5.21;
+    tests/sglang/test_speculative_sglang.py runs the same on 0.5.22+)."""
+    run_positions_left_out(HookedRun(host_lag=host_lag, resident_first=False, buffer_size=128, top_k=128))
 
 
 def test_the_hooks_hand_the_coordinator_sglangs_slots_lengths_and_accept_lengths():

@@ -94,6 +94,7 @@ class SpecRun:
         self.spies = {
             name: Spy(self.coordinator.core, name) for name in ("prepare_verify", "swap_in_verify", "commit_verify")
         }
+        self.caps = 0  # verify rows whose accept length H10 lowered
 
     # ------------------------------------------------------------------ admission
     def admit(self, rid: str, prompt_len: int, pd: bool = False):
@@ -196,12 +197,33 @@ class SpecRun:
             rows = rows.view(rows_in_graph * T, -1)  # what the DSA backend does with it
             self.check_rows(reqs, s, accept, top_k, rows.view(rows_in_graph, T, -1), layer.layer_id)
 
-        # eagle_sample with topk 1: row b accepted its first a verify rows (b * T + i), -1 padded.
+        # eagle_sample with topk 1: row b accepted its first a verify rows (b * T + i), -1 padded; then H10 (every
+        # release) caps the rows whose later positions the swap-in left out.
+        accept = self.sample(batch, accept)
         accept_index = torch.full((len(reqs), STEPS + 1), -1, dtype=torch.int32)
         for b, a in enumerate(accept):
             accept_index[b, :a] = b * T + torch.arange(a, dtype=torch.int32)
         coordinator.commit_spec_accept_tokens(batch=batch, accept_indices=accept_index)
         self.accepted(reqs, accept)
+
+    def sample(self, batch, accept: list[int]) -> list[int]:
+        """eagle_sample's result for these accept lengths, through hook H10 (hooks_speculative._eagle_sample_after,
+        registered on every release): the accept lengths and indices it leaves, as lists; records the caps."""
+        from hisparse_sglang.integration.sglang.hooks_speculative import _eagle_sample_after
+
+        rows = len(accept)
+        accept_lens = torch.tensor(accept, dtype=torch.int32)
+        accept_index = torch.full((rows, STEPS + 1), -1, dtype=torch.int32)
+        for b, a in enumerate(accept):
+            accept_index[b, :a] = b * T + torch.arange(a, dtype=torch.int32)
+        result = (torch.zeros(rows * T, dtype=torch.int32), accept_lens, accept_index)
+        assert _eagle_sample_after(result, None, batch, None) is result
+        capped = accept_lens.tolist()
+        assert accept_index.tolist() == [[b * T + i if i < a else -1 for i in range(STEPS + 1)]
+                                         for b, a in enumerate(capped)], "accept_index disagrees with accept_lens"
+        self.caps += sum(a < want for a, want in zip(capped, accept))
+        assert all(1 <= a <= want for a, want in zip(capped, accept))
+        return capped
 
     def accepted(self, reqs, accept: list[int]) -> None:
         """The lengths after a committed verify, then the host check."""
@@ -244,9 +266,13 @@ class SpecRun:
     def check_rows(self, reqs, s, accept, top_k, rows, layer_id: int) -> None:
         kv = self.stack.kv_rows(layer_id)
         assert bool((rows[len(reqs) :] == -1).all()), "a CUDA-graph padding row was served"
+        limit = self.coordinator.core.speculative.verify_limit
         for b, req in enumerate(reqs):
             for j in range(T):
                 entries = top_k[b, j]
+                if j >= int(limit[b]):  # left out by the swap-in (its buffer could not hold it): never read
+                    assert bool((rows[b, j] == -1).all()), f"{req.rid} layer {layer_id}: a left-out position was served"
+                    continue
                 valid = entries >= 0
                 assert bool((rows[b, j][~valid] == -1).all())
                 positions = entries[valid].to(torch.int64)
@@ -436,12 +462,24 @@ def test_the_model_runner_hook_hands_the_coordinator_the_published_number_of_dra
         assert _speculative_num_draft_tokens() == 0
 
 
-def test_a_buffer_too_small_for_the_verify_positions_stops_the_coordinator_at_start():
-    from hisparse_sglang.errors import HiSparseConfigError
+@pytest.mark.parametrize("host_lag", [False, True], ids=["synchronous", "overlap"])
+def test_positions_a_buffer_cannot_hold_are_left_out_and_never_accepted(host_lag):
+    """A buffer of top_k slots (less than T x top_k): where an offloaded request's second position misses more
+    tokens than the slots its first position left, the swap-in leaves it out and hook H10 caps the acceptance,
+    so SGLang commits and emits only served positions; the KV read and the host stay right throughout."""
+    run_positions_left_out(SpecRun(host_lag=host_lag, resident_first=False, buffer_size=128, top_k=128))
 
-    expected = r"device_buffer_size \(128\) must be >= num_draft_tokens \(2\) x top_k \(128\)"
-    with pytest.raises(HiSparseConfigError, match=expected):
-        Stack(num_draft_tokens=T, buffer_size=128, top_k=128)
+
+def run_positions_left_out(run: SpecRun) -> None:
+    """Two offloaded requests verifying T positions of top_k 128 with buffers of 128 slots, every draft proposed
+    as accepted: some steps must be capped (checked rows and host throughout), and everything is freed."""
+    reqs = [run.admit("a", 700), run.admit("b", 400)]
+    for _ in range(12):
+        run.step(reqs, [T] * len(reqs))
+    assert run.caps > 0, "no verify row was capped: the case does not exercise the left-out positions"
+    for req, how in zip(reqs, ("finish", "abort")):
+        run.end(req, how)
+    run.stack.assert_all_free()
 
 
 def test_a_coordinator_started_without_speculation_refuses_the_verify_calls():

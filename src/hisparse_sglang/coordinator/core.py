@@ -370,6 +370,11 @@ class Coordinator:
         :meth:`VerifySteps.swap_in`."""
         return self.speculative.swap_in(req_pool_indices, seq_lens, top_k, layer_id)
 
+    def cap_verify(self, accept_lens: torch.Tensor, accept_index: torch.Tensor) -> None:
+        """Right after acceptance: accept no verify position the swap-ins left out; see
+        :meth:`VerifySteps.cap_accepts`."""
+        self.speculative.cap_accepts(accept_lens, accept_index)
+
     def commit_verify(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, accept_lens: torch.Tensor) -> None:
         """After acceptance: back up exactly the accepted tokens; see :meth:`VerifySteps.commit`."""
         self.speculative.commit(req_pool_indices, seq_lens, accept_lens)

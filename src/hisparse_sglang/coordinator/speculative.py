@@ -9,8 +9,12 @@ step of a batch, every device part in stream order on the forward stream:
    device pages for the new reserve locations of resident requests, mapped whole; the verify positions
    ``s .. s + T - 1`` of offloaded requests bound to buffer slots ``D + 1 .. D + T``
    (``bind_verify_slots``); slot ``D`` refreshed from the host where it may be stale.
-2. :meth:`VerifySteps.swap_in` (each DSA layer of the forward): ``swap_in_positions``.
-3. :meth:`VerifySteps.commit` (after acceptance; SGLang 0.5.22+ ``commit_spec_accept_tokens``):
+2. :meth:`VerifySteps.swap_in` (each DSA layer of the forward): ``swap_in_positions``. Where an offloaded
+   request's positions name more distinct tokens than its buffer holds, the later positions are not served
+   and the row's verify limit records the first of them.
+3. :meth:`VerifySteps.cap_accepts` (right after SGLang's acceptance, before it uses the accept lengths):
+   ``cap_accepted`` accepts no position past a row's limit.
+4. :meth:`VerifySteps.commit` (after acceptance; SGLang 0.5.22+ ``commit_spec_accept_tokens``):
    ``commit_accepted`` copies exactly the accepted tokens' KV to their host rows, and an offloaded
    request's newest accepted token into slot ``D``. Under speculation nothing else writes a host row
    (the decode step's ``backup_newest`` is not used), so a rejected draft token's KV never becomes
@@ -37,7 +41,7 @@ import torch
 from hisparse_sglang.coordinator.state import DECODE_STEPS, OFFLOADED, RESIDENT, VERIFY_STEPS, RequestRecord, SpecState
 from hisparse_sglang.errors import HiSparseConfigError, HiSparseMemoryError, PoolExhaustedError, UnsupportedSetupError
 from hisparse_sglang.memory.paged import upload_ints
-from hisparse_sglang.ops.reference import VERIFY_SLOT_BASE
+from hisparse_sglang.ops.reference import NO_VERIFY_LIMIT, VERIFY_SLOT_BASE
 from hisparse_sglang.ops.tables import SwapInTables
 
 if TYPE_CHECKING:
@@ -45,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["VerifyOps", "VerifySteps", "VERIFY_OP_NAMES"]
 
-VERIFY_OP_NAMES = ("swap_in_positions", "bind_verify_slots", "commit_accepted", "copy_rows")
+VERIFY_OP_NAMES = ("swap_in_positions", "bind_verify_slots", "commit_accepted", "cap_accepted", "copy_rows")
 """The ops a verify step calls; the coordinator's ``ops`` must have all of them."""
 
 
@@ -70,6 +74,7 @@ class VerifyOps(Protocol):
         tables: SwapInTables,
         out: torch.Tensor | None = None,
         counters: torch.Tensor | None = None,
+        verify_limit: torch.Tensor | None = None,
         *,
         group: int | None = None,
         splits: int | None = None,
@@ -92,15 +97,17 @@ class VerifyOps(Protocol):
                 ``token_slot`` and ``device_kv`` are written.
             out: int32 ``[B, T, K]``, written and returned.
             counters: int64 ``[2]``, incremented: history entries looked up, misses copied (each
-                group's distinct misses).
+                group's distinct placed misses).
+            verify_limit: int32 ``[>= B]``, read and lowered: per row, the first position not served
+                this step (``reference.NO_VERIFY_LIMIT``: all are); the coordinator keeps one across the
+                forward's layers and ``cap_accepted`` resets it.
             group: ``G``, the positions served together: the positions go in consecutive groups of ``G``,
                 group after group, each as one row of its ``G x K`` entries (``reference.swap_in_positions``
                 states the rules). It changes the result, so both twins must use the same: None (what the
                 coordinator passes) is ``swap_in_plan.positions_per_group(T, K, D)``, the largest group that
-                fits one launch of the CUDA twin, in both twins (the CUDA twin with its GPU's shared memory,
-                the same 227 KiB as the reference's sm_90 default on an H100 or H200): ``G = T`` wherever
-                ``T x K`` fits one launch (top_k 2048: ``T <= 2``), ``G = 1`` for ``T = 3, 4`` at top_k
-                2048 with ``D = T x K``.
+                fits the buffer and one launch of the CUDA twin, in both twins (the CUDA twin with its GPU's
+                shared memory, the same 227 KiB as the reference's sm_90 default on an H100 or H200): top_k
+                2048 gives ``G = 2`` with ``D`` 4096 to 5760, ``G = 1`` from 6144 up.
             splits, threads: launch parameters; they never change the result.
 
         Returns:
@@ -147,6 +154,19 @@ class VerifyOps(Protocol):
         tensors (``LayerSet``). One launch for the batch and every layer, fixed shape ``[B, T]``
         masked by ``a`` on the device (``reference.commit_accepted``)."""
 
+    def cap_accepted(
+        self,
+        verify_limit: torch.Tensor,
+        accept_lens: torch.Tensor,
+        accept_index: torch.Tensor,
+        counters: torch.Tensor | None = None,
+    ) -> None:
+        """After acceptance: a row of ``a`` accepted positions (``accept_lens`` int32/int64 ``[B]``) whose
+        limit ``l`` (``verify_limit`` int32 ``[>= B]``) is below ``a`` accepts ``l`` (at least 1):
+        ``accept_lens[b] = l``, ``accept_index[b, l:] = -1`` (int32 ``[B, W]``); then every limit of the
+        batch is reset. ``counters`` int64 ``[2]``: rows capped, positions dropped
+        (``reference.cap_accepted``)."""
+
     def copy_rows(
         self,
         src_layers: Sequence[torch.Tensor],
@@ -168,12 +188,20 @@ class VerifySteps:
     Attributes:
         num_draft_tokens: ``T`` once the first verify step was prepared, else None.
         rows: int32 ``[R, T, K]``: the swap-in's output, one fixed tensor (a CUDA graph captures its address).
+        verify_limit: int32 ``[R]``: per batch row, the first verify position the forward's swap-ins did not
+            serve (``reference.NO_VERIFY_LIMIT``: every one was), one fixed tensor; :meth:`cap_accepts`
+            applies and resets it.
     """
 
     def __init__(self, coordinator: "Coordinator") -> None:
         self._coordinator = coordinator
         self.num_draft_tokens: int | None = None
         self.rows: torch.Tensor | None = None
+        self.verify_limit = torch.full(
+            (coordinator.buffers.num_req_slots,), NO_VERIFY_LIMIT, dtype=torch.int32, device=coordinator.device
+        )
+        # Whether the prepared step has an offloaded row (only those can leave a position unserved).
+        self._may_cap = False
         # Batch size of the verify step prepared and not yet committed.
         self._prepared_batch: int | None = None
         # Rows the prepare and the commit work on: every row of their batch (no CUDA-graph padding there).
@@ -211,7 +239,7 @@ class VerifySteps:
             HiSparseMemoryError: a slot is unknown, staging or repeated; the argument lengths differ;
                 a committed or allocated length goes back or is out of range; the coordinator served
                 plain decode steps.
-            HiSparseConfigError: ``T`` outside ``[1, P - 1]``, or ``T * top_k > device_buffer_size``.
+            HiSparseConfigError: ``T`` outside ``[1, P - 1]``.
             UnsupportedSetupError: a host pool shared by TP ranks, or ops without the verify ops.
         """
         coordinator = self._coordinator
@@ -248,7 +276,7 @@ class VerifySteps:
         CUDA graph is captured (swap-ins included) before any request is prepared.
 
         Raises what :meth:`prepare` raises for the setup, now instead of at the first verify:
-        HiSparseConfigError (``T`` outside ``[1, P - 1]``, ``T * top_k > device_buffer_size``),
+        HiSparseConfigError (``T`` outside ``[1, P - 1]``),
         UnsupportedSetupError (ops without the verify ops, a host pool shared by TP ranks),
         HiSparseMemoryError (a different ``T`` fixed before).
         """
@@ -291,8 +319,26 @@ class VerifySteps:
             coordinator.layer_tables[layer_id],
             out=self.rows[: top_k.shape[0]],
             counters=coordinator.swap_counters,
+            verify_limit=self.verify_limit,
             threads=coordinator.config.swap_in_block_size,
         )
+
+    def cap_accepts(self, accept_lens: torch.Tensor, accept_index: torch.Tensor) -> None:
+        """Right after SGLang's acceptance of the prepared step, before it uses the result: a row accepts no
+        position the forward's swap-ins left out (``cap_accepted``), so the tokens it emits and the KV
+        :meth:`commit` backs up come only from positions whose attention read every row it asked for.
+
+        Args:
+            accept_lens: int32/int64 ``[B]`` on the device, changed in place: accepted positions per row,
+                the root included (SGLang's ``accept_lens``).
+            accept_index: int32 ``[B, T]`` on the device, changed in place: SGLang's ``accept_index``.
+
+        A step with no offloaded row launches nothing (a resident row is always served whole).
+        """
+        if not self._may_cap or accept_lens.shape[0] == 0:
+            return
+        self._may_cap = False
+        self._coordinator.ops.cap_accepted(self.verify_limit, accept_lens, accept_index)
 
     def commit(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, accept_lens: torch.Tensor) -> None:
         """After acceptance, before the draft extend: the accepted tokens' KV, and only theirs, goes to the host.
@@ -478,13 +524,6 @@ class VerifySteps:
                 f"verify positions take the slots after slot D of its reserved page (page_size "
                 f"{coordinator.page_size} - 1); lower --speculative-num-draft-tokens."
             )
-        needed = num_draft_tokens * coordinator.config.top_k
-        if needed > coordinator.buffer_size:
-            raise HiSparseConfigError(
-                f"device_buffer_size ({coordinator.buffer_size}) must be >= num_draft_tokens ({num_draft_tokens}) x "
-                f"top_k ({coordinator.config.top_k}) = {needed}: the verify positions of a request share its "
-                f"buffer; raise device_buffer_size or lower --speculative-num-draft-tokens."
-            )
 
     def _bind(self, records: list[RequestRecord], req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """After the mode switches: device pages for resident requests' new reserve locations (mapped
@@ -517,6 +556,10 @@ class VerifySteps:
             index = upload_ints([page_slots, page_positions], coordinator.device)
             first_locs = coordinator.req_to_token[index[0], index[1]]
             coordinator.allocator.map_pages_(first_locs, pages * page)
+        if self._may_cap:
+            # The previous step's limits were never applied (no acceptance reached cap_accepts): start afresh.
+            self.verify_limit.fill_(NO_VERIFY_LIMIT)
+        self._may_cap = bool(offloaded_rows)
         if offloaded_rows:
             self._batch_size.fill_(len(records))
             coordinator.ops.bind_verify_slots(

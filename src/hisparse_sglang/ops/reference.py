@@ -297,12 +297,17 @@ def _newest_slot_rows(
 # ``s`` a request's committed length: positions ``[0, s)`` hold accepted KV, ``s - 1`` is the newest
 # accepted token, and the verify writes the KV of positions ``s .. s + T - 1``.
 
-__all__ += ["swap_in_positions", "bind_verify_slots", "commit_accepted", "VERIFY_SLOT_BASE"]
+__all__ += ["swap_in_positions", "bind_verify_slots", "commit_accepted", "cap_accepted", "VERIFY_SLOT_BASE",
+            "NO_VERIFY_LIMIT"]
 
 VERIFY_SLOT_BASE = 1
 """Verify position ``j`` of an offloaded request lives in buffer slot ``D + VERIFY_SLOT_BASE + j``:
 slot ``D`` keeps the newest accepted token, the reserved page's other ``P - 1`` slots take the
 verify positions, so ``T <= P - 1``."""
+
+
+NO_VERIFY_LIMIT = 2**31 - 1
+"""``verify_limit`` of a batch row whose every verify position is served (csrc ``kNoVerifyLimit``)."""
 
 
 def _verify_slots_available(slot_rows: torch.Tensor, buffer_size: int) -> int:
@@ -328,6 +333,7 @@ def swap_in_positions(
     tables: SwapInTables,
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    verify_limit: torch.Tensor | None = None,
     *,
     group: int | None = None,
     splits: int | None = None,
@@ -348,58 +354,66 @@ def swap_in_positions(
             for ``T`` verify slots after slot ``D`` (``T <= P - 1``).
         out: optional int32 ``[B, T, K]`` to write into.
         counters: optional int64 ``[2]``: incremented for offloaded rows by the number of history
-            entries looked up (``[0]``, every position counted) and of misses copied (``[1]``: each
-            group's distinct misses, so a token is copied once however many positions of a group missed
-            it, and a token an earlier group copied is a later group's hit).
+            entries looked up (``[0]``, every served position counted) and of misses copied (``[1]``:
+            each group's distinct placed misses, so a token is copied once however many positions of a
+            group missed it, and a token an earlier group copied is a later group's hit).
+        verify_limit: optional int32 ``[>= B]``, read and lowered in place: per batch row, the first
+            query position not served this step (:data:`NO_VERIFY_LIMIT` when every one is; the verify
+            step keeps one per batch row across the layers of a forward and :func:`cap_accepted` resets
+            it). None: every position may be served (a local tensor).
         group: ``G``, positions per group (below); None: ``swap_in_plan.positions_per_group(T, K, D)``,
-            the largest group whose ``G x K`` entries fit one launch of the CUDA twin on sm_90, which is
-            what the CUDA twin chooses by default too (``G = T``, one group, wherever ``T x K`` fits one
-            launch: top_k 2048 with ``T <= 2``; ``G = 1`` for ``T = 3, 4`` at top_k 2048 with ``D = T x K``).
+            the largest group whose ``G x K`` entries fit one launch of the CUDA twin on sm_90 and the
+            ``D`` LRU slots, which is what the CUDA twin chooses by default too (top_k 2048: ``G = 2``
+            with ``D`` 4096 to 5760, ``G = 1`` with ``D`` of 6144 and more).
         splits, threads: launch parameters of the CUDA twin; they never change the result (ignored here).
 
     Returns:
-        int32 ``[B, T, K]``: the device row of every entry, -1 for padding. Entries of one request
-        that name the same token get the same row in every position.
+        int32 ``[B, T, K]``: the device row of every entry, -1 for padding and for every entry of a
+        position that was not served. Entries of one request that name the same token get the same
+        row in every served position.
 
     Semantics of a real batch row ``b`` with request ``r``, committed length ``s``, buffer ``buf``:
 
     * Resident (``buf == -1``): every valid entry ``t`` maps to
       ``device_row_of_loc[req_to_token[r, t]]``, the verify positions ``t >= s`` included (their
-      pages are bound before the forward). Nothing is copied or updated.
-    * Offloaded, by the entry's token ``t`` (valid for position ``j``: ``0 <= t <= s + j``):
+      pages are bound before the forward). Nothing is copied or updated; ``verify_limit`` is not read.
+    * Offloaded: the positions are served in consecutive groups of ``G`` positions (``0 .. G - 1``,
+      ``G .. 2G - 1``, ...; the last may be shorter), one group after another. A group's positions at
+      or past the row's limit (``verify_limit[b]`` when the group starts) are padding. For the others,
+      by the entry's token ``t`` (valid for position ``j``: ``0 <= t <= s + j``):
 
       - verify tokens ``t >= s``: ``slot_rows[buf, D + 1 + (t - s)]`` (:func:`bind_verify_slots`
         bound their locations there, so the forward wrote their KV into these rows);
       - the newest accepted token ``t == s - 1``: ``slot_rows[buf, D]``;
-      - history ``t < s - 1``: the positions are served in consecutive groups of ``G`` positions
-        (``0 .. G - 1``, ``G .. 2G - 1``, ...; the last may be shorter), one group after another. A
-        group's positions share one buffer, so their history entries are served together, exactly as
-        :func:`swap_in` serves one row made of them in position-major order (the group's first
-        position's entries first) with length ``s``: hits keep their slot and take stamp ``s``; the
-        distinct tokens no slot holds are the misses, in first occurrence order over that row, each
-        copied once from its host row; they take the least recently used slots that no position of
-        the group hit. Every output row stays valid for the whole forward: no position's miss evicts a
-        token another position reads. Within a group the union guarantees it. Across groups: every
-        slot an earlier group returned carries stamp ``s``, the newest there is (age 0), while every
-        slot this call has not used is older (stamps below ``s``, precondition); and at least as many
-        such older slots exist as a later group has misses, because the tokens of the earlier groups'
-        slots, of the later group's hit slots and its misses are distinct history tokens of the
-        request, at most ``D`` of them (precondition; ``D >= T x K`` guarantees it). The least recently
-        used slots are therefore never an earlier group's. A token
-        an earlier group copied is a hit for a later group (copied once overall); a token the buffer
-        held that an earlier group's misses evicted (no position of that group named it) is a later
-        group's miss. With ``G = T`` (one group) this is the union of every position at once.
+      - history ``t < s - 1``, the group's entries together in position-major order (its first
+        position's entries first): hits keep their slot and take stamp ``s``; the misses are the
+        distinct tokens no slot holds, in first occurrence order, each copied once from its host row.
+        The slots a miss may take (evictable) are those no entry of the group hit and, for every group
+        but the first, whose stamp is not ``s``: a later group never evicts a row an earlier group of
+        the call returned (those carry stamp ``s``). Of the evictable slots, the misses take the least
+        recently used, as :func:`swap_in` chooses them.
+      - **When the misses outnumber the evictable slots** (the positions' history holds more distinct
+        tokens than ``D``): let ``j*`` be the position of the first miss beyond them (of rank
+        ``evictable``, counting from 0). Only the misses first seen at positions before ``j*`` are
+        placed; position ``j*`` and every later position are not served: every entry of them is -1
+        (their hits keep stamp ``s``), and ``verify_limit[b]`` becomes ``min(verify_limit[b], j*)``,
+        so later groups and later layers of the forward serve none of them. The first group always
+        fits (``G x K <= D``): position 0 is always served. The caller caps the step's accepted
+        positions at the limit (:func:`cap_accepted`): a position not served in some layer has no
+        valid attention output, and a later position may read its KV.
 
-    Preconditions (as :func:`swap_in`'s, plus): the distinct history tokens of one request's ``T``
-    positions number at most ``D`` (guaranteed when ``D >= T * K``); with more than one group, every
-    slot stamp of the request's buffer is below ``s`` before the call (each earlier call of the
-    request had a smaller committed length: a verify accepts at least its root token); slot ``D``
-    holds position ``s - 1``; every position ``< s - 1`` is on its host row.
+      A token an earlier group copied is a hit for a later group (copied once overall); a token the
+      buffer held that an earlier group's misses evicted (no position of that group named it) is a later
+      group's miss. With ``G = T`` (one group) this is the union of every position at once.
+
+    Preconditions (as :func:`swap_in`'s, plus): slot ``D`` holds position ``s - 1``; every position
+    ``< s - 1`` is on its host row. A stamp equal to ``s`` before the call (a previous call of the same
+    committed length, which a verify that accepts its root never leaves) only makes fewer slots evictable.
 
     Raises:
-        ValueError: ``T`` exceeds the verify slots of a buffer, ``group`` is outside ``[1, T]``, a
-            request's history does not fit its buffer, or a later group evicted a row an earlier group
-            returned (only when the stamp precondition does not hold; the tables are then changed).
+        ValueError: ``T`` exceeds the verify slots of a buffer, ``group`` is outside ``[1, T]``, or the first
+            group's history does not fit the buffer (a precondition ``G x K <= D`` guarantees; the CUDA twin
+            refuses ``G x K > D`` before any launch).
     """
     batch, num_positions, num_top_k = top_k.shape
     buffer_size = tables.slot_tokens.shape[1]
@@ -411,6 +425,8 @@ def swap_in_positions(
         raise ValueError(f"swap_in_positions: group {group} outside [1, {num_positions}] (the verify positions).")
     if out is None:
         out = torch.empty((batch, num_positions, num_top_k), dtype=torch.int32, device=top_k.device)
+    if verify_limit is None:
+        verify_limit = torch.full((batch,), NO_VERIFY_LIMIT, dtype=torch.int32, device=top_k.device)
     out.fill_(-1)
     num_real = min(int(num_real_reqs.reshape(-1)[0]), batch)
     # Position j of the request attends to positions [0, s + j]: its causal limit.
@@ -425,52 +441,94 @@ def swap_in_positions(
             locs = tables.req_to_token[req, tokens[valid]].to(torch.int64)
             out[b][valid] = tables.device_row_of_loc[locs].to(torch.int32)
             continue
-
-        # History of every position; the newest accepted token and the verify tokens are left out (-1)
-        # and filled in below.
-        history = valid & (tokens < committed - 1)
-        distinct = torch.unique(tokens[history]).numel()
-        if distinct > buffer_size:
-            raise ValueError(
-                f"request slot {req}: its {num_positions} verify positions select {distinct} distinct history "
-                f"tokens but its buffer has {buffer_size} slots; device_buffer_size must be at least "
-                f"num_draft_tokens x top_k ({num_positions} x {num_top_k} = {num_positions * num_top_k})."
-            )
-        # Each group's history, position-major, as one swap_in row of length s.
-        returned_tokens = torch.empty(0, dtype=torch.int64, device=tokens.device)
-        returned_slots = returned_tokens
         for first in range(0, num_positions, group):
             last = min(first + group, num_positions)
-            mine = history[first:last]
-            union_row = torch.where(mine, tokens[first:last], torch.full_like(tokens[first:last], -1))
-            rows = swap_in(
-                union_row.reshape(1, -1).to(torch.int32),
-                seq_lens[b : b + 1],
-                req_pool_indices[b : b + 1],
-                torch.ones(1, dtype=torch.int32, device=num_real_reqs.device),
-                tables,
-                counters=counters,
-            ).reshape(last - first, num_top_k)
-            out[b, first:last][mine] = rows[mine]
-            # The rows earlier groups returned still hold their tokens (the argument of the docstring).
-            if returned_tokens.numel():
-                held = tables.token_slot[buf, returned_tokens].to(torch.int64)
-                if not bool((held == returned_slots).all()):
-                    raise ValueError(
-                        f"request slot {req}: positions {first}..{last - 1} evicted a row that an earlier group of "
-                        f"positions returned; serving {num_positions} verify positions in groups of {group} needs "
-                        f"every slot stamp of the request's buffer below its committed length {committed} before "
-                        f"the call."
-                    )
-            returned_tokens = torch.unique(torch.cat([returned_tokens, tokens[first:last][mine]]))
-            returned_slots = tables.token_slot[buf, returned_tokens].to(torch.int64)
-
-        newest = valid & (tokens == committed - 1)
-        out[b][newest] = tables.slot_rows[buf, buffer_size]
-        verify = valid & (tokens >= committed)
-        verify_slots = buffer_size + VERIFY_SLOT_BASE + (tokens[verify] - committed)
-        out[b][verify] = tables.slot_rows[buf, verify_slots]
+            served = min(last, max(first, int(verify_limit[b])))
+            if served > first:
+                failed = _serve_group(tokens[first:served], valid[first:served], first, committed, buf, req, tables,
+                                      counters)
+                if failed is not None:
+                    verify_limit[b] = min(int(verify_limit[b]), failed)
+        limit = max(0, min(int(verify_limit[b]), num_positions))
+        history = valid[:limit] & (tokens[:limit] < committed - 1)
+        slots = tables.token_slot[buf, tokens[:limit][history]].to(torch.int64)
+        out[b, :limit][history] = tables.slot_rows[buf, slots]
+        newest = valid[:limit] & (tokens[:limit] == committed - 1)
+        out[b, :limit][newest] = tables.slot_rows[buf, buffer_size]
+        verify = valid[:limit] & (tokens[:limit] >= committed)
+        verify_slots = buffer_size + VERIFY_SLOT_BASE + (tokens[:limit][verify] - committed)
+        out[b, :limit][verify] = tables.slot_rows[buf, verify_slots]
     return out
+
+
+def _serve_group(
+    tokens: torch.Tensor,
+    valid: torch.Tensor,
+    first: int,
+    committed: int,
+    buf: int,
+    req: int,
+    tables: SwapInTables,
+    counters: torch.Tensor | None,
+) -> int | None:
+    """The history entries of one group's served positions (``[G', K]``, position ``first`` first) of an
+    offloaded request, as :func:`swap_in_positions` states: lookups, hits stamped, misses placed in
+    the evictable slots and copied. Returns the first position left out, or None."""
+    buffer_size = tables.slot_tokens.shape[1]
+    num_top_k = tokens.shape[1]
+    history = (valid & (tokens < committed - 1)).reshape(-1)
+    index = torch.nonzero(history).reshape(-1)  # entries in position-major order
+    if counters is not None:
+        counters[0] += index.numel()
+    if index.numel() == 0:
+        return None
+    named = tokens.reshape(-1)[index]
+    found = tables.token_slot[buf, named].to(torch.int64)
+    hit_slots = torch.unique(found[found >= 0])
+    tables.slot_stamps[buf, hit_slots] = committed
+    missed, missed_index = named[found < 0], index[found < 0]
+    if missed.numel() == 0:
+        return None
+    distinct, inverse = torch.unique(missed, return_inverse=True)
+    first_seen = torch.full((distinct.numel(),), tokens.numel(), dtype=torch.int64, device=tokens.device)
+    first_seen.scatter_reduce_(0, inverse, missed_index, reduce="amin")
+    order = torch.argsort(first_seen)
+    misses, miss_positions = distinct[order], first + first_seen[order] // num_top_k
+    evictable = torch.ones(buffer_size, dtype=torch.bool, device=tokens.device)
+    evictable[hit_slots] = False
+    if first > 0:
+        evictable &= tables.slot_stamps[buf] != committed
+    slots = torch.nonzero(evictable).reshape(-1)
+    failed = None
+    if misses.numel() > slots.numel():
+        failed = int(miss_positions[slots.numel()])
+        if first == 0:
+            raise ValueError(
+                f"request slot {req}: the first group's positions select {misses.numel() + hit_slots.numel()} distinct "
+                f"history tokens but its buffer has {buffer_size} slots; device_buffer_size must be at least the "
+                f"group's entries (group x top_k = {tokens.numel()}), so that position 0 is always served."
+            )
+        misses = misses[miss_positions < failed]
+    num_miss = misses.numel()
+    if counters is not None:
+        counters[1] += num_miss
+    if num_miss:
+        ages = (committed - tables.slot_stamps[buf, slots].to(torch.int64)).clamp(0, AGE_CAP)
+        # Largest age first, lower slot first among equal ages (argsort is stable).
+        by_key = torch.argsort(-ages, stable=True)[:num_miss]
+        chosen, chosen_ages = slots[by_key], ages[by_key]
+        youngest = chosen_ages.min()
+        victims = torch.cat([torch.sort(chosen[chosen_ages > youngest]).values,
+                             torch.sort(chosen[chosen_ages == youngest]).values])
+        old_tokens = tables.slot_tokens[buf, victims].to(torch.int64)
+        tables.token_slot[buf, old_tokens[old_tokens >= 0]] = -1
+        host_rows = tables.req_to_token[req, misses].to(torch.int64)
+        device_rows = tables.slot_rows[buf, victims].to(torch.int64)
+        tables.device_kv[device_rows] = tables.host_kv[host_rows].to(tables.device_kv.device)
+        tables.slot_tokens[buf, victims] = misses.to(tables.slot_tokens.dtype)
+        tables.slot_stamps[buf, victims] = committed
+        tables.token_slot[buf, misses] = victims.to(tables.token_slot.dtype)
+    return failed
 
 
 def bind_verify_slots(
@@ -579,3 +637,41 @@ def commit_accepted(
             target = int(slot_rows[buf, buffer_size])
             for device in device_layers:
                 device[target] = device[source]
+
+
+def cap_accepted(
+    verify_limit: torch.Tensor,
+    accept_lens: torch.Tensor,
+    accept_index: torch.Tensor,
+    counters: torch.Tensor | None = None,
+) -> None:
+    """After acceptance, before anything uses the accept lengths: accept no position the verify's swap-in
+    did not serve, and reset the limits for the next step.
+
+    For each batch row ``b < B`` with ``a = accept_lens[b]`` accepted positions (the root included) and
+    ``l = max(verify_limit[b], 1)``: if ``a > l``, the row accepts the first ``l`` positions only:
+    ``accept_lens[b] = l`` and ``accept_index[b, l:] = -1`` (SGLang's accepted entries in order, -1
+    after the last). The tokens it emits are then those of positions ``0 .. l - 1``, each the target's
+    own choice there (greedy: the target's prediction; sampled: an accepted draft or the bonus), so
+    the output is what SGLang would emit had the drafts after ``l - 1`` been rejected. Then
+    ``verify_limit[:B] = NO_VERIFY_LIMIT``.
+
+    Args:
+        verify_limit: int32 ``[>= B]``, written by :func:`swap_in_positions`; reset here.
+        accept_lens: int32/int64 ``[B]``, changed in place.
+        accept_index: int32 ``[B, W]``, changed in place.
+        counters: optional int64 ``[2]``: incremented by the rows capped (``[0]``) and the positions
+            they no longer accept (``[1]``).
+    """
+    batch = accept_lens.shape[0]
+    limit = verify_limit[:batch].to(torch.int64, copy=True).clamp(min=1)
+    accepted = accept_lens.to(torch.int64, copy=True)
+    capped = accepted > limit
+    kept = torch.where(capped, limit, accepted)
+    columns = torch.arange(accept_index.shape[1], dtype=torch.int64, device=accept_index.device)
+    accept_index[capped.reshape(-1, 1) & (columns.reshape(1, -1) >= kept.reshape(-1, 1))] = -1
+    accept_lens.copy_(kept.to(accept_lens.dtype))
+    if counters is not None:
+        counters[0] += int(capped.sum())
+        counters[1] += int((accepted - kept).sum())
+    verify_limit[:batch] = NO_VERIFY_LIMIT

@@ -4,7 +4,8 @@ Besides the decode step's ops (``swap_in``, ``copy_rows``, ``backup_newest``, ``
 step of speculative decoding (``coordinator.speculative.VerifyOps``): ``swap_in_positions`` (the same
 kernel over the ``G x top_k`` entries of each group of ``G`` consecutive verify positions of a request, one
 launch per group; ``swap_in_plan.positions_per_group`` chooses ``G``, ``check_swap_in_positions_fits``
-refuses a shape where not even one position fits), ``bind_verify_slots`` and ``commit_accepted``.
+refuses a shape where not even one position fits), ``bind_verify_slots``, ``commit_accepted`` and
+``cap_accepted``.
 
 The kernels are compiled on first use (``ops.jit``). :class:`CudaOps` launches them on one GPU and
 owns what its launches keep between calls (the swap-in workspace, the checked shared-memory plans,
@@ -23,7 +24,7 @@ import torch
 from hisparse_sglang.config import DEFAULT_PAGE_SIZE
 from hisparse_sglang.errors import HiSparseError
 from hisparse_sglang.ops.jit import load_module
-from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT, _check_verify_positions
+from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT, NO_VERIFY_LIMIT, _check_verify_positions
 from hisparse_sglang.ops.swap_in_plan import (
     DEFAULT_THREADS,
     SYNC_COUNTERS_PER_ROW,
@@ -195,8 +196,8 @@ class CudaOps:
     def positions_group(self, num_positions: int, top_k: int, buffer_size: int) -> int:
         """``G``, the verify positions one ``swap_in_positions`` launch serves by default:
         ``swap_in_plan.positions_per_group`` with this GPU's shared memory per block (on an H100 or H200 the
-        reference twin's choice: ``G = T`` for ``T <= 2`` at top_k 2048, ``G = 1`` for ``T = 3, 4`` with
-        ``device_buffer_size = T x top_k``)."""
+        reference twin's choice: ``G = 2`` for ``T >= 2`` at top_k 2048 with ``device_buffer_size`` 4096 to
+        5760, ``G = 1`` from 6144 up)."""
         return positions_per_group(num_positions, top_k, buffer_size, shared_memory_per_block(self.device.index))
 
     def positions_plan(
@@ -209,12 +210,9 @@ class CudaOps:
         swap_in_plan.PLAN_FIELDS), checked once per shape against this GPU.
 
         Raises:
-            UnsupportedSetupError: not even one position fits a launch with a buffer that holds ``T x top_k``
-                on this GPU (``swap_in_plan.largest_num_positions`` says how many positions do: 6 for
-                top_k 2048 on an H100 or H200).
-            HiSparseConfigError: device_buffer_size below ``T x top_k``, or too large for the plan of one
-                position.
-            ValueError: an explicit ``group`` outside ``[1, T]`` or too large for a launch.
+            HiSparseConfigError: device_buffer_size below ``top_k``, or too large for the plan of one
+                position on this GPU.
+            ValueError: an explicit ``group`` outside ``[1, T]`` or too large for the buffer or a launch.
         """
         if group is None:
             group = self.positions_group(num_positions, top_k, buffer_size)
@@ -330,6 +328,7 @@ class CudaOps:
         tables: SwapInTables,
         out: torch.Tensor | None = None,
         counters: torch.Tensor | None = None,
+        verify_limit: torch.Tensor | None = None,
         *,
         group: int | None = None,
         splits: int | None = None,
@@ -343,16 +342,15 @@ class CudaOps:
         row of ``top_k`` and ``out`` must hold its ``T x K`` entries contiguously (``[B, T, K]`` views of
         contiguous ``[B * T, K]`` tensors do). ``seq_lens`` is ``s``, the committed length. ``group``
         None: :meth:`positions_group`, the reference twin's default choice on an H100 or H200 (pass the
-        same ``group`` to both twins elsewhere). Differences from the reference twin, all refused before
-        any launch: ``T x K`` must be at most ``device_buffer_size`` (the twin refuses only a request whose
-        distinct history tokens exceed it, which the kernel cannot check) and a launch of ``G`` positions
-        must fit the kernel's shared-memory plan (:meth:`positions_plan`: at top_k 2048 on sm_90 one
-        position fits with ``device_buffer_size`` up to 14272, so ``T <= 6``).
+        same ``group`` to both twins elsewhere). ``verify_limit`` (int32 ``[>= B]`` on this GPU, read and
+        lowered on the device) None: a fresh one with every position served. A launch of ``G`` positions
+        must fit the kernel's shared-memory plan (:meth:`positions_plan`; at top_k 2048 on sm_90 one
+        position fits with ``device_buffer_size`` up to 14272), refused before any launch.
 
         Raises:
             ValueError: ``top_k`` is not ``[B, T, K]``, ``T`` exceeds a buffer's verify slots, or
-                ``group`` is outside ``[1, T]`` or too large for a launch.
-            UnsupportedSetupError, HiSparseConfigError: :meth:`positions_plan`.
+                ``group`` is outside ``[1, T]`` or too large for the buffer or a launch.
+            HiSparseConfigError: :meth:`positions_plan`.
         """
         if top_k.device != self.device:
             raise HiSparseError(
@@ -369,6 +367,8 @@ class CudaOps:
             out = torch.empty((batch, num_positions, k), dtype=torch.int32, device=self.device)
         if splits is None:
             splits = self.choose_splits(batch, k, buffer_size, threads, num_positions=num_positions, group=group)
+        if verify_limit is None:
+            verify_limit = torch.full((batch,), NO_VERIFY_LIMIT, dtype=torch.int32, device=self.device)
         self.module.swap_in_positions(
             top_k,
             seq_lens,
@@ -377,6 +377,7 @@ class CudaOps:
             *tables.tensors(),
             out,
             self._no_counters if counters is None else counters,
+            verify_limit,
             self._workspace(batch),
             plan,
             group,
@@ -524,4 +525,19 @@ class CudaOps:
             req_pool_indices, seq_lens, accept_lens, num_real_reqs, num_positions, req_to_token, device_row_of_loc,
             buffer_of_req, slot_rows, buffer_size, self._pointers(device_layers), self._pointers(host_layers),
             row_bytes, torch.cuda.current_stream(self.device).cuda_stream,
+        )
+
+    def cap_accepted(
+        self,
+        verify_limit: torch.Tensor,
+        accept_lens: torch.Tensor,
+        accept_index: torch.Tensor,
+        counters: torch.Tensor | None = None,
+    ) -> None:
+        """CUDA twin of :func:`hisparse_sglang.ops.reference.cap_accepted` (one launch, one thread per batch
+        row, the limits and accept lengths read on the device; no host sync). Every tensor on this GPU;
+        ``accept_index`` int32 ``[B, W]`` contiguous."""
+        self.module.cap_accepted(
+            verify_limit, accept_lens, accept_index, self._no_counters if counters is None else counters,
+            torch.cuda.current_stream(self.device).cuda_stream,
         )

@@ -11,12 +11,13 @@ The multi-position swap-in of a speculative verify step (``swap_in_positions``) 
 verify positions in consecutive groups of ``G`` positions, one launch of the same kernel per group on one row
 of ``G x top_k`` entries per request (the union of the group's positions), so a launch's plan is
 :func:`swap_in_plan` of ``G x top_k`` entries (:func:`swap_in_positions_plan`). ``G`` is the largest count
-that fits (:func:`positions_per_group`, the one choice both twins make): on sm_90 (227 KiB per block) top_k
-2048 gives ``G = T`` for ``T <= 2`` (``device_buffer_size`` 4096 to 5760: one launch, as before groups
-existed) and ``G = 1`` for ``T = 3, 4`` (``device_buffer_size`` 6144, 8192: the plan of 2048 entries needs
-150,144 and 170,880 B there, that of 4096 entries 236,160 and 256,896 B). A shape is refused
-(:func:`check_swap_in_positions_fits`) only where not even one position fits a launch with a buffer that
-holds ``T x top_k`` (:func:`largest_num_positions`: ``T <= 6`` at top_k 2048).
+whose entries fit the launch and the buffer (:func:`positions_per_group`, the one choice both twins make,
+``G x top_k <= device_buffer_size`` so that the first group always fits): on sm_90 (227 KiB per block) top_k
+2048 gives ``G = 2`` with ``device_buffer_size`` 4096 to 5760 (``T = 4``: two launches) and ``G = 1`` from
+6144 up (the plan of 4096 entries needs 236,160 B with 6144 slots). The positions need not fit the buffer
+together: where a step's positions name more distinct tokens than it holds, the later positions are left out
+and the step accepts fewer drafts (``reference.swap_in_positions``). A shape is refused
+(:func:`check_swap_in_positions_fits`) only where one position does not fit, as for the decode swap-in.
 
 Imports the standard library only (torch only inside :func:`shared_memory_per_block`, to query a
 GPU), so ``import hisparse_sglang`` stays free of side effects.
@@ -28,7 +29,7 @@ import dataclasses
 import functools
 import types
 
-from hisparse_sglang.errors import HiSparseConfigError, UnsupportedSetupError
+from hisparse_sglang.errors import HiSparseConfigError
 
 __all__ = [
     "SwapInPlan",
@@ -48,7 +49,6 @@ __all__ = [
     "check_swap_in_fits",
     "swap_in_positions_plan",
     "positions_per_group",
-    "largest_num_positions",
     "check_swap_in_positions_fits",
 ]
 
@@ -335,48 +335,25 @@ def positions_per_group(num_positions: int, top_k: int, buffer_size: int, limit:
     """``G``: how many consecutive verify positions one ``swap_in_positions`` launch serves, the choice both
     twins make when the caller passes no group (``reference.swap_in_positions``, ``CudaOps.swap_in_positions``).
 
-    The largest ``G`` in ``[1, T]`` whose ``G x top_k`` entries fit one launch with ``buffer_size`` (``D``)
-    LRU slots: the plan (:func:`swap_in_positions_plan`) within ``limit`` bytes (default: sm_90's 227 KiB)
-    and ``G x top_k <= MAX_TOP_K``; 1 when not even one position does (the kernel then serves no
-    position: :func:`check_swap_in_positions_fits` refuses the shape, as it refuses ``D < T x top_k``).
-    The plan is taken with the largest block size (:data:`SWAP_IN_BLOCK_SIZES`), whose scan scratch is the
-    largest, so ``G`` fits every block size and ``swap_in_block_size`` never changes a result. A pure
-    function of ``(T, top_k, D, limit)``: the CPU reference (sm_90's limit) and the CUDA op on an H100 or
-    H200 (the same 232,448 B) choose the same ``G``.
-    Where ``T x top_k`` fits one launch ``G = T``: one group, the union of every position at once. On sm_90
-    top_k 2048 gives ``G = 2`` at ``T = 2`` (``D`` 4096 to 5760) and ``G = 1`` at ``T = 3, 4`` (``D`` 6144,
-    8192: the plan of 4096 entries needs 236,160 and 256,896 B there).
+    The largest ``G`` in ``[1, T]`` whose ``G x top_k`` entries fit the ``buffer_size`` (``D``) LRU slots and
+    one launch with them: the plan (:func:`swap_in_positions_plan`) within ``limit`` bytes (default: sm_90's
+    227 KiB) and ``G x top_k <= MAX_TOP_K``; 1 when not even two positions do. The first group fitting the
+    buffer is what makes position 0 always served. The plan is taken with the largest block size
+    (:data:`SWAP_IN_BLOCK_SIZES`), whose scan scratch is the largest, so ``G`` fits every block size and
+    ``swap_in_block_size`` never changes a result. A pure function of ``(T, top_k, D, limit)``: the CPU
+    reference (sm_90's limit) and the CUDA op on an H100 or H200 (the same 232,448 B) choose the same ``G``.
+    On sm_90 top_k 2048 gives ``G = 2`` for ``T >= 2`` with ``D`` 4096 to 5760 and ``G = 1`` with ``D``
+    from 6144 (the plan of 4096 entries needs 236,160 B there) or below 4096.
     """
     limit = SM90_SHARED_MEMORY_PER_BLOCK if limit is None else limit
     threads = max(SWAP_IN_BLOCK_SIZES)
     group = 1
     for candidate in range(2, num_positions + 1):  # the plan grows with the entries
         entries = candidate * top_k
-        if entries > MAX_TOP_K or swap_in_plan(entries, buffer_size, threads).total_bytes > limit:
+        if entries > min(MAX_TOP_K, buffer_size) or swap_in_plan(entries, buffer_size, threads).total_bytes > limit:
             break
         group = candidate
     return group
-
-
-@functools.lru_cache(maxsize=64)
-def largest_num_positions(top_k: int, page_size: int, threads: int | None, limit: int,
-                          buffer_size: int | None = None) -> int:
-    """The most verify positions ``T`` that ``swap_in_positions`` serves within ``limit`` bytes: the LRU slots
-    must hold the union of a request's positions (``T x top_k <= D``) and at least one position must fit a
-    launch (the plan of ``top_k`` entries with ``D`` slots; the positions are served in groups,
-    :func:`positions_per_group`). With ``buffer_size`` (``D``) when given, else with the largest ``D`` whose
-    one-position plan fits (:func:`largest_device_buffer_size`). 0 when not even one position fits. On sm_90:
-    6 at top_k 2048 (``D`` up to 14272), 1 at top_k 4096 (``D`` up to 5760). A buffer's reserved page bounds
-    ``T`` too (``T <= page_size - 1``, checked with the verify slots, not here)."""
-    if top_k < 1:
-        return 0
-    if buffer_size is None:
-        buffer_size = largest_device_buffer_size(top_k, page_size, threads, limit)
-        if buffer_size is None:
-            return 0
-    elif top_k > min(buffer_size, MAX_TOP_K) or swap_in_plan(top_k, buffer_size, threads).total_bytes > limit:
-        return 0
-    return buffer_size // top_k
 
 
 def check_swap_in_positions_fits(
@@ -394,13 +371,14 @@ def check_swap_in_positions_fits(
     groups of ``group`` (``G``; None: :func:`positions_per_group` with this ``limit``): :func:`swap_in_plan` of
     ``G x top_k`` entries; or a typed error naming the values, the limit and the fix.
 
+    One position must fit a launch, which is the decode swap-in's rule (:func:`check_swap_in_fits`: top_k
+    within the buffer, the plan within the limit); the verify positions are served one group after another,
+    so ``T`` itself is bounded only by a buffer's reserved page (checked with the verify slots).
+
     Raises:
-        UnsupportedSetupError: ``T`` above :func:`largest_num_positions`: no ``device_buffer_size`` that holds
-            ``T x top_k`` lets even one position fit a launch; fewer draft tokens are the only fix.
-        HiSparseConfigError: ``device_buffer_size`` is below ``T x top_k`` (the LRU slots must hold the union
-            of a request's positions), or too large for the plan of one position's ``top_k`` entries.
-        ValueError: an explicit ``group`` outside ``[1, T]`` or whose ``G x top_k`` entries do not fit a
-            launch with this buffer (naming the largest that does).
+        HiSparseConfigError: what :func:`check_swap_in_fits` raises for ``top_k`` and ``device_buffer_size``.
+        ValueError: an explicit ``group`` outside ``[1, T]`` or whose ``G x top_k`` entries do not fit the
+            buffer or a launch with it (naming the largest that does).
 
     Args:
         threads: swap_in_block_size (None: :data:`DEFAULT_THREADS`).
@@ -408,47 +386,22 @@ def check_swap_in_positions_fits(
     """
     threads = threads or DEFAULT_THREADS
     limit = SM90_SHARED_MEMORY_PER_BLOCK if limit is None else limit
-    entries = num_positions * top_k
-    product = f"num_draft_tokens x top_k ({num_positions} x {top_k} = {entries})"
-    most = largest_num_positions(top_k, page_size, threads, limit)
-    if num_positions > most:
-        smallest = _round_up(entries, page_size)
-        needed = swap_in_plan(top_k, smallest, threads).total_bytes
-        takes = (f"with top_k {top_k} it takes num_draft_tokens <= {most}; set --speculative-num-draft-tokens <= "
-                 f"{most} (--speculative-num-steps <= {most - 1} with --speculative-eagle-topk 1)" if most >= 1 else
-                 f"with top_k {top_k} it takes no verify position; serve without speculative decoding")
-        raise UnsupportedSetupError(
-            f"swap_in_positions cannot serve {num_positions} verify positions per request: the LRU slots must hold "
-            f"the union of a request's {product} entries, and even one position's launch (the positions are served "
-            f"one group after another) then needs {needed:,} B of GPU shared memory per block with the smallest "
-            f"such device_buffer_size ({smallest}) and swap_in_block_size {threads}, more than "
-            f"{_where(limit, device_name)}; {takes}."
-        )
-    if entries > buffer_size:
+    if top_k > buffer_size:
         raise HiSparseConfigError(
-            f"device_buffer_size ({buffer_size}) must be at least {product} for speculative decoding: a buffer's "
-            f"LRU slots hold the union of a request's verify positions; set device_buffer_size >= "
-            f"{_round_up(entries, page_size)} or lower --speculative-num-draft-tokens."
+            f"device_buffer_size ({buffer_size}) must be at least top_k ({top_k}): a verify position's top-k must fit "
+            f"its buffer; set device_buffer_size >= {_round_up(top_k, page_size)}."
         )
-    one = swap_in_plan(top_k, buffer_size, threads)
-    if one.total_bytes > limit:
-        largest = largest_device_buffer_size(top_k, page_size, threads, limit)
-        raise HiSparseConfigError(
-            f"device_buffer_size ({buffer_size}) is too large for swap_in_positions with top_k {top_k} and "
-            f"swap_in_block_size {threads}: even a launch of one verify position's {top_k} entries needs "
-            f"{one.total_bytes:,} B of GPU shared memory per block, more than {_where(limit, device_name)}; use "
-            f"device_buffer_size <= {largest} (the largest multiple of page_size {page_size} that fits; at least "
-            f"{product})."
-        )
+    check_swap_in_fits(top_k, buffer_size, page_size, threads, limit=limit, device_name=device_name)
     fitting = positions_per_group(num_positions, top_k, buffer_size, limit)
     if group is None:
         group = fitting
     plan = swap_in_positions_plan(group, top_k, buffer_size, threads)
-    if not 1 <= group <= num_positions or group * top_k > MAX_TOP_K or plan.total_bytes > limit:
+    if (not 1 <= group <= num_positions or group * top_k > min(MAX_TOP_K, buffer_size)
+            or plan.total_bytes > limit):
         raise ValueError(
             f"swap_in_positions: groups of {group} verify positions do not fit: 1 <= group <= {num_positions} "
-            f"(num_draft_tokens) and the plan of group x top_k entries must fit {_where(limit, device_name)} with "
-            f"device_buffer_size {buffer_size} and swap_in_block_size {threads}; the largest group that fits is "
-            f"{fitting} (positions_per_group)."
+            f"(num_draft_tokens), group x top_k entries <= device_buffer_size ({buffer_size}), and the plan of "
+            f"group x top_k entries must fit {_where(limit, device_name)} with swap_in_block_size {threads}; the "
+            f"largest group that fits is {fitting} (positions_per_group)."
         )
     return plan

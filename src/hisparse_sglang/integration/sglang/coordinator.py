@@ -236,6 +236,17 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
             self.num_draft_tokens,
         )
 
+    def cap_spec_accepts(self, batch, accept_lens, accept_index) -> None:
+        """Right after ``eagle_sample`` (every release; hook H10): ``accept_lens`` (``[B]``, the root
+        included) and ``accept_index`` (int32 ``[B, S + 1]``) are capped in place, on the device, where an
+        offloaded request's verify positions named more distinct tokens than its buffer holds and the
+        swap-in left the later positions out; SGLang then emits, commits and drafts from the capped result.
+        An idle batch has no rows."""
+        if batch.forward_mode.is_idle() or batch.req_pool_indices.numel() == 0:
+            return
+        self._check_speculative("eagle_sample")
+        self.core.cap_verify(accept_lens, accept_index)
+
     def commit_spec_accept_tokens(self, batch=None, accept_indices=None) -> None:
         """``run_eagle_verify`` after sampling: the accepted tokens' KV, and only theirs, goes to the host.
 

@@ -42,6 +42,7 @@ from hisparse_sglang.integration.sglang.hooks_speculative import (
     _default_pool_configurator_init_after,
     _derive_pool_sizes_after,
     _eagle_prepare_for_verify_after,
+    _eagle_sample_after,
     _forward_extend,
     _get_indexer_metadata_after,
     _run_eagle_verify_after,
@@ -197,7 +198,7 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream="a metrics extension point for the sparse coordinator",
         written_against="0.5.17",
     ),
-    # the speculative verify step of 0.5.17 - 0.5.21 (H1 - H9): hooks_speculative.py
+    # the speculative verify step of 0.5.17 - 0.5.21 (H1 - H9), and H10 on every release: hooks_speculative.py
     HookSpec(
         "sglang.srt.mem_cache.allocation.alloc_for_spec_decode", "AROUND", lambda: _alloc_for_spec_decode,
         why="H1: the speculative reserve comes from alloc_extend, which gives offloaded requests device pages the "
@@ -215,6 +216,13 @@ HOOKS: tuple[HookSpec, ...] = (
         "sglang.srt.speculative.eagle_worker_common.run_eagle_verify", "AFTER", lambda: _run_eagle_verify_after,
         why="H3: no coordinator call after acceptance; the accepted tokens' KV must reach the host",
         upstream="0.5.22 commit_spec_accept_tokens", versions=_HOOKED,
+        written_against="0.5.17",
+    ),
+    HookSpec(
+        "sglang.srt.speculative.eagle_worker_common.eagle_sample", "AFTER", lambda: _eagle_sample_after,
+        why="H10: a verify position whose top-k the buffer could not hold with the earlier positions' is left "
+        "out by the swap-in; the step must not accept it",
+        upstream="a coordinator call between sampling and the accept lengths' use (none in any release)",
         written_against="0.5.17",
     ),
     HookSpec(

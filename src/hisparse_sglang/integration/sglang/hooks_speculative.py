@@ -1,4 +1,5 @@
-"""The speculative verify step on SGLang 0.5.17 - 0.5.21 (docs/speculative.md 2.7, hooks H1 - H9).
+"""The speculative verify step on SGLang 0.5.17 - 0.5.21 (docs/speculative.md 2.7, hooks H1 - H9), and the
+acceptance cap on every release (H10).
 
 From 0.5.22 SGLang's EAGLE worker calls the HiSparse coordinator's verify step itself and keeps the
 draft (NextN) layer dense on the GPU; these releases do neither. The hooks below make the same calls
@@ -8,7 +9,8 @@ the 3-D ``swap_in_selected_pages``, ``commit_spec_accept_lens``), the hand-overs
 are the runtime's (``HiSparseRuntime.logical_only_reserve``, ``verify_rows_for_translation``), and
 what reads or builds SGLang objects is in ``compat`` / ``limits``. Every hook is a no-op unless the
 object it receives belongs to hisparse-sglang (our allocator, or a coordinator started with ``T``).
-Their specs (H1 - H9, ``versions=compat.SPECULATIVE_HOOKED_SGLANG``) are in ``hooks.HOOKS``.
+Their specs (H1 - H9, ``versions=compat.SPECULATIVE_HOOKED_SGLANG``; H10 every supported release: no release
+calls the coordinator between sampling and the use of the accept lengths) are in ``hooks.HOOKS``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,18 @@ def _run_eagle_verify_after(result, batch, **kwargs):
     coordinator = _verify_coordinator(batch.hisparse_coordinator)
     if coordinator is not None:
         coordinator.commit_spec_accept_lens(batch, result.accept_lens)
+    return result
+
+
+def _eagle_sample_after(result, verify_input, batch, *args, **kwargs):
+    """H10 AFTER eagle_sample as run_eagle_verify calls it (every release): a verify position the swap-in
+    left out (its request's positions named more distinct tokens than its buffer holds) is not accepted.
+    ``result`` is ``(predict, accept_lens, accept_index)``; the last two are capped in place before
+    run_eagle_verify derives the new lengths, the bonus tokens and the commit from them."""
+    coordinator = _verify_coordinator(batch.hisparse_coordinator)
+    if coordinator is not None:
+        _, accept_lens, accept_index = result
+        coordinator.cap_spec_accepts(batch, accept_lens, accept_index)
     return result
 
 

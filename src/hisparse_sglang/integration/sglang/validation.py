@@ -53,8 +53,7 @@ def config_from_server_args(server_args, model_index_topk: int | None = None) ->
     """HiSparseConfig from ``--hisparse-config`` (where the installed release keeps it) and the
     model's ``index_topk``, its page size checked against SGLang's ``--page-size`` when
     ``server_args`` is given (raises HiSparseConfigError naming whichever of the two the user set)."""
-    positions = verify_positions(server_args if server_args is not None else compat.published_server_args())
-    config, page_size_set = _parsed(compat.hisparse_config_json(server_args), model_index_topk, positions)
+    config, page_size_set = _parsed(compat.hisparse_config_json(server_args), model_index_topk)
     if server_args is not None:
         _check_page_size(config.page_size, page_size_set, getattr(server_args, "page_size", None))
     return config
@@ -65,24 +64,11 @@ def config_from_server_args(server_args, model_index_topk: int | None = None) ->
 # object. The result is a function of the two arguments alone (no state to go stale); an invalid
 # text raises each time, since errors are not cached.
 @functools.lru_cache(maxsize=4)
-def _parsed(text: str | None, model_index_topk: int | None, positions: int) -> tuple[HiSparseConfig, bool]:
+def _parsed(text: str | None, model_index_topk: int | None) -> tuple[HiSparseConfig, bool]:
     """(the config, whether the text sets page_size)."""
     values = parse_config_text(text)
-    config = HiSparseConfig.from_dict(values, model_index_topk=model_index_topk, verify_positions=positions)
+    config = HiSparseConfig.from_dict(values, model_index_topk=model_index_topk)
     return config, "page_size" in values
-
-
-def verify_positions(server_args) -> int:
-    """``T``, the query positions of a request per decode step: ``--speculative-num-draft-tokens`` with
-    speculative decoding, else 1. Every reader of the config passes the same settings (SGLang resolves
-    the draft-token count before the schedulers start; startup validation reads the resolved view), so
-    every reader gets the same default ``device_buffer_size``. A value speculative validation refuses
-    counts as 1 here; its own check names it."""
-    algorithm = getattr(server_args, "speculative_algorithm", None)
-    if algorithm is None or str(algorithm).upper() == "NONE":
-        return 1
-    tokens = getattr(server_args, "speculative_num_draft_tokens", None)
-    return tokens if isinstance(tokens, int) and 1 <= tokens <= MAX_VERIFY_POSITIONS else 1
 
 
 def _check_page_size(config_page_size: int, set_in_config: bool, server_page_size: int | None) -> None:
@@ -193,7 +179,7 @@ def _check_speculative(args, config: HiSparseConfig) -> None:
     """Speculative decoding (docs/speculative.md 2.1): EAGLE / NEXTN with ``--speculative-eagle-topk 1``,
     ``T = steps + 1`` verify positions with ``1 <= steps <= 3`` and ``T`` at most what the verify swap-in
     kernel serves (``swap_in_plan.MAX_VERIFY_POSITIONS``), not adaptive, not multi-layer, the plan stream
-    off, ``device_buffer_size >= T x top_k``, on every release of ``compat.SPECULATIVE_SGLANG``. ``args`` is the resolved view
+    off, on every release of ``compat.SPECULATIVE_SGLANG``. ``args`` is the resolved view
     (SGLang's automatic choice of steps, topk and draft tokens included)."""
     algorithm = getattr(args, "speculative_algorithm", None)
     if algorithm is None or str(algorithm).upper() == "NONE":
@@ -245,13 +231,6 @@ def _check_speculative(args, config: HiSparseConfig) -> None:
             f"--speculative-num-steps {steps} ({draft_tokens} verify positions per request) is not served yet: "
             f"hisparse-sglang's verify swap-in kernel handles at most {MAX_VERIFY_POSITIONS} positions; use "
             f"{served}, or {_IN_TREE} (2 to 4 draft tokens)."
-        )
-    needed = draft_tokens * config.top_k
-    if config.device_buffer_size < needed:
-        raise HiSparseConfigError(
-            f"device_buffer_size ({config.device_buffer_size}) must be >= --speculative-num-draft-tokens "
-            f"({draft_tokens}) x top_k ({config.top_k}) = {needed} with speculative decoding (a request's verify "
-            f"positions share its buffer): set device_buffer_size to {needed} or more in --hisparse-config."
         )
     if config.share_host_pool_across_tp and (getattr(args, "tp_size", 1) or 1) > 1:
         raise UnsupportedSetupError(
