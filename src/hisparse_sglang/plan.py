@@ -500,7 +500,7 @@ def _parser() -> argparse.ArgumentParser:
     hisparse.add_argument("--output-len", type=int, default=1024, help="output tokens per request (default 1024)")
     hisparse.add_argument("--speculative-num-draft-tokens", type=int, default=1, metavar="T",
                           help="as SGLang's, with EAGLE / NextN MTP (2-4; default 1: none): the draft's NextN layers "
-                               "are sized as KV layers and device_buffer_size defaults to max(2, T) x top_k")
+                               "are sized as KV layers (device_buffer_size keeps its 2 x top_k default)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
