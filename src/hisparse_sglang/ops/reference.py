@@ -90,7 +90,6 @@ def swap_in(
         tables.req_to_token, tables.device_row_of_loc, tables.buffer_of_req, tables.slot_rows
     )
     slot_tokens, slot_stamps, token_slot = tables.slot_tokens, tables.slot_stamps, tables.token_slot
-    host_kv, device_kv = tables.host_kv, tables.device_kv
     batch, num_top_k = top_k.shape
     buffer_size = slot_tokens.shape[1]
     if out is None:
@@ -139,23 +138,7 @@ def swap_in(
                     f"request slot {req}: {num_miss} misses but only {slots.numel()} slots not hit "
                     f"(top_k must not exceed device_buffer_size)."
                 )
-            ages = (seq_len - slot_stamps[buf, slots].to(torch.int64)).clamp(0, AGE_CAP)
-            # Largest age first, lower slot first among equal ages (argsort is stable).
-            by_key = torch.argsort(-ages, stable=True)[:num_miss]
-            chosen, chosen_ages = slots[by_key], ages[by_key]
-            youngest = chosen_ages.min()
-            older = torch.sort(chosen[chosen_ages > youngest]).values
-            equal = torch.sort(chosen[chosen_ages == youngest]).values
-            victims = torch.cat([older, equal])
-
-            old_tokens = slot_tokens[buf, victims].to(torch.int64)
-            token_slot[buf, old_tokens[old_tokens >= 0]] = -1
-            host_rows = req_to_token[req, misses].to(torch.int64)
-            device_rows = slot_rows[buf, victims].to(torch.int64)
-            device_kv[device_rows] = host_kv[host_rows].to(device_kv.device)
-            slot_tokens[buf, victims] = misses.to(slot_tokens.dtype)
-            slot_stamps[buf, victims] = seq_len
-            token_slot[buf, misses] = victims.to(token_slot.dtype)
+            _place_misses(tables, buf, req, seq_len, misses, slots)
 
         rows = slot_rows[buf, token_slot[buf, other_tokens].to(torch.int64)]
         out[b, other_index] = rows
@@ -513,22 +496,34 @@ def _serve_group(
     if counters is not None:
         counters[1] += num_miss
     if num_miss:
-        ages = (committed - tables.slot_stamps[buf, slots].to(torch.int64)).clamp(0, AGE_CAP)
-        # Largest age first, lower slot first among equal ages (argsort is stable).
-        by_key = torch.argsort(-ages, stable=True)[:num_miss]
-        chosen, chosen_ages = slots[by_key], ages[by_key]
-        youngest = chosen_ages.min()
-        victims = torch.cat([torch.sort(chosen[chosen_ages > youngest]).values,
-                             torch.sort(chosen[chosen_ages == youngest]).values])
-        old_tokens = tables.slot_tokens[buf, victims].to(torch.int64)
-        tables.token_slot[buf, old_tokens[old_tokens >= 0]] = -1
-        host_rows = tables.req_to_token[req, misses].to(torch.int64)
-        device_rows = tables.slot_rows[buf, victims].to(torch.int64)
-        tables.device_kv[device_rows] = tables.host_kv[host_rows].to(tables.device_kv.device)
-        tables.slot_tokens[buf, victims] = misses.to(tables.slot_tokens.dtype)
-        tables.slot_stamps[buf, victims] = committed
-        tables.token_slot[buf, misses] = victims.to(tables.token_slot.dtype)
+        _place_misses(tables, buf, req, committed, misses, slots)
     return failed
+
+
+def _place_misses(
+    tables: SwapInTables, buf: int, req: int, seq_len: int, misses: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """The ``k``-th of ``misses`` (distinct tokens, first-occurrence order, at least one) takes the ``k``-th
+    victim among the candidate ``slots`` (ascending, at least as many): the largest key
+    ``(min(max(seq_len - stamp, 0), AGE_CAP), -slot)``, then ordered older ones by slot and those of the
+    youngest chosen age by slot (:func:`swap_in`'s rule). The victim's old token leaves ``token_slot``, the
+    miss's host row is copied to the victim's device row, and the victim's token, stamp and ``token_slot``
+    entry become the miss, ``seq_len``, the victim."""
+    ages = (seq_len - tables.slot_stamps[buf, slots].to(torch.int64)).clamp(0, AGE_CAP)
+    # Largest age first, lower slot first among equal ages (argsort is stable).
+    by_key = torch.argsort(-ages, stable=True)[: misses.numel()]
+    chosen, chosen_ages = slots[by_key], ages[by_key]
+    youngest = chosen_ages.min()
+    victims = torch.cat([torch.sort(chosen[chosen_ages > youngest]).values,
+                         torch.sort(chosen[chosen_ages == youngest]).values])
+    old_tokens = tables.slot_tokens[buf, victims].to(torch.int64)
+    tables.token_slot[buf, old_tokens[old_tokens >= 0]] = -1
+    host_rows = tables.req_to_token[req, misses].to(torch.int64)
+    device_rows = tables.slot_rows[buf, victims].to(torch.int64)
+    tables.device_kv[device_rows] = tables.host_kv[host_rows].to(tables.device_kv.device)
+    tables.slot_tokens[buf, victims] = misses.to(tables.slot_tokens.dtype)
+    tables.slot_stamps[buf, victims] = seq_len
+    tables.token_slot[buf, misses] = victims.to(tables.token_slot.dtype)
 
 
 def bind_verify_slots(
