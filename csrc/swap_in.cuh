@@ -142,6 +142,12 @@ struct SwapInParams {
   int32_t* verify_limit;
 };
 
+// swap_in_positions: the query position of a launch's entry i (its group starts at position_offset, each
+// position has position_width entries).
+__device__ __forceinline__ int query_position(const SwapInParams& p, int i) {
+  return p.position_offset + i / p.position_width;
+}
+
 // Phase timestamps for diagnostics (`benchmarks/bench_swap_in.py trace` builds with -DHISPARSE_TRACE):
 // thread 0 of batch row 0's CTAs records the global timer at each mark and prints them on exit.
 #ifdef HISPARSE_TRACE
@@ -373,7 +379,7 @@ __device__ __forceinline__ bool copier(const SwapInParams& p, int b, int c, int 
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int i = begin + tid + (round * kBatch + u) * THREADS;
-        if (p.position_offset + i / p.position_width >= limit) t[u] = -1;
+        if (query_position(p, i) >= limit) t[u] = -1;
       }
     }
 #pragma unroll
@@ -538,7 +544,7 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
       if constexpr (POSITIONS) {
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-          if (p.position_offset + (base + u * THREADS) / p.position_width >= limit) t[u] = -1;
+          if (query_position(p, base + u * THREADS) >= limit) t[u] = -1;
         }
       }
 #pragma unroll
@@ -550,7 +556,7 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
           const bool verify =
-              t[u] > newest && t[u] - now <= p.position_offset + (base + u * THREADS) / p.position_width;
+              t[u] > newest && t[u] - now <= query_position(p, base + u * THREADS);
           row[u] = slot[u] >= 0 ? slot_rows[slot[u]] : (verify ? slot_rows[D + kVerifySlotBase + (t[u] - now)] : -1);
         }
       } else {
@@ -720,13 +726,13 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
     const int evictable = static_cast<int>(total >> 32);
     if (num_miss > evictable) {
       __syncthreads();  // miss_hash complete
-      failed = p.position_offset + first[miss_hash[evictable]] / p.position_width;
+      failed = query_position(p, first[miss_hash[evictable]]);
       // Every thread finds the first rank of that position (ranks below `evictable` are of positions <= it).
       int lo = 0;
       int hi = evictable;
       while (lo < hi) {
         const int mid = (lo + hi) / 2;
-        if (p.position_offset + first[miss_hash[mid]] / p.position_width >= failed) hi = mid;
+        if (query_position(p, first[miss_hash[mid]]) >= failed) hi = mid;
         else lo = mid + 1;
       }
       num_miss = lo;
@@ -810,7 +816,7 @@ __device__ __forceinline__ void planner(const SwapInParams& p, int b, int K, int
   // POSITIONS: every entry of a position this launch left out (M2) is -1, its hits' too.
   const int copier_entries = p.splits > 1 ? copier_chunk(K, p.splits) : K;
   for (int i = entry_begin; i < entry_end; ++i) {
-    if (POSITIONS && p.position_offset + i / p.position_width >= failed) {
+    if (POSITIONS && query_position(p, i) >= failed) {
       out[i] = -1;
     } else if (entry_state[i] <= kMissBase) {
       const int h = entry_hash[i];
