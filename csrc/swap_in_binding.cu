@@ -327,6 +327,13 @@ hisparse::SwapInParams swap_in_params(
   return p;
 }
 
+// The verify limits swap_in_positions lowers and cap_accepted applies: one int32 per batch row (or more).
+void require_verify_limit(const char* op, const TensorView& verify_limit, int64_t batch) {
+  require_tensor(on_cuda(verify_limit) && verify_limit.ndim() == 1 && is_int(verify_limit, 32) &&
+                     verify_limit.size(0) >= batch && (verify_limit.size(0) == 0 || verify_limit.stride(0) == 1),
+                 op, "verify_limit", "a contiguous int32 [>= B] tensor on CUDA (B: the batch rows)", verify_limit);
+}
+
 }  // namespace
 
 // Device rows of one layer's top-k tokens; see ops/reference.py::swap_in for the semantics.
@@ -379,9 +386,7 @@ void hisparse_swap_in_positions(
   require(slot_rows.ndim() == 2 && (slot_rows.size(0) == 0 || T <= verify_slots), op,
           std::to_string(T) + " verify positions per request, but a buffer's reserved page holds " +
               std::to_string(verify_slots) + " (page size - 1)");
-  require_tensor(on_cuda(verify_limit) && verify_limit.ndim() == 1 && is_int(verify_limit, 32) &&
-                     verify_limit.size(0) >= batch && (verify_limit.size(0) == 0 || verify_limit.stride(0) == 1),
-                 op, "verify_limit", "a contiguous int32 [>= batch] tensor on CUDA", verify_limit);
+  require_verify_limit(op, verify_limit, batch);
   const int64_t G = positions_per_group;
   require(G >= 1 && G <= T, op,
           "positions_per_group must be in [1, " + std::to_string(T) + "] (the verify positions); got " +
@@ -739,9 +744,7 @@ void hisparse_cap_accepted(TensorView verify_limit, TensorView accept_lens, Tens
                      is_int(accept_index, 32) && (batch == 0 || (accept_index.stride(1) == 1 &&
                                                                  accept_index.stride(0) == accept_index.size(1))),
                  op, "accept_index", "a contiguous int32 [B, W] tensor on CUDA, B as accept_lens", accept_index);
-  require_tensor(on_cuda(verify_limit) && verify_limit.ndim() == 1 && is_int(verify_limit, 32) &&
-                     verify_limit.size(0) >= batch && (verify_limit.size(0) == 0 || verify_limit.stride(0) == 1),
-                 op, "verify_limit", "a contiguous int32 [>= B] tensor on CUDA", verify_limit);
+  require_verify_limit(op, verify_limit, batch);
   require_tensor(counters.numel() == 0 || (is_int(counters, 64) && counters.numel() >= 2 && on_cuda(counters)), op,
                  "counters", "int64 [2] on CUDA or empty", counters);
   if (batch == 0) return;
