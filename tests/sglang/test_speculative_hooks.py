@@ -121,7 +121,7 @@ class HookedRun(SpecRun):
             )
             self.check_rows(reqs, s, accept, top_k, rows.view(rows_in_graph, T, -1), layer.layer_id)
 
-        accept = self.sample(batch, accept)
+        accept, _ = self.sample(batch, accept)
         result = types.SimpleNamespace(accept_lens=torch.tensor(accept, dtype=torch.int32))
         assert hooks._run_eagle_verify_after(result, batch, target_worker=None) is result
         self.accepted(reqs, accept)

@@ -199,16 +199,13 @@ class SpecRun:
 
         # eagle_sample with topk 1: row b accepted its first a verify rows (b * T + i), -1 padded; then H10 (every
         # release) caps the rows whose later positions the swap-in left out.
-        accept = self.sample(batch, accept)
-        accept_index = torch.full((len(reqs), STEPS + 1), -1, dtype=torch.int32)
-        for b, a in enumerate(accept):
-            accept_index[b, :a] = b * T + torch.arange(a, dtype=torch.int32)
+        accept, accept_index = self.sample(batch, accept)
         coordinator.commit_spec_accept_tokens(batch=batch, accept_indices=accept_index)
         self.accepted(reqs, accept)
 
-    def sample(self, batch, accept: list[int]) -> list[int]:
+    def sample(self, batch, accept: list[int]) -> tuple[list[int], torch.Tensor]:
         """eagle_sample's result for these accept lengths, through hook H10 (hooks_speculative._eagle_sample_after,
-        registered on every release): the accept lengths and indices it leaves, as lists; records the caps."""
+        registered on every release): the accept lengths it leaves (a list) and its accept_index; records the caps."""
         from hisparse_sglang.integration.sglang.hooks_speculative import _eagle_sample_after
 
         rows = len(accept)
@@ -223,7 +220,7 @@ class SpecRun:
                                          for b, a in enumerate(capped)], "accept_index disagrees with accept_lens"
         self.caps += sum(a < want for a, want in zip(capped, accept))
         assert all(1 <= a <= want for a, want in zip(capped, accept))
-        return capped
+        return capped, accept_index
 
     def accepted(self, reqs, accept: list[int]) -> None:
         """The lengths after a committed verify, then the host check."""
