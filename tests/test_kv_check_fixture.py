@@ -109,3 +109,32 @@ def test_verify_steps_are_checked_on_their_history_rows(checked_verify_server):
     checked_verify_server.coordinator.device_layers[layer][row, 3] ^= 0xFF
     recorder.check()
     assert recorder.mismatches >= 1 and recorder.first_mismatch["device_row"] == row
+
+
+def test_positions_the_swap_in_left_out_are_not_checked(monkeypatch):
+    """A verify position at or past its row's verify limit (the buffer could not hold it; its rows are -1 and it is
+    never accepted) is not a mismatch; the served positions are still checked. The swap-in here leaves position 2
+    of every offloaded row out after the reference twin ran (as the kernel would where its misses do not fit)."""
+    from hisparse_sglang.ops import reference
+    from hisparse_sglang.testing.sim import SpeculativeMode
+
+    serve = reference.swap_in_positions
+
+    def leaving_out_position_2(top_k, seq_lens, req_pool_indices, num_real_reqs, tables, out=None, counters=None,
+                               verify_limit=None, **kwargs):
+        rows = serve(top_k, seq_lens, req_pool_indices, num_real_reqs, tables, out, counters, verify_limit, **kwargs)
+        rows[:, 2:] = -1
+        verify_limit[: rows.shape[0]] = 2
+        return rows
+
+    monkeypatch.setattr(reference, "swap_in_positions", leaving_out_position_2)
+    config = HiSparseConfig(top_k=16, device_buffer_size=64, page_size=16, host_to_device_ratio=4,
+                            resident_first=False)
+    server = recorded_server(monkeypatch, (300, 200), config=config, seed=5, verify=False,
+                             speculative=SpeculativeMode(3, host_lag=False, accept=lambda uid, i: 2))
+    recorder = server.coordinator._kv_check
+    for _ in range(4):
+        server.step()
+        recorder.check()
+    assert recorder.rows_checked > 0
+    assert recorder.mismatches == 0, recorder.first_mismatch
