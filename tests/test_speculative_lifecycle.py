@@ -3,14 +3,19 @@ retract sequences with random accept lengths 0..T, in both modes (resident-first
 promotions, always-offload), the host learning accept lengths one verify late or at once.
 
 After every operation the simulator (testing/sim.py, speculative mode) checks: every row the multi-position
-swap-in returns for a valid top-k entry of every verify position holds that token's KV (the committed
-token's, or what this verify wrote for a verify position), no host row ever holds a rejected draft token's
-KV, every committed token is on its host row, slot D holds the newest committed token (unless flagged
-for refresh), no device row is owned twice; at the end that every row, page, buffer and mapping is free.
+swap-in returns for a valid top-k entry of every served verify position holds that token's KV (the committed
+token's, or what this verify wrote for a verify position), every entry of a position the swap-in left out (its
+request's positions named more history than its buffer holds) is -1, each layer's lookups, misses and verify
+limits are those of a model of the grouped swap-in, the accept lengths are capped at the limits, no host row
+ever holds a rejected draft token's KV (a position the cap drops is one), every committed token is on its host
+row, slot D holds the newest committed token (unless flagged for refresh), no device row is owned twice; at
+the end that every row, page, buffer and mapping is free. Part of the configurations (``top_k_of_buffer``) have a
+top-k of half to all of the buffer, so that ``T x top_k`` exceeds it: positions are served in groups, some left out.
 
 HISPARSE_SPEC_PROPERTY_EXAMPLES sets the number of random sequences (default 500 across the three property
 tests: 60 %, 20 %, 20 %; 25-40 s on 2 cores). ``pytest --hypothesis-show-statistics`` shows how many
-examples demoted, promoted, cancelled a promotion, verified offloaded requests and copied misses.
+examples demoted, promoted, cancelled a promotion, verified offloaded requests, copied misses, left verify
+positions out and capped accept lengths.
 """
 
 import os
@@ -44,6 +49,8 @@ setup = st.fixed_dictionaries(
         "num_draft_tokens": st.integers(1, 4),
         "buffer_pages": st.integers(2, 4),
         "top_k_fraction": st.sampled_from([0.25, 0.5, 1.0]),
+        # None: T x top_k fits the buffer; else top_k is this share of it (T x top_k > D from T = 2, at 0.5 from 3).
+        "top_k_of_buffer": st.sampled_from([None, None, 0.5, 0.75, 1.0]),
         "ratio": st.integers(2, 4),
         "resident_first": st.booleans(),
         "cooldown": st.integers(0, 3),
@@ -58,13 +65,18 @@ setup = st.fixed_dictionaries(
 )
 
 
-def build(params, max_context: int = 160, accept=None) -> SimulatedServer:
+def build(params, max_context: int = 160, accept=None, indexer=None) -> SimulatedServer:
     page = params["page_size"]
     buffer_size = page * params["buffer_pages"]
     num_positions = min(params["num_draft_tokens"], page - 1)
+    if params["top_k_of_buffer"] is None:
+        # the verify positions of a request fit its buffer together: T x top_k <= device_buffer_size
+        top_k = max(1, int(buffer_size // num_positions * params["top_k_fraction"]))
+    else:
+        # they may not: served in groups of G with G x top_k <= device_buffer_size, the later ones left out
+        top_k = max(1, int(buffer_size * params["top_k_of_buffer"]))
     config = HiSparseConfig(
-        # the verify positions of a request share its buffer: T x top_k <= device_buffer_size
-        top_k=max(1, int(buffer_size // num_positions * params["top_k_fraction"])),
+        top_k=top_k,
         device_buffer_size=buffer_size,
         page_size=page,
         host_to_device_ratio=params["ratio"],
@@ -82,7 +94,7 @@ def build(params, max_context: int = 160, accept=None) -> SimulatedServer:
         max_context=max_context,
         seed=params["seed"],
         cpu_event_delay_steps=params["event_delay"],
-        speculative=SpeculativeMode(num_positions, host_lag=params["host_lag"], accept=accept),
+        speculative=SpeculativeMode(num_positions, host_lag=params["host_lag"], accept=accept, indexer=indexer),
     )
 
 
@@ -100,7 +112,8 @@ def note_coverage(server: SimulatedServer) -> None:
     for name, happened in (
         ("demoted", telemetry.demotions), ("promoted", telemetry.promotions),
         ("cancelled a promotion", telemetry.promotion_cancels), ("verified offloaded", lookups),
-        ("copied misses", misses),
+        ("copied misses", misses), ("left out positions", server.left_out_positions),
+        ("capped accepts", server.capped_accepts),
     ):
         event(f"{name}: {'yes' if happened else 'no'}")
 
@@ -165,7 +178,8 @@ def test_speculative_demotions_then_promotions(params, long_requests, head_start
 # ---------------------------------------------------------------------------------------------- scenarios
 def scenario(**overrides):
     params = dict(
-        page_size=4, num_draft_tokens=3, buffer_pages=2, top_k_fraction=1.0, ratio=4, resident_first=True,
+        page_size=4, num_draft_tokens=3, buffer_pages=2, top_k_fraction=1.0, top_k_of_buffer=None, ratio=4,
+        resident_first=True,
         cooldown=0, max_switches=1, promote_free_fraction=0.0, device_pages=12, event_delay=0, layers=2,
         host_lag=True, seed=0,
     )
@@ -273,3 +287,73 @@ def test_a_host_row_of_a_rejected_token_is_never_written():
             assert bool((layer[untouched] == 0x5A).all()), "a host row past s was written"
         assert request.seq_len >= committed
     server.drain()
+
+
+def scripted_indexer(layout):
+    """A top-k naming, for layer ``l`` and verify position ``j``, the entries ``layout[l][j]``: an offset ``o``
+    names the history token ``s - 2 - o`` (padding below 0), ``"newest"`` ``s - 1``, ``"own"`` the position's
+    own verify token ``s + j`` and ``"past"`` the token after it (past its causal range: padding)."""
+
+    def indexer(uid, layer_id, committed):
+        def token(j, entry):
+            if entry == "newest":
+                return committed - 1
+            if entry == "own":
+                return committed + j
+            if entry == "past":
+                return committed + j + 1
+            return max(committed - 2 - entry, -1)
+
+        return torch.tensor([[token(j, entry) for entry in entries] for j, entries in enumerate(layout[layer_id])])
+
+    return indexer
+
+
+# Groups of two positions (top_k 4, D = 8, T = 3): layer 0's first group names eight distinct history tokens,
+# every slot, so position 2's misses find none and it is left out (limit 2); layer 1's first group fits, and its
+# position 2 (four new tokens, which four free slots would hold) is padding under the limit layer 0 left.
+GROUPS_OF_TWO = (
+    [[0, 1, 2, 3], [4, 5, 6, 7], ["newest", "own", 8, 9]],
+    [["newest", 0, 1, 2], [0, 3, "own", "past"], [12, 13, 14, 15]],
+)
+# One position per group (top_k 8 = D, T = 3): layer 0 serves positions 0 and 1 (the same seven tokens) and
+# leaves position 2 out (eight new ones, one slot free); layer 1 leaves position 1 out, lowering the limit to 1.
+ONE_PER_GROUP = (
+    [["newest", 0, 1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1, 0, "own"], list(range(7, 15))],
+    [["newest", 0, 1, 2, 3, 4, 5, 6], list(range(7, 15)), list(range(15, 23))],
+)
+
+
+@pytest.mark.parametrize("host_lag", [True, False], ids=["host-lags", "host-in-step"])
+@pytest.mark.parametrize(
+    "top_k_of_buffer,layout,limit", [(0.5, GROUPS_OF_TWO, 2), (1.0, ONE_PER_GROUP, 1)],
+    ids=["groups-of-two", "one-per-group"],
+)
+def test_positions_left_out_by_a_small_buffer_cap_the_accepts(top_k_of_buffer, layout, limit, host_lag):
+    """``T x top_k`` over ``D`` and an indexer naming more distinct history than a buffer holds: the offloaded
+    requests' positions from 2 on are left out by layer 0 (every entry -1) and from ``limit`` on by the last
+    layer, every accept of all three positions is capped at ``limit``, and every invariant holds from admission
+    to the end (the simulator checks each layer's rows, counts and limits against its model, and the cap)."""
+    server = build(
+        scenario(top_k_of_buffer=top_k_of_buffer, resident_first=False, device_pages=24, host_lag=host_lag),
+        accept=lambda uid, i: 3, indexer=scripted_indexer(layout),
+    )
+    assert server.config.top_k * 3 > server.config.device_buffer_size
+    uids = [server.add_request(40, 12), server.add_request(36, 9)]
+    requests = [server.requests[uid] for uid in uids]
+    steps = 4
+    for _ in range(steps):
+        before = [request.seq_len for request in requests]
+        server.step()
+        server.check_invariants()
+        assert all(server.coordinator.requests[request.slot].mode == "offloaded" for request in requests)
+        first_layer, last_layer = server.last_rows[0], server.last_rows[-1]
+        assert bool((first_layer[:, 2:] == -1).all()) and bool((first_layer[:, :2] >= 0).any(dim=2).all())
+        assert bool((last_layer[:, limit:] == -1).all()) and bool((last_layer[:, :limit] >= 0).any(dim=2).all())
+        assert [request.seq_len - s for request, s in zip(requests, before)] == [limit, limit], (
+            "three accepted positions were not capped at the verify limit"
+        )
+    assert server.left_out_positions == steps * len(requests) * (3 - limit)
+    assert server.capped_accepts == steps * len(requests)
+    server.drain()
+    assert set(server.finished) == set(uids)

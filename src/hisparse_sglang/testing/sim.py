@@ -23,11 +23,14 @@ target-verify of ``T`` positions per request instead of one decode token. The sc
 each request's reserve (logical locations only, SGLang's ``alloc_for_spec_decode``), the coordinator
 prepares the verify, the "model" writes the KV of all ``T`` positions (the real token's for the
 positions the step will accept, a rejected draft's otherwise: bytes marked so that a host row holding
-them is caught), every layer's multi-position swap-in is checked, then the commit; accept lengths are
-random in ``[0, T]`` or scripted, and the host learns them one verify late by default (SGLang's overlap
-scheduler). The draft (NextN) layer is modelled as SGLang 0.5.22+ keeps it: a dense KV pool over the
-logical locations that the draft forwards write (the prompt after prefill, the draft positions, then the
-draft extend over the verify positions); the coordinator never sees it.
+them is caught), every layer's multi-position swap-in is checked (where a request's positions name more
+history than its buffer holds, the positions the swap-in leaves out must come back -1; each layer's counts and
+verify limits are those of a model of the grouped swap-in), the accept lengths are capped at the verify limits
+(the coordinator's ``cap_verify``, as hook H10 calls it; a position the cap drops is a rejected draft from then
+on), then the commit; accept lengths are random in ``[0, T]`` or scripted, and the host learns them one verify
+late by default (SGLang's overlap scheduler). The draft (NextN) layer is modelled as SGLang 0.5.22+ keeps it: a
+dense KV pool over the logical locations that the draft forwards write (the prompt after prefill, the draft
+positions, then the draft extend over the verify positions); the coordinator never sees it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from hisparse_sglang.memory.allocator import KVAllocator
 from hisparse_sglang.memory.device_buffers import DeviceBufferPool
 from hisparse_sglang.memory.host_pool import HostKVPool
 from hisparse_sglang.ops import reference
+from hisparse_sglang.ops.swap_in_plan import positions_per_group
 from hisparse_sglang.streams import StreamSet
 from hisparse_sglang.testing.workload import TopKWorkload
 
@@ -96,13 +100,17 @@ class SpeculativeMode:
             scheduler): the committed length ``c`` it hands the coordinator, its reserve and its finish
             decisions trail the device's ``s`` by one step. False: ``c == s``.
         accept: scripted accept lengths, ``accept(uid, verify_index) -> a`` in ``[0, T]``
-            (``verify_index`` counts the request's verifies since it was last admitted). None: random,
-            uniform in ``[0, T]``, but never 0 twice in a row for one request, so every request ends.
+            (``verify_index`` counts the request's verifies since it was last admitted), before the cap
+            (a position the swap-ins left out is never accepted). None: random, uniform in ``[0, T]``, but
+            never 0 twice in a row for one request, so every request ends.
+        indexer: a scripted top-k, ``indexer(uid, layer_id, s) -> [T, K]`` (entries outside a position's
+            causal range ``[0, s + j]`` are padding, as -1 is). None: the stress model (``_select_verify``).
     """
 
     num_draft_tokens: int
     host_lag: bool = True
     accept: Callable[[int, int], int] | None = None
+    indexer: Callable[[int, int, int], torch.Tensor] | None = None
 
 
 @dataclasses.dataclass
@@ -262,6 +270,10 @@ class SimulatedServer:
             self.draft_layer = torch.zeros((host_pages * config.page_size, item_bytes), dtype=torch.uint8, device=device)
             self.draft_layer_id = layer_num  # its token_rows identity, distinct from every target layer
             self._verify_id = 0
+            # Where buffers are smaller than the verify positions' history: positions the swap-ins left out
+            # (per row and step, each counted once) and rows whose accept length the cap lowered.
+            self.left_out_positions = 0
+            self.capped_accepts = 0
 
     # ------------------------------------------------------------------ scheduler-facing
     def fits_when_idle(self, prompt_len: int, output_len: int) -> bool:
@@ -713,7 +725,8 @@ class SimulatedServer:
     # ------------------------------------------------------------------ speculative mode
     def _verify_step(self) -> StepReport:
         """One scheduler iteration with speculative decoding: collect staged requests, then allocate
-        every request's reserve, prepare, draft, verify (every layer's swap-in checked), commit."""
+        every request's reserve, prepare, draft, verify (every layer's swap-in checked), cap the accept
+        lengths at the positions the swap-ins served, commit."""
         num_positions = self.speculative.num_draft_tokens
         for slot in self.coordinator.collect_ready():
             request = self._by_slot(slot)
@@ -769,34 +782,54 @@ class SimulatedServer:
         accepts = [self._accept_length(r) for r in batch]
         offsets = torch.arange(num_positions)
         for r, accepted in zip(batch, accepts):
-            positions = r.seq_len + offsets
             # The draft forwards (S = T - 1 of them) write the draft layer at s .. s + S - 1.
-            self._write_draft(r.uid, r.slot, positions[: num_positions - 1], r.seq_len + accepted)
+            self._write_draft(r.uid, r.slot, (r.seq_len + offsets)[: num_positions - 1], r.seq_len + accepted)
             # The target verify writes every verify position through the location -> row table.
-            rows = self.allocator.translate(self.req_to_token[r.slot, positions.to(self.device)]).to(torch.int64)
-            assert bool((rows > 0).all()), "the verify writes KV to an unmapped location"
-            for layer_id, layer in enumerate(self.device_layers):
-                layer[rows] = self._verify_kv(r.uid, positions, layer_id, r.seq_len + accepted).to(self.device)
+            self._write_verify(r, r.seq_len + accepted)
 
         self.coordinator.num_real_reqs.fill_(len(batch))
         self.last_rows = []
+        limits = [reference.NO_VERIFY_LIMIT] * len(batch)  # the model's verify limit of each row
         for layer_id in range(self.layer_num):
             top_k = torch.stack([self._select_verify(r, layer_id) for r in batch]).to(torch.int32)
-            expected_counts = self._expected_verify_counts(batch, top_k, layer_id) if self.verify else None
+            if self.verify:
+                expected_counts, limits = self._expected_verify_counts(batch, top_k, layer_id, limits)
             counters_before = self.coordinator.swap_counters.tolist()
             rows = self.coordinator.swap_in_verify(slots, seq_lens, top_k.to(self.device), layer_id)
             self.collective()
             self.last_rows.append(rows.cpu().clone())
+            # The first position of each row that this or an earlier layer did not serve (host read).
+            left_at = self.coordinator.speculative.verify_limit[: len(batch)].tolist()
             if self.verify:
-                self._verify_position_rows(batch, top_k, rows.cpu(), layer_id, accepts)
+                self._verify_position_rows(batch, top_k, rows.cpu(), layer_id, accepts, left_at)
                 counts = [after - before for after, before in zip(self.coordinator.swap_counters.tolist(), counters_before)]
-                assert counts == expected_counts, (
-                    f"layer {layer_id}: (lookups, misses) {counts}, expected {expected_counts}: every history entry of "
-                    f"every position is looked up, each distinct missed token copied once"
+                assert counts == expected_counts and left_at == limits, (
+                    f"layer {layer_id}: (lookups, misses) {counts} and verify limits {left_at}, expected "
+                    f"{expected_counts} and {limits}: every history entry of every served position is looked up, "
+                    f"each group's distinct placed misses copied once, a position whose miss finds no slot left out"
                 )
-        self.coordinator.commit_verify(slots, seq_lens, torch.tensor(accepts, dtype=torch.int64, device=self.device))
+        self.left_out_positions += sum(max(num_positions - limit, 0) for limit in left_at)
 
-        for r, accepted in zip(batch, accepts):
+        # SGLang's acceptance (eagle_sample) gives accept_lens and accept_index (row b's accepted verify rows
+        # b * T + i, -1 padded); hook H10 caps both in place: no position the swap-ins left out is accepted.
+        accept_lens = torch.tensor(accepts, dtype=torch.int64, device=self.device)
+        columns = torch.arange(num_positions, dtype=torch.int64, device=self.device).reshape(1, -1)
+        accepted_rows = torch.arange(len(batch), dtype=torch.int64, device=self.device).reshape(-1, 1) * num_positions
+        accept_index = torch.where(columns < accept_lens.reshape(-1, 1), accepted_rows + columns, -1).to(torch.int32)
+        self.coordinator.cap_verify(accept_lens, accept_index)
+        capped = accept_lens.tolist()
+        if self.verify:
+            self._check_capped(accepts, left_at, capped, accept_index.cpu())
+        for r, accepted, kept in zip(batch, accepts, capped):
+            if kept < accepted:
+                # Positions s + kept .. s + accepted - 1 are not accepted after all: their KV is a rejected
+                # draft's from now on, so a commit or a read that takes it for a real token is caught.
+                self._write_verify(r, r.seq_len + kept)
+                self.capped_accepts += 1
+            r.last_accept = kept
+        self.coordinator.commit_verify(slots, seq_lens, accept_lens)
+
+        for r, accepted in zip(batch, capped):
             # The draft extend runs the draft layer over the verify positions.
             self._write_draft(r.uid, r.slot, r.seq_len + offsets, r.seq_len + accepted)
             before = r.seq_len
@@ -806,6 +839,26 @@ class SimulatedServer:
             if r.host_len >= r.target_len:
                 self.finish(r.uid)
         return self._report(len(batch), lookups_before, misses_before)
+
+    def _check_capped(
+        self, accepts: list[int], limits: list[int], capped: list[int], accept_index: torch.Tensor
+    ) -> None:
+        """The cap (``cap_verify``) leaves a row ``min(a, max(l, 1))`` accepted positions (``l`` its verify
+        limit: position 0 is always served), ``accept_index`` its first entries of those and -1 after them,
+        and every verify limit reset for the next step."""
+        expected = [min(accepted, max(limit, 1)) for accepted, limit in zip(accepts, limits)]
+        assert capped == expected, (
+            f"accept lengths {accepts} with verify limits {limits} capped to {capped}, expected {expected}: a row "
+            f"accepts no position the swap-ins left out, and every position before its limit it would accept"
+        )
+        num_positions = accept_index.shape[1]
+        for b, kept in enumerate(capped):
+            want = torch.tensor([b * num_positions + i if i < kept else -1 for i in range(num_positions)])
+            assert torch.equal(accept_index[b].to(torch.int64), want), (
+                f"batch row {b}: accept_index {accept_index[b].tolist()} after the cap, expected {want.tolist()}"
+            )
+        left = self.coordinator.speculative.verify_limit[: len(capped)].tolist()
+        assert left == [reference.NO_VERIFY_LIMIT] * len(capped), f"verify limits {left} not reset by the cap"
 
     def _accept_length(self, request: _SimRequest) -> int:
         mode = self.speculative
@@ -818,6 +871,16 @@ class SimulatedServer:
         request.verifies += 1
         request.last_accept = accepted
         return accepted
+
+    def _write_verify(self, request: _SimRequest, accepted_end: int) -> None:
+        """The target verify's KV of positions ``s .. s + T - 1`` in every layer, written through the location
+        -> row table as the forward writes it: the real token's below ``accepted_end``, a rejected draft's from
+        there on."""
+        positions = request.seq_len + torch.arange(self.speculative.num_draft_tokens)
+        rows = self.allocator.translate(self.req_to_token[request.slot, positions.to(self.device)]).to(torch.int64)
+        assert bool((rows > 0).all()), "the verify writes KV to an unmapped location"
+        for layer_id, layer in enumerate(self.device_layers):
+            layer[rows] = self._verify_kv(request.uid, positions, layer_id, accepted_end).to(self.device)
 
     def _verify_kv(self, uid: int, positions: torch.Tensor, layer_id: int, accepted_end: int) -> torch.Tensor:
         """What this verify wrote at ``positions``: the real token's KV below ``accepted_end``
@@ -840,9 +903,16 @@ class SimulatedServer:
         """One layer's top-k of every verify position of a request: int64 ``[T, K]``. Entries are history
         (drawn from at most ``T * K`` positions below ``s - 1``, most of them repeated from the last step
         and across positions), the newest committed token, verify tokens within the causal range, tokens
-        past it (must come back -1) and padding."""
+        past it (must come back -1) and padding; or the scripted indexer's (``SpeculativeMode.indexer``)."""
         num_positions, top_k = self.speculative.num_draft_tokens, self.config.top_k
         committed = request.seq_len
+        if self.speculative.indexer is not None:
+            scripted = torch.as_tensor(self.speculative.indexer(request.uid, layer_id, committed)).to(torch.int64)
+            if tuple(scripted.shape) != (num_positions, top_k):
+                raise ValueError(
+                    f"scripted top-k of shape {tuple(scripted.shape)}; expected [{num_positions}, {top_k}]."
+                )
+            return scripted
         history = self._verify_history(request, layer_id, num_positions * top_k)
         out = torch.full((num_positions, top_k), -1, dtype=torch.int64)
         rng = self.rng
@@ -871,38 +941,87 @@ class SimulatedServer:
         request.selection[layer_id] = selection
         return selection.tolist()
 
-    def _expected_verify_counts(self, batch: list[_SimRequest], top_k: torch.Tensor, layer_id: int) -> list[int]:
-        """(lookups, misses) one layer's swap-in must count: the history entries of every position of the
-        offloaded requests, and their distinct history tokens no LRU slot holds (each copied once)."""
+    def _expected_verify_counts(
+        self, batch: list[_SimRequest], top_k: torch.Tensor, layer_id: int, limits: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """(lookups, misses) one layer's swap-in must count, and each row's verify limit after it (``limits``:
+        before it), from a model of the grouped swap-in (docs/speculative.md 2.9) over the LRU tables as they
+        stand. Resident rows count nothing and keep their limit. An offloaded row's positions go in consecutive
+        groups of ``G`` (``positions_per_group``, what the coordinator runs); a group's positions at or past the
+        row's limit are padding. The history entries (``t < s - 1``) of its served positions are looked up; the
+        slots they hit are stamped ``s``; its misses are the distinct tokens no slot holds, in order of first
+        occurrence (position-major). They may take the slots no entry hit and, after the first group, not
+        stamped ``s`` (an earlier group's rows stay), the least recently used first (age ``s - stamp``, capped,
+        the lower slot among equals); where there are fewer such slots than misses, the position of the first
+        miss without one becomes the limit (if lower) and only the misses of earlier positions are copied."""
+        num_positions, size = top_k.shape[1], self.config.device_buffer_size
+        group = positions_per_group(num_positions, self.config.top_k, size)
         lookups = misses = 0
+        limits = list(limits)
         for b, request in enumerate(batch):
             if self.coordinator.requests[request.slot].mode != OFFLOADED:
                 continue
-            tokens = top_k[b].reshape(-1).tolist()
-            history = [t for t in tokens if 0 <= t < request.seq_len - 1]
-            held = set(self.buffers.slot_tokens[layer_id, self.buffers.buffer_of(request.slot)].tolist())
-            lookups += len(history)
-            misses += len(set(history) - held)
-        return [lookups, misses]
+            committed = request.seq_len
+            buffer_id = self.buffers.buffer_of(request.slot)
+            tokens = self.buffers.slot_tokens[layer_id, buffer_id].tolist()
+            stamps = self.buffers.slot_stamps[layer_id, buffer_id].tolist()
+            entries = top_k[b].tolist()
+            for first in range(0, num_positions, group):
+                served = min(first + group, num_positions, max(first, limits[b]))
+                history = [(j, t) for j in range(first, served) for t in entries[j] if 0 <= t < committed - 1]
+                lookups += len(history)
+                slot_of = {token: slot for slot, token in enumerate(tokens) if token >= 0}
+                hit = {slot_of[t] for _, t in history if t in slot_of}
+                for slot in hit:
+                    stamps[slot] = committed
+                first_seen: dict[int, int] = {}  # missed token -> its first position, in order of first occurrence
+                for j, t in history:
+                    if t not in slot_of:
+                        first_seen.setdefault(t, j)
+                free = [slot for slot in range(size) if slot not in hit and (first == 0 or stamps[slot] != committed)]
+                placed = list(first_seen)
+                if len(placed) > len(free):
+                    left_out = first_seen[placed[len(free)]]
+                    assert first > 0, "the first group's history always fits the buffer (G x top_k <= D)"
+                    limits[b] = min(limits[b], left_out)
+                    placed = [t for t in placed if first_seen[t] < left_out]
+                age = {slot: min(max(committed - stamps[slot], 0), reference.AGE_CAP) for slot in free}
+                victims = sorted(free, key=lambda slot: (-age[slot], slot))[: len(placed)]
+                for slot, t in zip(victims, placed):  # which miss takes which victim changes no count
+                    tokens[slot], stamps[slot] = t, committed
+                misses += len(placed)
+        return [lookups, misses], limits
 
     def _verify_position_rows(
-        self, batch: list[_SimRequest], top_k: torch.Tensor, rows: torch.Tensor, layer_id: int, accepts: list[int]
+        self, batch: list[_SimRequest], top_k: torch.Tensor, rows: torch.Tensor, layer_id: int, accepts: list[int],
+        limits: list[int],
     ) -> None:
+        """Every entry of a position at or past its row's verify limit (``limits``, as this layer left them: left
+        out here or by an earlier layer) is -1; the served positions' padding and entries past their causal
+        range are -1, their other entries read rows holding the token's KV (what this verify wrote for a verify
+        position)."""
         num_positions = top_k.shape[1]
         for b, request in enumerate(batch):
             committed = request.seq_len
-            tokens = top_k[b].to(torch.int64)
-            limit = committed + torch.arange(num_positions).reshape(-1, 1)
+            served = min(limits[b], num_positions)
+            assert bool((rows[b][served:] == -1).all()), (
+                f"request {request.uid} layer {layer_id}: a verify position at or past the row's verify limit "
+                f"{limits[b]} (left out) returned a row"
+            )
+            tokens = top_k[b][:served].to(torch.int64)
+            limit = committed + torch.arange(served).reshape(-1, 1)
             valid = (tokens >= 0) & (tokens <= limit)
-            assert bool((rows[b][~valid] == -1).all()), "padding or a token past its position's causal range did not map to -1"
+            assert bool((rows[b][:served][~valid] == -1).all()), (
+                "padding or a token past its position's causal range did not map to -1"
+            )
             wanted = tokens[valid]
-            got = self.device_layers[layer_id][rows[b][valid].to(device=self.device, dtype=torch.int64)].cpu()
+            got = self.device_layers[layer_id][rows[b][:served][valid].to(device=self.device, dtype=torch.int64)].cpu()
             want = self._verify_kv(request.uid, wanted, layer_id, committed + accepts[b])
             if not torch.equal(got, want):
                 bad = int(torch.nonzero((got != want).any(dim=1))[0])
                 raise AssertionError(
                     f"request {request.uid} layer {layer_id} (s = {committed}): a verify position's top-k entry for "
-                    f"position {int(wanted[bad])} reads row {int(rows[b][valid][bad])} holding the wrong KV"
+                    f"position {int(wanted[bad])} reads row {int(rows[b][:served][valid][bad])} holding the wrong KV"
                 )
 
     def _check_speculative_invariants(self) -> None:
