@@ -23,7 +23,7 @@ FIGURES = {
     "promotions_per_min": 0.5, "device_rows_used": 130944, "device_rows_total": 131136, "host_rows_used": 820352,
     "host_rows_total": 1048640, "host_rows_quarantined": 128, "switch_ms_max": 0.41, "step_host_ms": 0.11,
     "step_host_ms_max": 0.2, "lookups": 4000, "misses": 100, "bytes_moved": 3 * 2**20, "demotions_total": 7,
-    "promotions_total": 2,
+    "promotions_total": 2, "verify_rows_capped_total": 5, "verify_drafts_dropped_total": 9,
 }
 
 
@@ -73,3 +73,21 @@ def test_compare_allows_the_lines_rounding_and_nothing_more():
     assert no_hit_rate == ["hit_rate: metric None, log 0.975"]
     no_line = scrape.compare_with_log(FIGURES, "no plugin line")["mismatches"]
     assert no_line == ["no 'HiSparse: hit rate' line in the log"]
+
+
+def test_verify_caps_of_the_log_lines_sum_to_the_counters():
+    """With speculative decoding the line ends with the interval's verify caps; their sum over the lines must be
+    the cap counters (a line without them, no speculation: nothing to compare)."""
+    capped = [LINE + ", verify caps 2 (3 drafts dropped)", LINE + ", verify caps 3 (6 drafts dropped)"]
+    lines = scrape.parse_log_lines("\n".join(capped))
+    assert [(line["verify_rows_capped"], line["verify_drafts_dropped"]) for line in lines] == [(2, 3), (3, 6)]
+    assert "verify_rows_capped" not in scrape.parse_log_lines(LINE)[0]
+    log = "\n".join(capped + [LINE]) + "\n"  # three lines: 4.5 MiB moved
+    figures = dict(FIGURES, bytes_moved=4.5 * 2**20)
+    assert scrape.compare_with_log(figures, log)["mismatches"] == []
+    assert scrape.compare_with_log(dict(figures, verify_drafts_dropped_total=8), log)["mismatches"] == [
+        "verify_drafts_dropped: counter 8, the 3 log lines sum to 9"
+    ]
+    one_line = dict(figures, bytes_moved=1.5 * 2**20, verify_rows_capped_total=1)
+    assert scrape.compare_with_log(one_line, LINE)["mismatches"] == []
+

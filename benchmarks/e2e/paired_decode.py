@@ -19,6 +19,10 @@ requests of (last token - first token) / (tokens - 1).
     python3 benchmarks/e2e/paired_decode.py --variants a+mtp,c+mtp,d+mtp --levels 1,2,4 --rounds 14 \\
         --harness-args "--mtp-steps 3 --mtp-accept-len 3 --plugin-hisparse-config '{\\"device_buffer_size\\": 8192}'"
 
+A variant ``ARM@LABEL`` runs the arm with the plugin source given by ``--source LABEL=DIR`` (a ``src``
+directory, e.g. the previous commit's: ``git archive HEAD src csrc | tar -x -C DIR/..``): a change and the code
+before it timed side by side, against the same baseline.
+
 Writes ``paired.json`` and ``paired.md`` (the tables, then every round's figures) to ``--out``; the servers' logs
 stay in the state directory. ``--ratios c/a,c/b`` picks the ratios reported (default: every arm against the
 first); ``--from-json paired.json --ratios ...`` renders an earlier run's tables with other ratios.
@@ -151,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: every arm against the first)")
     parser.add_argument("--from-json", type=Path, help="render the tables of an earlier run's paired.json "
                         "(with --ratios) instead of running servers")
+    parser.add_argument("--source", action="append", default=[], metavar="LABEL=DIR",
+                        help="plugin source (a src directory) of the variants ARM@LABEL; repeatable")
     parser.add_argument("--harness-args", default="", help="run_e2e.py flags of the servers (shell-quoted string)")
     args = parser.parse_args(argv)
     if args.from_json:
@@ -170,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, key):
             setattr(args, key, value)
     variants = args.variants.split(",")
+    sources = dict(entry.split("=", 1) for entry in args.source)
+    unknown = sorted({v.partition("@")[2] for v in variants if "@" in v} - set(sources))
+    if unknown:
+        parser.error(f"variants name sources {unknown} that no --source LABEL=DIR gives")
     levels = [int(x) for x in args.levels.split(",")]
     ratios = parse_ratios(args.ratios, variants)
     cpus = sorted(os.sched_getaffinity(0))
@@ -181,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Log([args.out / "paired.log"])
     env0, _ = base_env(args, args.state_dir, log)
     common, plugin_dir, _ = prepare_pyext(args.state_dir, args)
-    if any(v in MTP_ARMS for v in variants):
+    if any(v.partition("@")[0] in MTP_ARMS for v in variants):
         prepare_mtp_model(args)
     vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
 
@@ -193,9 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i, variant in enumerate(variants):
             port = args.port_base + 10 * i
-            cmd, env = arm_spec(variant, args, env0, common, plugin_dir, port,
+            arm, _, label = variant.partition("@")
+            arm_args = argparse.Namespace(**{**vars(args), "plugin_src": Path(sources[label])}) if label else args
+            cmd, env = arm_spec(arm, arm_args, env0, common, plugin_dir, port,
                                 mem_fraction_static=args.server_mem_fraction)
-            name = variant.replace("+", "-")
+            name = variant.replace("+", "-").replace("@", "-")
             server = Server(f"paired-{name}", cmd, env, args.state_dir / f"server-paired-{name}.log", port,
                             args.state_dir, log)
             server.start()

@@ -301,7 +301,8 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
                 raw_path = args.state_dir / f"spy-{name}.txt"
                 proc = subprocess.run(
                     [str(spy), "record", "--pid", str(pid), "--duration", str(args.spy_seconds), "--rate",
-                     str(args.spy_rate), "--format", "raw", "--idle", "--nonblocking", "--output", str(raw_path)],
+                     str(args.spy_rate), "--format", "raw", "--idle", *([] if args.spy_blocking else ["--nonblocking"]),
+                     "--output", str(raw_path)],
                     capture_output=True, text=True, timeout=args.spy_seconds + 60,
                 )
                 if raw_path.exists():
@@ -379,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spy-delay", type=float, default=2.5, help="seconds after the traced request starts")
     parser.add_argument("--spy-seconds", type=int, default=2)
     parser.add_argument("--spy-rate", type=int, default=1000)
+    parser.add_argument("--spy-blocking", action="store_true",
+                        help="py-spy pauses the scheduler for each sample: whole stacks (without it a sample may mix "
+                             "frames of two moments), at the cost of slowing it")
     parser.add_argument("--spy-top", type=int, default=60, help="frames kept per py-spy summary (inclusive and self)")
     parser.add_argument("--py-spy", type=Path, default=REPO / ".whl" / "py_spy-0.4.3-py2.py3-none-manylinux1_x86_64.manylinux_2_5_x86_64.whl")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/hisparse_profile")))

@@ -40,6 +40,7 @@ LOG_LINE_RE = re.compile(
     r"host rows (?P<host_rows_used>\d+)/(?P<host_rows_total>\d+) \(quarantined (?P<host_rows_quarantined>\d+)\), "
     r"switch work max (?P<switch_ms_max>[0-9.]+) ms/step, "
     r"step host work (?P<step_host_ms>[0-9.]+) ms \(max (?P<step_host_ms_max>[0-9.]+)\)"
+    r"(?:, verify caps (?P<verify_rows_capped>\d+) \((?P<verify_drafts_dropped>\d+) drafts dropped\))?"
 )
 # Report keys of the log line and how far the line's rounding lets a figure stray from the metric.
 LOG_TOLERANCE = {
@@ -145,6 +146,12 @@ def compare_with_log(values: dict, log_text: str) -> dict:
                 f"bytes_moved: counter {values['bytes_moved'] / 2**20:.2f} MiB, the {len(lines)} log lines sum to "
                 f"{logged_bytes / 2**20:.2f} MiB"
             )
+    # speculative decoding: the cap counters against the sum of the lines' caps (lines without them: none)
+    for key in ("verify_rows_capped", "verify_drafts_dropped"):
+        if f"{key}_total" in values and any(key in line for line in lines):
+            logged = sum(line.get(key, 0) for line in lines)
+            if values[f"{key}_total"] != logged:
+                mismatches.append(f"{key}: counter {values[f'{key}_total']:g}, the {len(lines)} log lines sum to {logged}")
     return {"log": last, "lines": len(lines), "mismatches": mismatches}
 
 

@@ -16,6 +16,8 @@ host row in every layer, and no host row anywhere holds a rejected draft's KV. A
 abort, retract after verify steps) nothing leaks.
 """
 
+import contextlib
+import logging
 import traceback
 import types
 
@@ -24,7 +26,7 @@ import pytest
 import torch
 from test_coordinator_sglang import KV_DTYPES, LAYERS, PAGE, Stack, row_uids
 
-from hisparse_sglang.integration.sglang import compat
+from hisparse_sglang.integration.sglang import compat, metrics
 
 pytestmark = [
     pytest.mark.sglang,
@@ -95,6 +97,7 @@ class SpecRun:
             name: Spy(self.coordinator.core, name) for name in ("prepare_verify", "swap_in_verify", "commit_verify")
         }
         self.caps = 0  # verify rows whose accept length H10 lowered
+        self.dropped = 0  # the accepted positions those caps took back
 
     # ------------------------------------------------------------------ admission
     def admit(self, rid: str, prompt_len: int, pd: bool = False):
@@ -219,6 +222,7 @@ class SpecRun:
         assert accept_index.tolist() == [[b * T + i if i < a else -1 for i in range(STEPS + 1)]
                                          for b, a in enumerate(capped)], "accept_index disagrees with accept_lens"
         self.caps += sum(a < want for a, want in zip(capped, accept))
+        self.dropped += sum(want - a for a, want in zip(capped, accept))
         assert all(1 <= a <= want for a, want in zip(capped, accept))
         return capped, accept_index
 
@@ -467,6 +471,23 @@ def test_positions_a_buffer_cannot_hold_are_left_out_and_never_accepted(host_lag
     run_positions_left_out(SpecRun(host_lag=host_lag, resident_first=False, buffer_size=128, top_k=128))
 
 
+@contextlib.contextmanager
+def caplog_at_info():
+    """The messages hisparse-sglang's logger writes at INFO within (the helpers here run without pytest's caplog)."""
+    records: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("hisparse_sglang")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def run_positions_left_out(run: SpecRun) -> None:
     """Two offloaded requests verifying T positions of top_k 128 with buffers of 128 slots, every draft proposed
     as accepted: some steps must be capped (checked rows and host throughout), and everything is freed."""
@@ -474,6 +495,14 @@ def run_positions_left_out(run: SpecRun) -> None:
     for _ in range(12):
         run.step(reqs, [T] * len(reqs))
     assert run.caps > 0, "no verify row was capped: the case does not exercise the left-out positions"
+    # The caps reach the operator: the HiSparse log line and the metrics count them (delta and total).
+    with caplog_at_info() as records:
+        values = metrics.report(run.coordinator, log=True, prometheus_labels=None)
+    assert (values["verify_rows_capped"], values["verify_drafts_dropped"]) == (run.caps, run.dropped)
+    assert (values["verify_rows_capped_total"], values["verify_drafts_dropped_total"]) == (run.caps, run.dropped)
+    assert f"verify caps {run.caps} ({run.dropped} drafts dropped)" in "\n".join(records)
+    again = run.coordinator.report()
+    assert (again["verify_rows_capped"], again["verify_rows_capped_total"]) == (0, run.caps)
     for req, how in zip(reqs, ("finish", "abort")):
         run.end(req, how)
     run.stack.assert_all_free()

@@ -303,7 +303,7 @@ def hisparse_line(r):
         v.update(hit_rate=hit, bytes_moved=moved * 2**20, promoting=0, demotions_per_min=6.0 * r,
                  promotions_per_min=0.0, switch_ms_max=0.25 if r else 0.0, step_host_ms=0.11, step_host_ms_max=0.2,
                  lookups=1000 * off_n, misses=25 * off_n, demotions_total=totals["demotions_total"],
-                 promotions_total=0)
+                 promotions_total=0, verify_rows_capped_total=0, verify_drafts_dropped_total=0)
     with metrics_lock:  # the plugin logs its line, then exports
         log(f"HiSparse: hit rate {'n/a' if hit is None else f'{100 * hit:.1f}%'}, moved {moved:.1f} MiB, "
             f"resident {v['resident']}, offloaded {v['offloaded']} (promoting 0), "

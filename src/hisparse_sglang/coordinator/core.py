@@ -133,7 +133,7 @@ class Coordinator:
             (buffers.num_req_slots, config.top_k), -1, dtype=torch.int32, device=self.device
         )
         self.counters = SwapCounters(self.streams)
-        self.swap_counters = self.counters.device
+        self.swap_counters = self.counters.swap_in
         self._no_pages = torch.zeros(0, dtype=torch.int64, device=self.device)
         # The last copy enqueued on the backup stream (the tail of a completed promotion): frees
         # of device rows are ordered after it.
@@ -385,7 +385,7 @@ class Coordinator:
 
     def swap_counter_values(self, exact: bool = True) -> list[int]:
         """(lookups, misses) so far (see :meth:`SwapCounters.values`)."""
-        return self.counters.values(exact)
+        return self.counters.values(exact)[:2]
 
     # ================================================================== request end
     def finish(self, slot: int) -> None:
@@ -502,7 +502,7 @@ class Coordinator:
         return state
 
     def stats(self, exact: bool = True) -> CoordinatorStats:
-        counters = self.swap_counter_values(exact)
+        counters = self.counters.values(exact)
         modes = [record.mode for record in self.requests.values()]
         return CoordinatorStats(
             pools=self.allocator.stats(self.buffers.num_buffers, self.buffers.used_buffers),
@@ -515,6 +515,8 @@ class Coordinator:
             swap_in_lookups=counters[0],
             swap_in_misses=counters[1],
             bytes_swapped_in=counters[1] * self.host_pool.item_bytes,
+            verify_rows_capped=counters[2],
+            verify_drafts_dropped=counters[3],
         )
 
     # ================================================================== internals: decode step

@@ -204,8 +204,10 @@ class VerifySteps:
         self._may_cap = False
         # Batch size of the verify step prepared and not yet committed.
         self._prepared_batch: int | None = None
-        # Rows the prepare and the commit work on: every row of their batch (no CUDA-graph padding there).
+        # Rows the prepare and the commit work on: every row of their batch (no CUDA-graph padding there),
+        # and its value, written only when it changes (_set_batch_size: a fill is a launch per step).
         self._batch_size = torch.zeros(1, dtype=torch.int32, device=coordinator.device)
+        self._batch_size_value = 0
 
     # ================================================================== the step
     def prepare(
@@ -338,7 +340,9 @@ class VerifySteps:
         if not self._may_cap or accept_lens.shape[0] == 0:
             return
         self._may_cap = False
-        self._coordinator.ops.cap_accepted(self.verify_limit, accept_lens, accept_index)
+        self._coordinator.ops.cap_accepted(
+            self.verify_limit, accept_lens, accept_index, self._coordinator.counters.caps
+        )
 
     def commit(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, accept_lens: torch.Tensor) -> None:
         """After acceptance, before the draft extend: the accepted tokens' KV, and only theirs, goes to the host.
@@ -366,7 +370,7 @@ class VerifySteps:
                 f"has {prepared}: commit each prepared batch once, with one value of each per row."
             )
         self._prepared_batch = None
-        self._batch_size.fill_(batch)
+        self._set_batch_size(batch)
         coordinator.ops.commit_accepted(
             req_pool_indices,
             seq_lens,
@@ -525,6 +529,12 @@ class VerifySteps:
                 f"{coordinator.page_size} - 1); lower --speculative-num-draft-tokens."
             )
 
+    def _set_batch_size(self, rows: int) -> None:
+        """:attr:`_batch_size` (read by the prepare's and the commit's launches on the device) holds ``rows``."""
+        if rows != self._batch_size_value:
+            self._batch_size.fill_(rows)
+            self._batch_size_value = rows
+
     def _bind(self, records: list[RequestRecord], req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """After the mode switches: device pages for resident requests' new reserve locations (mapped
         whole, one gather and one map for the batch), the verify slots of offloaded requests
@@ -561,7 +571,7 @@ class VerifySteps:
             self.verify_limit.fill_(NO_VERIFY_LIMIT)
         self._may_cap = bool(offloaded_rows)
         if offloaded_rows:
-            self._batch_size.fill_(len(records))
+            self._set_batch_size(len(records))
             coordinator.ops.bind_verify_slots(
                 req_pool_indices,
                 seq_lens,

@@ -36,6 +36,9 @@ class CoordinatorStats:
     swap_in_lookups: int
     swap_in_misses: int
     bytes_swapped_in: int
+    # Speculative decoding: verify rows whose accept length cap_accepted lowered, and the drafts they dropped.
+    verify_rows_capped: int = 0
+    verify_drafts_dropped: int = 0
 
 
 class Telemetry:
@@ -111,22 +114,29 @@ class Telemetry:
 
 
 class SwapCounters:
-    """The swap-in's (lookups, misses) counters on the device, and a way to read them without waiting.
+    """The device ops' counters on the device, and a way to read them without waiting: the swap-in's
+    (lookups, misses) and, under speculative decoding, ``cap_accepted``'s (verify rows capped, drafts they no
+    longer accept).
 
     Attributes:
-        device: int64 ``[2]`` on the coordinator's device, incremented by the swap-in op.
+        device: int64 ``[4]`` on the coordinator's device, those four in that order.
+        swap_in: ``device[:2]``, incremented by the swap-in ops.
+        caps: ``device[2:]``, incremented by ``cap_accepted``.
     """
 
     def __init__(self, streams: StreamSet) -> None:
         self._streams = streams
-        self.device = torch.zeros(2, dtype=torch.int64, device=streams.device)
-        self._mirror = torch.zeros(2, dtype=torch.int64, pin_memory=streams.is_cuda)
+        self.device = torch.zeros(4, dtype=torch.int64, device=streams.device)
+        self.swap_in = self.device[:2]
+        self.caps = self.device[2:]
+        self._mirror = torch.zeros(4, dtype=torch.int64, pin_memory=streams.is_cuda)
         self._event: CopyEvent | None = None
-        self._values = [0, 0]
+        self._values = [0, 0, 0, 0]
 
     def values(self, exact: bool = True) -> list[int]:
-        """(lookups, misses) so far; ``exact=False`` does not wait for the GPU and returns the
-        values of the previous call on CUDA (for periodic metrics on the scheduler's hot path)."""
+        """(lookups, misses, verify rows capped, drafts dropped) so far; ``exact=False`` does not wait for the
+        GPU and returns the values of the previous call on CUDA (for periodic metrics on the scheduler's hot
+        path)."""
         if exact or not self._streams.is_cuda:
             return self.device.tolist()
         if self._event is None or self._event.query():

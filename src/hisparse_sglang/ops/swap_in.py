@@ -40,6 +40,9 @@ __all__ = [
     "commit_row_bytes",
 ]
 
+# torch's accessor of the current stream's raw handle (the one Inductor's generated launchers call).
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 MAX_SPLITS = 65
 TARGET_COPIERS = 64
 
@@ -128,6 +131,14 @@ class CudaOps:
         self._multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
         self._no_counters = torch.empty(0, dtype=torch.int64, device=device)
         self._layer_pointers: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def _stream(self) -> int:
+        """The raw handle of this GPU's current stream, which every launch takes (the capture stream while
+        a CUDA graph is captured). torch's raw accessor, when it has one, skips the Stream object that
+        ``torch.cuda.current_stream(device)`` builds per call: the scheduler launches several ops a step."""
+        if _current_raw_stream is None:
+            return torch.cuda.current_stream(self.device).cuda_stream
+        return _current_raw_stream(self.device.index)
 
     @property
     def module(self):
@@ -315,7 +326,7 @@ class CudaOps:
             plan,
             splits,
             threads,
-            torch.cuda.current_stream(self.device).cuda_stream,
+            self._stream(),
         )
         return out
 
@@ -383,7 +394,7 @@ class CudaOps:
             group,
             splits,
             threads,
-            torch.cuda.current_stream(self.device).cuda_stream,
+            self._stream(),
         )
         return out
 
@@ -426,7 +437,7 @@ class CudaOps:
             dst_rows,
             row_bytes,
             max_blocks,
-            torch.cuda.current_stream(self.device).cuda_stream,
+            self._stream(),
         )
 
     def backup_newest(
@@ -448,7 +459,7 @@ class CudaOps:
         before."""
         self.module.backup_newest(
             req_pool_indices, seq_lens, num_real_reqs, req_to_token, device_row_of_loc, device_kv, host_kv,
-            1 if fence_system else 0, torch.cuda.current_stream(self.device).cuda_stream,
+            1 if fence_system else 0, self._stream(),
         )
 
     def bind_rows(
@@ -465,7 +476,7 @@ class CudaOps:
         """CUDA twin of :func:`hisparse_sglang.ops.reference.bind_rows` (one launch)."""
         self.module.bind_rows(
             plan, new_locs, new_pages, device_row_of_loc, buffer_of_req, slot_rows, buffer_size, page_size,
-            torch.cuda.current_stream(self.device).cuda_stream,
+            self._stream(),
         )
 
     def bind_verify_slots(
@@ -489,7 +500,7 @@ class CudaOps:
         _check_verify_positions(num_positions, slot_rows, buffer_size)
         self.module.bind_verify_slots(
             req_pool_indices, seq_lens, num_real_reqs, num_positions, req_to_token, device_row_of_loc, buffer_of_req,
-            slot_rows, buffer_size, torch.cuda.current_stream(self.device).cuda_stream,
+            slot_rows, buffer_size, self._stream(),
         )
 
     def commit_accepted(
@@ -524,7 +535,7 @@ class CudaOps:
         self.module.commit_accepted(
             req_pool_indices, seq_lens, accept_lens, num_real_reqs, num_positions, req_to_token, device_row_of_loc,
             buffer_of_req, slot_rows, buffer_size, self._pointers(device_layers), self._pointers(host_layers),
-            row_bytes, torch.cuda.current_stream(self.device).cuda_stream,
+            row_bytes, self._stream(),
         )
 
     def cap_accepted(
@@ -539,5 +550,5 @@ class CudaOps:
         ``accept_index`` int32 ``[B, W]`` contiguous."""
         self.module.cap_accepted(
             verify_limit, accept_lens, accept_index, self._no_counters if counters is None else counters,
-            torch.cuda.current_stream(self.device).cuda_stream,
+            self._stream(),
         )

@@ -43,29 +43,29 @@ def sglang_version() -> str | None:
         return None
 
 
-def is_supported(installed: str | None) -> bool:
-    """True if ``installed`` (a version string, None: not installed) is in :data:`SUPPORTED_SGLANG`."""
-    if installed is None:
-        return False
+@functools.cache
+def _in_range(installed: str, specifier: str) -> bool:
+    """Whether the version string ``installed`` is in ``specifier`` (False for an invalid version). Cached:
+    the scheduler asks about the installed release on every speculative step (``next_spec_allocated_lens``)."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
     try:
-        return Version(installed) in SpecifierSet(SUPPORTED_SGLANG)
+        return Version(installed) in SpecifierSet(specifier)
     except InvalidVersion:
         return False
+
+
+def is_supported(installed: str | None) -> bool:
+    """True if ``installed`` (a version string, None: not installed) is in :data:`SUPPORTED_SGLANG`."""
+    return installed is not None and _in_range(installed, SUPPORTED_SGLANG)
 
 
 def serves_speculative_decoding(installed: str | None = None) -> bool:
     """Whether hisparse-sglang serves speculative decoding on ``installed`` (default: the installed
     SGLang): a supported release in :data:`SPECULATIVE_SGLANG`."""
     installed = sglang_version() if installed is None else installed
-    if not is_supported(installed):
-        return False
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    return Version(installed) in SpecifierSet(SPECULATIVE_SGLANG)
+    return is_supported(installed) and _in_range(installed, SPECULATIVE_SGLANG)
 
 
 def unsupported_message(installed: str | None) -> str:
@@ -336,12 +336,7 @@ def speculative_verify_is_hooked(installed: str | None = None) -> bool:
     """Whether the verify step reaches the coordinator through hooks_speculative.py (0.5.17 - 0.5.21)
     rather than SGLang's own calls (0.5.22+)."""
     installed = sglang_version() if installed is None else installed
-    if not is_supported(installed):
-        return False
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    return Version(installed) in SpecifierSet(SPECULATIVE_HOOKED_SGLANG)
+    return is_supported(installed) and _in_range(installed, SPECULATIVE_HOOKED_SGLANG)
 
 
 # ---------------------------------------------------------------------------------------------------

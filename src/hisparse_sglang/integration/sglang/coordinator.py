@@ -85,6 +85,27 @@ class PDHostPool:
         return locations[start_pos : start_pos + num_tokens].to(torch.int64)
 
 
+class RealRequestCount:
+    """The coordinator's ``num_real_reqs`` as SGLang sees it: the int32 ``[1]`` GPU tensor the swap-in kernels
+    read (rows past it are CUDA-graph padding), which SGLang sets with ``fill_(n)`` before every forward
+    (``DecodeCudaGraphRunner.load_batch``, ``ModelRunner``; 0.5.17 - 0.5.23 call nothing else on it). A fill is a
+    launch per step on the scheduler's critical path, so it is made only when ``n`` changes: SGLang is the
+    tensor's only writer."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._value: int | None = None
+
+    def fill_(self, value: int) -> torch.Tensor:
+        value = int(value)
+        if value != self._value:
+            self.tensor.fill_(value)
+            # A fill recorded into a CUDA graph under capture has not run: the tensor's value stays unknown.
+            capturing = self.tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+            self._value = None if capturing else value
+        return self.tensor
+
+
 class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
     """HiSparse coordinator of one scheduler process (one TP rank).
 
@@ -119,14 +140,14 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         self.streams = parts.streams
         self.core = parts.core
         self.allocator = allocator
-        self.num_real_reqs = self.core.num_real_reqs
+        self.num_real_reqs = RealRequestCount(self.core.num_real_reqs)
         self.num_draft_tokens = num_draft_tokens
         self.mem_pool_host = PDHostPool(self.host_pool, config.page_size)
         # SGLang's PD prealloc passes these back into mem_pool_host.alloc_paged_token_slots.
         self.req_to_host_pool = None
         self.req_to_host_pool_allocated_len = None
         self._staging: dict[int, object] = {}
-        self._report_state = (time.monotonic(), 0, 0, 0, 0)
+        self._report_state = (time.monotonic(), 0, 0, 0, 0, 0, 0)
 
     # ------------------------------------------------------------------ lifecycle
     def set_decode_producer_stream(self, stream) -> None:
@@ -341,17 +362,25 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         )
 
     def report(self) -> dict:
-        """Counters since the previous report: hit rate, bytes moved, modes, switches per minute."""
+        """Counters since the previous report: hit rate, bytes moved, modes, switches per minute, and with
+        speculative decoding the verify rows capped and drafts dropped."""
         stats = self.core.stats(exact=False)
         step_host_mean, step_host_max = self.core.take_step_host_time()
         now = time.monotonic()
-        last_time, last_lookups, last_misses, last_demotions, last_promotions = self._report_state
+        last_time, last_lookups, last_misses, last_demotions, last_promotions, last_capped, last_dropped = (
+            self._report_state
+        )
         lookups = stats.swap_in_lookups - last_lookups
         misses = stats.swap_in_misses - last_misses
         minutes = max(now - last_time, 1e-6) / 60
-        self._report_state = (now, stats.swap_in_lookups, stats.swap_in_misses, stats.demotions, stats.promotions)
+        self._report_state = (now, stats.swap_in_lookups, stats.swap_in_misses, stats.demotions, stats.promotions,
+                              stats.verify_rows_capped, stats.verify_drafts_dropped)
         pools = stats.pools
         return {
+            # speculative decoding: verify rows whose accepts the swap-ins' left-out positions capped, and the
+            # drafts they dropped (2.9 of docs/speculative.md); None without speculation
+            "verify_rows_capped": stats.verify_rows_capped - last_capped if self.num_draft_tokens else None,
+            "verify_drafts_dropped": stats.verify_drafts_dropped - last_dropped if self.num_draft_tokens else None,
             "hit_rate": 1.0 - misses / lookups if lookups else None,
             "lookups": lookups,
             "misses": misses,
@@ -366,6 +395,8 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
             "step_host_ms_max": 1e3 * step_host_max,
             "demotions_total": stats.demotions,
             "promotions_total": stats.promotions,
+            "verify_rows_capped_total": stats.verify_rows_capped,
+            "verify_drafts_dropped_total": stats.verify_drafts_dropped,
             "lookups_total": stats.swap_in_lookups,
             "misses_total": stats.swap_in_misses,
             "device_rows_used": pools.device_rows_used,

@@ -76,6 +76,11 @@ METRICS = (
     _counter("swap_in_bytes", "bytes_moved", "Bytes copied host -> device by the swap-in."),
     _counter("demotions", "demotions_total", "Resident-to-offloaded switches.", cumulative=True),
     _counter("promotions", "promotions_total", "Offloaded-to-resident switches.", cumulative=True),
+    _counter("verify_capped_reqs", "verify_rows_capped_total",
+             "Speculative decoding: verify steps of a request whose accept length was capped because its GPU buffer "
+             "could not hold every verify position's top-k (the later positions were left out).", cumulative=True),
+    _counter("verify_dropped_drafts", "verify_drafts_dropped_total",
+             "Speculative decoding: draft tokens SGLang accepted that those caps dropped.", cumulative=True),
 )
 
 
@@ -123,15 +128,20 @@ def report(coordinator, log: bool, prometheus_labels: dict | None) -> dict:
     values = coordinator.report()
     if log:
         hit = f"{100 * values['hit_rate']:.1f}%" if values["hit_rate"] is not None else "n/a"
+        # with speculative decoding: verify steps capped (a request's positions named more tokens than its GPU
+        # buffer holds; docs/speculative.md 2.9) and the accepted drafts those caps dropped
+        caps = "" if values["verify_rows_capped"] is None else (
+            f", verify caps {values['verify_rows_capped']} ({values['verify_drafts_dropped']} drafts dropped)"
+        )
         logger.info(
             "HiSparse: hit rate %s, moved %.1f MiB, resident %d, offloaded %d (promoting %d), "
             "demotions %.1f/min, promotions %.1f/min, device rows %d/%d, host rows %d/%d (quarantined %d), "
-            "switch work max %.2f ms/step, step host work %.3f ms (max %.2f)",
+            "switch work max %.2f ms/step, step host work %.3f ms (max %.2f)%s",
             hit, values["bytes_moved"] / 2**20, values["resident"], values["offloaded"], values["promoting"],
             values["demotions_per_min"], values["promotions_per_min"], values["device_rows_used"],
             values["device_rows_total"], values["host_rows_used"], values["host_rows_total"],
             values["host_rows_quarantined"],
-            values["switch_ms_max"], values["step_host_ms"], values["step_host_ms_max"],
+            values["switch_ms_max"], values["step_host_ms"], values["step_host_ms_max"], caps,
         )
     if prometheus_labels is not None:
         from hisparse_sglang.integration.sglang.runtime import runtime_of
