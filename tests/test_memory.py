@@ -12,6 +12,7 @@ from hisparse_sglang.memory import (
     KVAllocator,
     PagedAllocator,
 )
+from hisparse_sglang.memory.paged import DeviceCount
 
 
 def naive_extend(prefix, seq, last_loc, pages, page_size):
@@ -158,3 +159,42 @@ def test_device_buffers_acquire_release():
     pool.acquire(1, rows, None)
     with pytest.raises(PoolExhaustedError):
         pool.acquire(2, rows, None)
+
+
+def test_device_count_writes_its_tensor_only_when_the_count_changes(monkeypatch):
+    """SGLang sets ``coordinator.num_real_reqs`` with ``fill_(n)`` before every forward, the verify step its batch
+    size before each launch; kernels read the tensor. It must hold the last count given, and a repeated count
+    costs no launch."""
+
+    class RecordingTensor:
+        is_cuda = False
+
+        def __init__(self):
+            self.fills = []
+
+        def fill_(self, value):
+            self.fills.append(value)
+            return self
+
+    recording = RecordingTensor()
+    count = DeviceCount(recording)
+    for n in (2, 2, 5, 5, 5, 0, 2, 2):
+        assert count.fill_(n) is recording
+    assert recording.fills == [2, 5, 0, 2]
+
+    tensor = torch.full((1,), 7, dtype=torch.int32)
+    count = DeviceCount(tensor)
+    for n in (7, 3, 3, 1):  # the first fill writes even when the tensor happens to hold the value
+        count.fill_(n)
+        assert int(tensor.item()) == n
+
+    # A fill made while a CUDA graph is captured is recorded, not run: the next fill of the same count writes.
+    recording = RecordingTensor()
+    recording.is_cuda = True
+    count = DeviceCount(recording)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    count.fill_(4)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    count.fill_(4)
+    count.fill_(4)
+    assert recording.fills == [4, 4]

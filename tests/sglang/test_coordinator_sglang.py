@@ -499,40 +499,9 @@ def test_a_second_release_of_the_same_locations_is_refused():
     assert not set(rows[compat.req_slot(other), :300].tolist()) & set(rows[compat.req_slot(third), :300].tolist())
 
 
-def test_real_request_count_writes_the_kernels_tensor_only_when_sglang_changes_the_count(monkeypatch):
-    """SGLang sets ``coordinator.num_real_reqs`` with ``fill_(n)`` before every forward; the swap-in kernels read
-    the tensor. It must hold the last count SGLang gave, and a repeated count costs no launch."""
-    from hisparse_sglang.integration.sglang.coordinator import RealRequestCount
-
-    class RecordingTensor:
-        is_cuda = False
-
-        def __init__(self):
-            self.fills = []
-
-        def fill_(self, value):
-            self.fills.append(value)
-            return self
-
-    recording = RecordingTensor()
-    count = RealRequestCount(recording)
-    for n in (2, 2, 5, 5, 5, 0, 2, 2):
-        assert count.fill_(n) is recording
-    assert recording.fills == [2, 5, 0, 2]
-
-    tensor = torch.full((1,), 7, dtype=torch.int32)
-    count = RealRequestCount(tensor)
-    for n in (7, 3, 3, 1):  # the first fill writes even when the tensor happens to hold the value
-        count.fill_(n)
-        assert int(tensor.item()) == n
-
-    # A fill made while a CUDA graph is captured is recorded, not run: the next fill of the same count writes.
-    recording = RecordingTensor()
-    recording.is_cuda = True
-    count = RealRequestCount(recording)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    count.fill_(4)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    count.fill_(4)
-    count.fill_(4)
-    assert recording.fills == [4, 4]
+def test_sglangs_num_real_reqs_is_the_count_the_swap_in_kernels_read():
+    """SGLang sets ``coordinator.num_real_reqs`` with ``fill_(n)``; the kernels read the core's tensor."""
+    stack = Stack()
+    stack.coordinator.num_real_reqs.fill_(3)
+    assert stack.coordinator.num_real_reqs.tensor is stack.coordinator.core.num_real_reqs
+    assert int(stack.coordinator.core.num_real_reqs.item()) == 3

@@ -40,7 +40,7 @@ import torch
 
 from hisparse_sglang.coordinator.state import DECODE_STEPS, OFFLOADED, RESIDENT, VERIFY_STEPS, RequestRecord, SpecState
 from hisparse_sglang.errors import HiSparseConfigError, HiSparseMemoryError, PoolExhaustedError, UnsupportedSetupError
-from hisparse_sglang.memory.paged import upload_ints
+from hisparse_sglang.memory.paged import DeviceCount, upload_ints
 from hisparse_sglang.ops.reference import NO_VERIFY_LIMIT, VERIFY_SLOT_BASE
 from hisparse_sglang.ops.tables import SwapInTables
 
@@ -204,10 +204,8 @@ class VerifySteps:
         self._may_cap = False
         # Batch size of the verify step prepared and not yet committed.
         self._prepared_batch: int | None = None
-        # Rows the prepare and the commit work on: every row of their batch (no CUDA-graph padding there),
-        # and its value, written only when it changes (_set_batch_size: a fill is a launch per step).
-        self._batch_size = torch.zeros(1, dtype=torch.int32, device=coordinator.device)
-        self._batch_size_value = 0
+        # Rows the prepare and the commit work on: every row of their batch (no CUDA-graph padding there).
+        self._batch_size = DeviceCount(torch.zeros(1, dtype=torch.int32, device=coordinator.device))
 
     # ================================================================== the step
     def prepare(
@@ -370,12 +368,12 @@ class VerifySteps:
                 f"has {prepared}: commit each prepared batch once, with one value of each per row."
             )
         self._prepared_batch = None
-        self._set_batch_size(batch)
+        self._batch_size.fill_(batch)
         coordinator.ops.commit_accepted(
             req_pool_indices,
             seq_lens,
             accept_lens,
-            self._batch_size,
+            self._batch_size.tensor,
             self.num_draft_tokens,
             coordinator.req_to_token,
             coordinator.allocator.device_row_of_loc,
@@ -529,12 +527,6 @@ class VerifySteps:
                 f"{coordinator.page_size} - 1); lower --speculative-num-draft-tokens."
             )
 
-    def _set_batch_size(self, rows: int) -> None:
-        """:attr:`_batch_size` (read by the prepare's and the commit's launches on the device) holds ``rows``."""
-        if rows != self._batch_size_value:
-            self._batch_size.fill_(rows)
-            self._batch_size_value = rows
-
     def _bind(self, records: list[RequestRecord], req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """After the mode switches: device pages for resident requests' new reserve locations (mapped
         whole, one gather and one map for the batch), the verify slots of offloaded requests
@@ -571,11 +563,11 @@ class VerifySteps:
             self.verify_limit.fill_(NO_VERIFY_LIMIT)
         self._may_cap = bool(offloaded_rows)
         if offloaded_rows:
-            self._set_batch_size(len(records))
+            self._batch_size.fill_(len(records))
             coordinator.ops.bind_verify_slots(
                 req_pool_indices,
                 seq_lens,
-                self._batch_size,
+                self._batch_size.tensor,
                 self.num_draft_tokens,
                 coordinator.req_to_token,
                 coordinator.allocator.device_row_of_loc,

@@ -16,7 +16,7 @@ import torch
 from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
 from hisparse_sglang.memory.ownership import PageOwnership
 
-__all__ = ["PagedAllocator", "extend_layout", "upload", "upload_ints"]
+__all__ = ["DeviceCount", "PagedAllocator", "extend_layout", "upload", "upload_ints"]
 
 
 def upload(values: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -36,6 +36,29 @@ def upload_ints(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return torch.tensor(rows, dtype=torch.int64, device=device)
     return torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
+class DeviceCount:
+    """A one-element device tensor that kernels read and the host sets with ``fill_(n)``, written only when
+    ``n`` changes: a fill is a launch (about as long on the host as a small kernel's), and the owners set
+    their counts every scheduler step. The object must be the tensor's only writer. A fill recorded into a
+    CUDA graph under capture has not run, so the value is unknown after it and the next fill writes.
+
+    Attributes:
+        tensor: the tensor (what the kernels are passed).
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._value: int | None = None
+
+    def fill_(self, value: int) -> torch.Tensor:
+        value = int(value)
+        if value != self._value:
+            self.tensor.fill_(value)
+            capturing = self.tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+            self._value = None if capturing else value
+        return self.tensor
 
 
 def extend_layout(

@@ -22,6 +22,7 @@ from hisparse_sglang.errors import HiSparseMemoryError
 from hisparse_sglang.integration.sglang import build, compat
 from hisparse_sglang.integration.sglang.mooncake import HostRegions
 from hisparse_sglang.memory.host_pool import HostKVPool
+from hisparse_sglang.memory.paged import DeviceCount
 
 __all__ = ["SGLangHiSparseCoordinator", "HiSparseTokenStats"]
 
@@ -85,27 +86,6 @@ class PDHostPool:
         return locations[start_pos : start_pos + num_tokens].to(torch.int64)
 
 
-class RealRequestCount:
-    """The coordinator's ``num_real_reqs`` as SGLang sees it: the int32 ``[1]`` GPU tensor the swap-in kernels
-    read (rows past it are CUDA-graph padding), which SGLang sets with ``fill_(n)`` before every forward
-    (``DecodeCudaGraphRunner.load_batch``, ``ModelRunner``; 0.5.17 - 0.5.23 call nothing else on it). A fill is a
-    launch per step on the scheduler's critical path, so it is made only when ``n`` changes: SGLang is the
-    tensor's only writer."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self._value: int | None = None
-
-    def fill_(self, value: int) -> torch.Tensor:
-        value = int(value)
-        if value != self._value:
-            self.tensor.fill_(value)
-            # A fill recorded into a CUDA graph under capture has not run: the tensor's value stays unknown.
-            capturing = self.tensor.is_cuda and torch.cuda.is_current_stream_capturing()
-            self._value = None if capturing else value
-        return self.tensor
-
-
 class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
     """HiSparse coordinator of one scheduler process (one TP rank).
 
@@ -140,7 +120,9 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         self.streams = parts.streams
         self.core = parts.core
         self.allocator = allocator
-        self.num_real_reqs = RealRequestCount(self.core.num_real_reqs)
+        # SGLang sets it with fill_(n) before every forward (DecodeCudaGraphRunner.load_batch, ModelRunner) and
+        # calls nothing else on it (0.5.17 - 0.5.23); the swap-in kernels read core.num_real_reqs.
+        self.num_real_reqs = DeviceCount(self.core.num_real_reqs)
         self.num_draft_tokens = num_draft_tokens
         self.mem_pool_host = PDHostPool(self.host_pool, config.page_size)
         # SGLang's PD prealloc passes these back into mem_pool_host.alloc_paged_token_slots.
