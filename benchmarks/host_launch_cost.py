@@ -3,7 +3,8 @@
 through tvm-ffi (torch tensors, or tvm-ffi tensors converted once), a device tensor's ``fill_``, the current
 stream by ``torch.cuda.current_stream(device)`` and by torch's raw accessor, ``torch.empty``; each with the
 stream idle (best of 3 x 4,000 calls) and, the launches, with a ~1 ms kernel still running ahead of them (median
-and p90 of 200): whether a launch waits for the GPU.
+and p90 of 200): whether a launch waits for the GPU. Also the logical reserve of a speculative step
+(``PagedAllocator.alloc_extend`` of 4 x 3 tokens) with each of its two layouts.
 
     PYTHONPATH=src python3 benchmarks/host_launch_cost.py
 
@@ -48,6 +49,7 @@ def busy(fn, n: int = 200, sleep_cycles: int = 2_000_000) -> str:
 def main() -> None:
     import tvm_ffi
 
+    from hisparse_sglang.memory import paged
     from hisparse_sglang.ops.jit import load_module
 
     module = load_module()
@@ -79,11 +81,22 @@ def main() -> None:
     print("torch._C._cuda_getCurrentRawStream(0): ", idle(lambda: torch._C._cuda_getCurrentRawStream(0)))
     print("tvm_ffi.from_dlpack(tensor):           ", idle(lambda: tvm_ffi.from_dlpack(req_pool_indices)))
     print("torch.empty(4, device='cuda'):         ", idle(lambda: torch.empty(4, device=dev)))
+    # A speculative step's logical reserve (hook H1): 4 requests x 3 tokens inside their last pages.
+    allocator = paged.PagedAllocator("logical", 4096, 64, device=dev)
+    prefix = torch.tensor([1000, 2000, 3000, 4000])
+    last_loc = (torch.tensor([100, 200, 300, 400]) * 64 + (prefix - 1) % 64).to(dev)
+    layouts = (("Python-integer layout", paged.SMALL_EXTEND_TOKENS), ("tensor layout (extend_layout)", -1))
+    for name, limit in layouts:
+        paged.SMALL_EXTEND_TOKENS = limit
+        print(f"alloc_extend 4 x 3 tokens, {name}: ", idle(lambda: allocator.alloc_extend(prefix, prefix + 3, last_loc)))
     print("--- with the stream busy (a sleeping kernel ahead)")
     print("commit_accepted, torch tensors:        ", busy(lambda: module.commit_accepted(*args)))
     print("commit_accepted, tvm-ffi tensors:      ", busy(lambda: module.commit_accepted(*converted)))
     print("tensor.fill_(0):                       ", busy(lambda: num_real_reqs.fill_(0)))
     print("torch.empty(4, device='cuda'):         ", busy(lambda: torch.empty(4, device=dev)))
+    for name, limit in layouts:
+        paged.SMALL_EXTEND_TOKENS = limit
+        print(f"alloc_extend 4 x 3 tokens, {name}: ", busy(lambda: allocator.alloc_extend(prefix, prefix + 3, last_loc)))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from hisparse_sglang.memory import (
     HostKVPool,
     KVAllocator,
     PagedAllocator,
+    paged,
 )
 from hisparse_sglang.memory.paged import DeviceCount
 
@@ -30,8 +31,12 @@ def naive_extend(prefix, seq, last_loc, pages, page_size):
     return out
 
 
+@pytest.mark.parametrize("path", ["small extend", "tensor layout"])
 @pytest.mark.parametrize("seed", range(20))
-def test_alloc_extend_matches_naive_layout(seed):
+def test_alloc_extend_matches_naive_layout(seed, path, monkeypatch):
+    """Both layouts (Python integers up to SMALL_EXTEND_TOKENS, extend_layout's tensors above) place every
+    token where the naive one-request-at-a-time layout does."""
+    monkeypatch.setattr(paged, "SMALL_EXTEND_TOKENS", 10**9 if path == "small extend" else -1)
     generator = torch.Generator().manual_seed(seed)
     page_size = [1, 4, 16, 64][seed % 4]
     allocator = PagedAllocator("host", 400, page_size, checked=True)
@@ -49,6 +54,30 @@ def test_alloc_extend_matches_naive_layout(seed):
     assert locs.tolist() == naive_extend(prefix, seq, last_loc, free_before, page_size)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_alloc_extend_inside_the_last_pages(seed):
+    """A speculative step's reserve: every request extends inside its last page (equal or different counts,
+    some by none, int32 or int64 last locations); each continues after its last location and no page is taken."""
+    generator = torch.Generator().manual_seed(seed)
+    page_size = [4, 16, 64][seed % 3]
+    allocator = PagedAllocator("host", 400, page_size, checked=True)
+    batch = int(torch.randint(1, 7, (1,), generator=generator))
+    prefix = [int(torch.randint(1, 20 * page_size, (1,), generator=generator)) for _ in range(batch)]
+    room = [-(-p // page_size) * page_size - p for p in prefix]
+    if seed % 2:  # the same count for every request
+        count = min(room)
+        seq = [p + count for p in prefix]
+    else:
+        seq = [p + int(torch.randint(0, r + 1, (1,), generator=generator)) for p, r in zip(prefix, room)]
+    last_loc = [300 * page_size + b * page_size + (p - 1) % page_size for b, p in enumerate(prefix)]
+    dtype = torch.int32 if seed % 4 < 2 else torch.int64
+    free_before = allocator.free_pages
+    locs = allocator.alloc_extend(torch.tensor(prefix), torch.tensor(seq), torch.tensor(last_loc, dtype=dtype))
+    assert locs.dtype == torch.int64
+    assert locs.tolist() == naive_extend(prefix, seq, last_loc, [], page_size)
+    assert allocator.free_pages == free_before
+
+
 def test_alloc_decode_new_page_only_at_page_start():
     allocator = PagedAllocator("host", 10, 4, checked=True)
     locs = allocator.alloc_decode(torch.tensor([5, 6, 9]), torch.tensor([7, 13, 30]))
@@ -57,10 +86,15 @@ def test_alloc_decode_new_page_only_at_page_start():
     assert allocator.used_pages == 2
 
 
-def test_exhaustion_takes_nothing():
+@pytest.mark.parametrize("small", [True, False])
+def test_exhaustion_takes_nothing(small, monkeypatch):
+    monkeypatch.setattr(paged, "SMALL_EXTEND_TOKENS", 10**9 if small else -1)
     allocator = PagedAllocator("device", 4, 8, checked=True)
     assert allocator.alloc_extend(torch.tensor([0]), torch.tensor([30]), torch.tensor([-1])) is None
+    with pytest.raises(HiSparseMemoryError, match="every seq_len must be >= its prefix_len"):
+        allocator.alloc_extend(torch.tensor([5]), torch.tensor([3]), torch.tensor([4]))
     assert allocator.free_pages == 3
+    assert allocator.alloc_pages(0).numel() == 0 and allocator.free_pages == 3
     with pytest.raises(PoolExhaustedError, match="device pool exhausted: 4 page"):
         allocator.alloc_pages(4)
 

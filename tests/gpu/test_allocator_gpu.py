@@ -59,3 +59,34 @@ def test_checked_mode_raises_at_once_with_the_allocator_untouched():
     with pytest.raises(HiSparseMemoryError, match="double free of page"):
         allocator.free_pages_(pages[:1])
     assert allocator.free_pages == free_before
+
+
+@pytest.mark.parametrize("case", ["inside the last pages", "any extend"])
+def test_both_extend_layouts_give_the_same_rows_on_the_gpu_without_a_sync(case, monkeypatch):
+    """``alloc_extend`` laid out in Python integers (up to SMALL_EXTEND_TOKENS, uploading nothing when no request
+    starts a page) and by extend_layout's tensors: the same rows and free pages on CUDA, and neither syncs."""
+    from hisparse_sglang.memory import paged
+
+    generator = torch.Generator().manual_seed(7)
+    for trial in range(400):
+        page = [1, 4, 64][trial % 3]
+        batch = int(torch.randint(1, 7, (), generator=generator))
+        prefix = [int(torch.randint(0, 300, (), generator=generator)) * (trial % 5 != 0) for _ in range(batch)]
+        if case == "inside the last pages":
+            prefix = [p + 1 for p in prefix]
+            seq = [p + int(torch.randint(0, -(-p // page) * page - p + 1, (), generator=generator)) for p in prefix]
+        else:
+            seq = [p + int(torch.randint(0, 41, (), generator=generator)) for p in prefix]
+        last = [-1 if p == 0 else int(torch.randint(1, 50, (), generator=generator)) * page + (p - 1) % page
+                for p in prefix]
+        dtype = torch.int32 if trial % 2 else torch.int64
+        results = []
+        for limit in (10**9, -1):
+            monkeypatch.setattr(paged, "SMALL_EXTEND_TOKENS", limit)
+            allocator = PagedAllocator("logical", 200, page, device="cuda")
+            prefix_t, seq_t = torch.tensor(prefix), torch.tensor(seq)
+            last_t = torch.tensor(last, dtype=dtype, device="cuda")
+            with no_sync():
+                rows = allocator.alloc_extend(prefix_t, seq_t, last_t)
+            results.append((None if rows is None else rows.tolist(), allocator.free_pages))
+        assert results[0] == results[1], (case, trial, prefix, seq, last, page)

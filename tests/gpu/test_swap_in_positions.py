@@ -644,6 +644,22 @@ def test_cap_accepted_matches_reference(batch, index_dtype):
     assert int(ref[3][0]) > 0 or batch == 1
 
 
+def test_cap_accepted_counts_into_a_view_of_the_swap_counters():
+    """The coordinator passes ``SwapCounters.caps``, the view ``[2:]`` of its four int64 counters: the kernel
+    adds to elements 2 and 3 and leaves the swap-in's lookups and misses (0 and 1) alone."""
+    limit = torch.tensor([1, 0, reference.NO_VERIFY_LIMIT, 2], dtype=torch.int32)
+    accept_lens = torch.tensor([3, 2, 4, 1], dtype=torch.int32)
+    accept_index = torch.arange(16, dtype=torch.int32).reshape(4, 4)
+    accept_index[torch.arange(4).reshape(1, -1) >= accept_lens.reshape(-1, 1)] = -1
+    ref_counters = torch.zeros(2, dtype=torch.int64)
+    reference.cap_accepted(limit.clone(), accept_lens.clone(), accept_index.clone(), ref_counters)
+    swap_counters = torch.tensor([11, 7, 5, 9], dtype=torch.int64, device="cuda")
+    cuda_ops().cap_accepted(limit.cuda(), accept_lens.cuda(), accept_index.cuda(), swap_counters[2:])
+    torch.cuda.synchronize()
+    assert int(ref_counters[0]) == 2, "the case caps two rows"
+    assert swap_counters.tolist() == [11, 7, 5 + int(ref_counters[0]), 9 + int(ref_counters[1])]
+
+
 def test_cap_accepted_replays_in_a_cuda_graph_and_refuses_bad_arguments():
     ops = cuda_ops()
     limit = torch.full((8,), reference.NO_VERIFY_LIMIT, dtype=torch.int32, device="cuda")

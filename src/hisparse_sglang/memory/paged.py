@@ -16,7 +16,12 @@ import torch
 from hisparse_sglang.errors import HiSparseMemoryError, PoolExhaustedError
 from hisparse_sglang.memory.ownership import PageOwnership
 
-__all__ = ["DeviceCount", "PagedAllocator", "extend_layout", "upload", "upload_ints"]
+__all__ = ["DeviceCount", "PagedAllocator", "SMALL_EXTEND_TOKENS", "extend_layout", "upload", "upload_ints"]
+
+# An extend of at most this many tokens is laid out in Python integers (PagedAllocator._alloc_small_extend):
+# cheaper on the host than extend_layout's ~20 CPU tensor operations and ~10 device launches, which pay off
+# only for long extends (a prefill chunk).
+SMALL_EXTEND_TOKENS = 256
 
 
 def upload(values: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -150,6 +155,7 @@ class PagedAllocator:
         self._free = torch.empty(num_pages, dtype=torch.int64, device=self.device)
         self.ownership = PageOwnership(name, num_pages, self.device, deferred=self.device.type == "cuda" and not checked)
         self._num_free = 0
+        self._steps_cache: dict[int, torch.Tensor] = {}
         self.clear()
 
     # ------------------------------------------------------------------ capacity
@@ -195,6 +201,8 @@ class PagedAllocator:
                 f"{self.name} pool exhausted: {count} page(s) of {self.page_size} rows requested, "
                 f"{self._num_free} free of {self.capacity_pages}."
             )
+        if count == 0:
+            return self._free[:0]
         start = self._num_free - count
         pages = self._free[start : self._num_free].flip(0)
         self.ownership.claim(pages)
@@ -257,6 +265,9 @@ class PagedAllocator:
             int64 ``[sum(seq_lens - prefix_lens)]`` rows on ``device`` in request order, or None
             if there are not enough free pages (nothing is taken).
         """
+        prefix_lens, seq_lens = prefix_lens_cpu.reshape(-1).tolist(), seq_lens_cpu.reshape(-1).tolist()
+        if prefix_lens and sum(seq_lens) - sum(prefix_lens) <= SMALL_EXTEND_TOKENS:
+            return self._alloc_small_extend(prefix_lens, seq_lens, last_loc)
         request, continue_offset, new_page_slot, num_new_pages = extend_layout(
             prefix_lens_cpu, seq_lens_cpu, self.page_size
         )
@@ -273,6 +284,56 @@ class PagedAllocator:
         page_ordinal = torch.clamp(slot_d, min=0) // self.page_size
         on_new_page = pages[page_ordinal] * self.page_size + torch.clamp(slot_d, min=0) % self.page_size
         return torch.where(continue_d > 0, continued, on_new_page)
+
+    def _alloc_small_extend(self, prefix_lens: list[int], seq_lens: list[int], last_loc: torch.Tensor):
+        """:meth:`alloc_extend` of a few tokens (a speculative step's reserve, a short prompt), laid out in
+        Python integers; the same rows as :func:`extend_layout`'s tensor path (tests/test_memory.py compares
+        both with a naive layout). When no request starts a page (the common case) nothing is uploaded:
+        the rows are ``last_loc + 1 ..`` per request, one broadcast add (and one concatenation when the
+        requests extend by different counts)."""
+        page = self.page_size
+        if len(prefix_lens) != len(seq_lens):
+            raise HiSparseMemoryError(
+                f"prefix_lens has {len(prefix_lens)} entries but seq_lens has {len(seq_lens)}."
+            )
+        counts, new_counts = [], []
+        for prefix, seq in zip(prefix_lens, seq_lens):
+            if seq < prefix:
+                raise HiSparseMemoryError("every seq_len must be >= its prefix_len.")
+            counts.append(seq - prefix)
+            new_counts.append(seq - min(seq, -(-prefix // page) * page))
+        num_new_pages = sum(-(-n // page) for n in new_counts)
+        if num_new_pages > self._num_free:
+            return None
+        width = max(counts)
+        if width == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if num_new_pages == 0:
+            grid = last_loc.reshape(-1, 1).to(torch.int64) + self._steps(width)
+            if min(counts) == width:
+                return grid.reshape(-1)
+            return torch.cat([grid[b, :count] for b, count in enumerate(counts) if count])
+        pages = self.alloc_pages(num_new_pages)
+        request: list[int] = []
+        # > 0: continues the request's last page at last_loc + offset; < 0: new-page slot -offset - 1.
+        offset: list[int] = []
+        base = 0
+        for b, (count, num_new) in enumerate(zip(counts, new_counts)):
+            request += [b] * count
+            offset += range(1, count - num_new + 1)
+            offset += range(-base - 1, -base - num_new - 1, -1)
+            base += -(-num_new // page) * page
+        plan = upload_ints([request, offset], self.device)
+        continued = last_loc.to(torch.int64)[plan[0]] + plan[1]
+        slot = torch.clamp(-plan[1] - 1, min=0)
+        return torch.where(plan[1] > 0, continued, pages[slot // page] * page + slot % page)
+
+    def _steps(self, width: int) -> torch.Tensor:
+        """``[1, 2, .., width]`` (int64 on the device), cached per width."""
+        steps = self._steps_cache.get(width)
+        if steps is None:
+            steps = self._steps_cache[width] = torch.arange(1, width + 1, dtype=torch.int64, device=self.device)
+        return steps
 
     def alloc_decode(self, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
         """One row per request for the token at position ``seq_lens[b] - 1``.
