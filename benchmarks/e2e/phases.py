@@ -247,15 +247,20 @@ def phase_capacity(target, run: Run) -> dict:
     seg = summarize_log(read_from(target.log_path, off))
     res.update({
         "duration_s": round(time.monotonic() - t0, 1), "stop_reason": stop_reason,
+        # The capacity: the server's load endpoint and its decode lines (the batch that ran). A prefill line's
+        # running count is taken before SGLang filters the requests the step before finished, so it can count
+        # them too (31 against 27 in a run whose requests finished during the phase): recorded, not counted.
         "max_running_loads": best if samples else None,
+        "max_running_decode_log": seg["max_decode_running"],
         "max_running_log": seg["max_running"],
-        "max_running": max(x for x in (best if samples else None, seg["max_running"], 0) if x is not None),
+        "max_running": max(x for x in (best if samples else None, seg["max_decode_running"], 0) if x is not None),
         "retracted_reqs": seg["retracted_reqs"], "max_token_usage_log": seg["max_token_usage"],
         "loads_samples": samples[-400:],
         "finish_reasons": {k: sum(1 for x in results if str(x) == k) for k in sorted({str(x) for x in results})},
     })
     log(f"  capacity: max running {res['max_running']} of {n} x {L}+{O} tokens "
-        f"(loads {res['max_running_loads']}, log {res['max_running_log']}), {stop_reason}, "
+        f"(loads {res['max_running_loads']}, decode lines {res['max_running_decode_log']}, prefill and decode lines "
+        f"{res['max_running_log']}), {stop_reason}, "
         f"{res['duration_s']}s, retracted {res['retracted_reqs']}")
     return res
 

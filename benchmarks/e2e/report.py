@@ -125,7 +125,7 @@ def render_markdown(data: dict) -> str:
     row("in-server KV check: rows compared / mismatches (checks)", kv_check_cell)
     cap_len = next((arms[x]["capacity"].get("input_len") for x in present if arms[x].get("capacity")), None)
     if cap_len:
-        row(f"max concurrent {cap_len}-token requests running", lambda r: f"{r['capacity']['max_running']} of {r['capacity']['requests']}")
+        row(f"max concurrent {cap_len}-token requests running", capacity_cell)
     levels = []
     for x in present:
         for lv in (arms[x].get("throughput") or {}).get("levels", []):
@@ -180,6 +180,15 @@ def render_markdown(data: dict) -> str:
         for x, e in errs:
             lines.append(f"- arm {x}: " + str(e).splitlines()[0][:300])
     return "\n".join(lines) + "\n"
+
+
+def capacity_cell(r: dict) -> str:
+    """Most requests running at once, and how many finished their output during the phase (then the count
+    is a moving window, not only what memory holds: raise --cap-output-len)."""
+    cap = r["capacity"]
+    done = sum(n for reason, n in (cap.get("finish_reasons") or {}).items() if "'length'" in reason)
+    cell = f"{cap['max_running']} of {cap['requests']}"
+    return cell + (f" ({done} finished during the phase)" if done else "")
 
 
 def spec_cell(spec: dict | None) -> str:
