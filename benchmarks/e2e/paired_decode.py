@@ -23,6 +23,9 @@ A variant ``ARM@LABEL`` runs the arm with the plugin source given by ``--source 
 directory, e.g. the previous commit's: ``git archive HEAD src csrc | tar -x -C DIR/..``): a change and the code
 before it timed side by side, against the same baseline.
 
+Under a time limit (a lent GPU's call), ``--max-seconds`` starts no round that would end past it (the longest
+round so far as the estimate), so the servers stop and the tables are written in time.
+
 Writes ``paired.json`` and ``paired.md`` (the tables, then every round's figures) to ``--out``; the servers' logs
 stay in the state directory. ``--ratios c/a,c/b`` picks the ratios reported (default: every arm against the
 first); ``--from-json paired.json --ratios ...`` renders an earlier run's tables with other ratios.
@@ -36,6 +39,7 @@ import os
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import client
@@ -138,7 +142,14 @@ def parse_ratios(text: str, variants: list[str]) -> list[tuple[str, str]] | None
     return pairs
 
 
+def another_round_fits(elapsed_s: float, round_s: list[float], max_seconds: float) -> bool:
+    """Whether a round as long as the longest one so far still ends within ``max_seconds`` of the start
+    (0: no limit; before the first round: yes)."""
+    return not max_seconds or not round_s or elapsed_s + max(round_s) <= max_seconds
+
+
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="a,c", help="arms of run_e2e.py; the first is the baseline of the ratios")
     parser.add_argument("--levels", default="1,2,4", help="requests sent at once")
@@ -158,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", action="append", default=[], metavar="LABEL=DIR",
                         help="plugin source (a src directory) of the variants ARM@LABEL; repeatable")
     parser.add_argument("--harness-args", default="", help="run_e2e.py flags of the servers (shell-quoted string)")
+    parser.add_argument("--max-seconds", type=float, default=0,
+                        help="start no round that would end later than this many seconds after the start (servers' "
+                        "start included; 0: run every round): under a time limit, leave ~30 s for stopping the "
+                        "servers and writing the tables")
     args = parser.parse_args(argv)
     if args.from_json:
         earlier = json.loads(args.from_json.read_text())
@@ -220,7 +235,13 @@ def main(argv: list[str] | None = None) -> int:
             pin_process(pid, {park_cpu})
             log(f"{variant}: healthy after {startup:.1f} s on port {port}, scheduler pid {pid}")
         pin_process(os.getpid(), {client_cpu})
+        round_s: list[float] = []
         for r in range(args.rounds):
+            if not another_round_fits(time.monotonic() - started, round_s, args.max_seconds):
+                meta["stopped_after_rounds"] = r
+                log(f"stopping after {r} rounds: another would end past --max-seconds {args.max_seconds:.0f}")
+                break
+            round_started = time.monotonic()
             cpu = sweep[r % len(sweep)]
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             entry = {"round": r, "cpu": cpu, "order": order, "tpot_ms": {v: {} for v in variants}}
@@ -233,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                     entry["tpot_ms"][variant][str(level)] = out.get("tpot_ms", out.get("error"))
                     servers[variant].check()
             result["rounds"].append(entry)
-            log(f"round {r} (CPU {cpu}): {entry['tpot_ms']}")
+            round_s.append(time.monotonic() - round_started)
+            log(f"round {r} (CPU {cpu}, {round_s[-1]:.0f} s): {entry['tpot_ms']}")
             result["summary"] = summarize(variants, levels, result["rounds"], args.within, ratios)
             (args.out / "paired.json").write_text(json.dumps(result, indent=1))
     finally:

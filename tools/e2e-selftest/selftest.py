@@ -243,6 +243,9 @@ def paired_checks() -> None:
     inverse = paired_decode.summarize(["a", "c"], [1], rounds, 0.05, paired_decode.parse_ratios("a/c", ["a", "c"]))
     check(list(inverse["1"]["ratio"]) == ["a / c"] and abs(inverse["1"]["ratio"]["a / c"]["median"] - 1 / 1.08) < 1e-3,
           f"paired --ratios a/c: {inverse}")
+    fits = [paired_decode.another_round_fits(e, r, m) for e, r, m in
+            ((500, [], 100), (70, [20, 30], 100), (71, [20, 30], 100), (10**6, [50], 0))]
+    check(fits == [True, True, False, True], f"paired --max-seconds: {fits}")
     try:
         paired_decode.parse_ratios("c/b", ["a", "c"])
         check(False, "paired --ratios c/b with no arm b was accepted")
