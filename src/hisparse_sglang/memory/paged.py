@@ -296,13 +296,14 @@ class PagedAllocator:
             raise HiSparseMemoryError(
                 f"prefix_lens has {len(prefix_lens)} entries but seq_lens has {len(seq_lens)}."
             )
-        counts, new_counts = [], []
+        counts, new_counts, new_pages = [], [], []
         for prefix, seq in zip(prefix_lens, seq_lens):
             if seq < prefix:
                 raise HiSparseMemoryError("every seq_len must be >= its prefix_len.")
             counts.append(seq - prefix)
             new_counts.append(seq - min(seq, -(-prefix // page) * page))
-        num_new_pages = sum(-(-n // page) for n in new_counts)
+            new_pages.append(-(-new_counts[-1] // page))
+        num_new_pages = sum(new_pages)
         if num_new_pages > self._num_free:
             return None
         width = max(counts)
@@ -318,11 +319,11 @@ class PagedAllocator:
         # > 0: continues the request's last page at last_loc + offset; < 0: new-page slot -offset - 1.
         offset: list[int] = []
         base = 0
-        for b, (count, num_new) in enumerate(zip(counts, new_counts)):
+        for b, (count, num_new, pages_taken) in enumerate(zip(counts, new_counts, new_pages)):
             request += [b] * count
             offset += range(1, count - num_new + 1)
             offset += range(-base - 1, -base - num_new - 1, -1)
-            base += -(-num_new // page) * page
+            base += pages_taken * page
         plan = upload_ints([request, offset], self.device)
         continued = last_loc.to(torch.int64)[plan[0]] + plan[1]
         slot = torch.clamp(-plan[1] - 1, min=0)
