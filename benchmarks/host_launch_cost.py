@@ -4,7 +4,8 @@ through tvm-ffi (torch tensors, or tvm-ffi tensors converted once), a device ten
 stream by ``torch.cuda.current_stream(device)`` and by torch's raw accessor, ``torch.empty``; each with the
 stream idle (best of 3 x 4,000 calls) and, the launches, with a ~1 ms kernel still running ahead of them (median
 and p90 of 200): whether a launch waits for the GPU. Also the logical reserve of a speculative step
-(``PagedAllocator.alloc_extend`` of 4 x 3 tokens) with each of its two layouts.
+(``PagedAllocator.alloc_extend`` of 4 x 3 tokens inside the last pages, and of whole new pages as SGLang
+0.5.17 - 0.5.21 round it) with each of its two layouts, and the verify prepare's reads of page starts.
 
     PYTHONPATH=src python3 benchmarks/host_launch_cost.py
 
@@ -89,6 +90,45 @@ def main() -> None:
     for name, limit in layouts:
         paged.SMALL_EXTEND_TOKENS = limit
         print(f"alloc_extend 4 x 3 tokens, {name}: ", idle(lambda: allocator.alloc_extend(prefix, prefix + 3, last_loc)))
+    # The same reserve as SGLang 0.5.17 - 0.5.21 lay it out: lengths rounded up to whole pages, so a request whose
+    # reserve grows takes a whole new page. 4 x 64 tokens: the rows of the new pages (nothing uploaded); 64, 64,
+    # 64, 63 tokens: unequal counts, laid out through an upload.
+    starts = torch.tensor([1024, 2048, 3072, 4096])
+    page_ends = (torch.tensor([100, 200, 300, 400]) * 64 + 63).to(dev)
+    shapes = (("4 x 64 tokens starting pages (no upload)", starts + 64),
+              ("64/64/64/63 tokens starting pages (upload)", starts + torch.tensor([64, 64, 64, 63])))
+    whole_pages = paged.PagedAllocator("logical", 1 << 15, 64, device=dev)
+
+    def whole_page_reserve(seq, limit, n=1000, ahead=False):
+        paged.SMALL_EXTEND_TOKENS = limit
+        times = []
+        for _ in range(3 if not ahead else n):
+            whole_pages.clear()
+            torch.cuda.synchronize()
+            if ahead:
+                torch.cuda._sleep(2_000_000)
+            start = time.perf_counter()
+            for _ in range(1 if ahead else n):
+                whole_pages.alloc_extend(starts, seq, page_ends)
+            times.append((time.perf_counter() - start) / (1 if ahead else n) * 1e6)
+        torch.cuda.synchronize()
+        times.sort()
+        if ahead:
+            return f"median {times[len(times) // 2]:.2f} us, p90 {times[int(len(times) * 0.9)]:.2f} us"
+        return f"{times[0]:.2f} us (runs {', '.join(f'{t:.2f}' for t in times)})"
+
+    for name, seq in shapes:
+        for layout, limit in layouts:
+            print(f"alloc_extend {name}, {layout}: ", whole_page_reserve(seq, limit))
+    # The verify prepare's page starts of resident requests (req_to_token entries): one-element views, or an
+    # uploaded gather.
+    from hisparse_sglang.coordinator import speculative
+
+    print("page starts of 1 request, views:             ", idle(lambda: speculative._entries(req_to_token, [1], [64])))
+    print("page starts of 4 requests, views + cat:      ",
+          idle(lambda: speculative._entries(req_to_token, [0, 1, 2, 3], [64] * 4)))
+    print("page starts of 4 requests, upload + gather:  ",
+          idle(lambda: req_to_token[tuple(paged.upload_ints([[0, 1, 2, 3], [64] * 4], device))]))
     print("--- with the stream busy (a sleeping kernel ahead)")
     print("commit_accepted, torch tensors:        ", busy(lambda: module.commit_accepted(*args)))
     print("commit_accepted, tvm-ffi tensors:      ", busy(lambda: module.commit_accepted(*converted)))
@@ -97,6 +137,13 @@ def main() -> None:
     for name, limit in layouts:
         paged.SMALL_EXTEND_TOKENS = limit
         print(f"alloc_extend 4 x 3 tokens, {name}: ", busy(lambda: allocator.alloc_extend(prefix, prefix + 3, last_loc)))
+    for name, seq in shapes:
+        for layout, limit in layouts:
+            print(f"alloc_extend {name}, {layout}: ", whole_page_reserve(seq, limit, n=200, ahead=True))
+    print("page starts of 4 requests, views + cat:      ",
+          busy(lambda: speculative._entries(req_to_token, [0, 1, 2, 3], [64] * 4)))
+    print("page starts of 4 requests, upload + gather:  ",
+          busy(lambda: req_to_token[tuple(paged.upload_ints([[0, 1, 2, 3], [64] * 4], device))]))
 
 
 if __name__ == "__main__":

@@ -78,6 +78,32 @@ def test_alloc_extend_inside_the_last_pages(seed):
     assert allocator.free_pages == free_before
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_alloc_extend_of_whole_pages_uploads_nothing(seed, monkeypatch):
+    """SGLang's speculative reserve with page-rounded lengths: every extending request starts a page at its
+    prefix and takes the same count (some take none); the rows are its new pages', in request order, and
+    nothing is uploaded."""
+    def no_upload(*args, **kwargs):
+        raise AssertionError("uploaded a layout")
+
+    monkeypatch.setattr(paged, "upload_ints", no_upload)
+    monkeypatch.setattr(paged, "upload", no_upload)
+    generator = torch.Generator().manual_seed(seed)
+    page_size = [1, 4, 16, 64][seed % 4]
+    allocator = PagedAllocator("host", 400, page_size, checked=True)
+    allocator.alloc_pages(int(torch.randint(0, 30, (1,), generator=generator)))  # not the lowest pages first
+    batch = int(torch.randint(1, 7, (1,), generator=generator))
+    count = int(torch.randint(1, 2 * page_size + 1, (1,), generator=generator))
+    prefix = [int(torch.randint(1, 20, (1,), generator=generator)) * page_size for _ in range(batch)]
+    extends = [b % 3 != 1 or batch == 1 for b in range(batch)]
+    seq = [p + count * e for p, e in zip(prefix, extends)]
+    last_loc = [300 * page_size + b * page_size + page_size - 1 for b in range(batch)]
+    free_before = allocator._free[: allocator.free_pages].flip(0).tolist()
+    locs = allocator.alloc_extend(torch.tensor(prefix), torch.tensor(seq), torch.tensor(last_loc))
+    assert locs.tolist() == naive_extend(prefix, seq, last_loc, free_before, page_size)
+    assert allocator.free_pages == len(free_before) - sum(extends) * -(-count // page_size)
+
+
 def test_alloc_decode_new_page_only_at_page_start():
     allocator = PagedAllocator("host", 10, 4, checked=True)
     locs = allocator.alloc_decode(torch.tensor([5, 6, 9]), torch.tensor([7, 13, 30]))

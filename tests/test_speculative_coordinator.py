@@ -300,3 +300,20 @@ def test_can_verify_counts_the_reserve_pages_of_resident_requests_only():
     free = sim.allocator.device_rows.free_pages
     assert sim.coordinator.can_verify([slot, long_slot], [8 + PAGE * free + PAGE * 5, 40])
     assert not sim.coordinator.can_verify([slot, long_slot], [8 + PAGE * free + PAGE * 6, 40])
+
+
+@pytest.mark.parametrize("count", [1, 2, 16, 17, 40])
+def test_entries_of_the_request_table(count, monkeypatch):
+    """The page starts the prepare binds, read from req_to_token: one-element views (no upload) for a few,
+    one uploaded gather beyond; the same values either way."""
+    from hisparse_sglang.coordinator import speculative
+
+    uploads = []
+    real_upload = speculative.upload_ints
+    monkeypatch.setattr(speculative, "upload_ints", lambda *a: uploads.append(a) or real_upload(*a))
+    generator = torch.Generator().manual_seed(count)
+    table = torch.randint(0, 10_000, (8, 50), generator=generator, dtype=torch.int32)
+    rows = torch.randint(0, 8, (count,), generator=generator).tolist()
+    columns = torch.randint(0, 50, (count,), generator=generator).tolist()
+    assert speculative._entries(table, rows, columns).tolist() == table[rows, columns].tolist()
+    assert len(uploads) == (count > speculative._FEW_ENTRIES)

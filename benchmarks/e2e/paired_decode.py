@@ -28,7 +28,8 @@ round so far as the estimate), so the servers stop and the tables are written in
 
 Writes ``paired.json`` and ``paired.md`` (the tables, then every round's figures) to ``--out``; the servers' logs
 stay in the state directory. ``--ratios c/a,c/b`` picks the ratios reported (default: every arm against the
-first); ``--from-json paired.json --ratios ...`` renders an earlier run's tables with other ratios.
+first); ``--from-json paired.json --ratios ...`` renders an earlier run's tables with other ratios, and
+``--from-json`` repeated pools the rounds of several runs of the same arms.
 """
 
 from __future__ import annotations
@@ -142,6 +143,18 @@ def parse_ratios(text: str, variants: list[str]) -> list[tuple[str, str]] | None
     return pairs
 
 
+def pool_runs(runs: list[dict]) -> dict:
+    """Several runs' ``paired.json`` as one: the first's meta and plugin lines, every run's rounds in order
+    (numbered again). Runs of other arms or levels than the first's are refused (ValueError)."""
+    first = runs[0]
+    for run in runs[1:]:
+        if run["variants"] != first["variants"] or run["levels"] != first["levels"]:
+            raise ValueError(f"runs of arms {run['variants']} at levels {run['levels']} cannot be pooled with "
+                             f"{first['variants']} at {first['levels']}: pool runs of the same arms and levels.")
+    rounds = [dict(r, round=i) for i, r in enumerate(r for run in runs for r in run["rounds"])]
+    return first | {"rounds": rounds}
+
+
 def another_round_fits(elapsed_s: float, round_s: list[float], max_seconds: float) -> bool:
     """Whether a round as long as the longest one so far still ends within ``max_seconds`` of the start
     (0: no limit; before the first round: yes)."""
@@ -164,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--health-timeout", type=float, default=420)
     parser.add_argument("--ratios", default="", help="ARM/BASELINE pairs to report, e.g. c/a,c/b "
                         "(default: every arm against the first)")
-    parser.add_argument("--from-json", type=Path, help="render the tables of an earlier run's paired.json "
-                        "(with --ratios) instead of running servers")
+    parser.add_argument("--from-json", type=Path, action="append", default=[],
+                        help="render the tables of an earlier run's paired.json (with --ratios) instead of running "
+                             "servers; repeated: the rounds of several runs of the same arms and levels pooled")
     parser.add_argument("--source", action="append", default=[], metavar="LABEL=DIR",
                         help="plugin source (a src directory) of the variants ARM@LABEL; repeatable")
     parser.add_argument("--harness-args", default="", help="run_e2e.py flags of the servers (shell-quoted string)")
@@ -175,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                         "servers and writing the tables")
     args = parser.parse_args(argv)
     if args.from_json:
-        earlier = json.loads(args.from_json.read_text())
+        earlier = pool_runs([json.loads(path.read_text()) for path in args.from_json])
         variants = earlier["variants"]
         # a run written before the file kept its "meta": the CPUs from its rounds, the rest from the flags
         meta = earlier.get("meta") or {"cpus": sorted({r["cpu"] for r in earlier["rounds"]}), "park_cpu": "?",

@@ -61,10 +61,10 @@ def test_checked_mode_raises_at_once_with_the_allocator_untouched():
     assert allocator.free_pages == free_before
 
 
-@pytest.mark.parametrize("case", ["inside the last pages", "any extend"])
+@pytest.mark.parametrize("case", ["inside the last pages", "whole pages", "any extend"])
 def test_both_extend_layouts_give_the_same_rows_on_the_gpu_without_a_sync(case, monkeypatch):
     """``alloc_extend`` laid out in Python integers (up to SMALL_EXTEND_TOKENS, uploading nothing when no request
-    starts a page) and by extend_layout's tensors: the same rows and free pages on CUDA, and neither syncs."""
+    starts a page or all start whole pages alike) and by extend_layout's tensors: the same rows and free pages on CUDA, and neither syncs."""
     from hisparse_sglang.memory import paged
 
     generator = torch.Generator().manual_seed(7)
@@ -75,6 +75,10 @@ def test_both_extend_layouts_give_the_same_rows_on_the_gpu_without_a_sync(case, 
         if case == "inside the last pages":
             prefix = [p + 1 for p in prefix]
             seq = [p + int(torch.randint(0, -(-p // page) * page - p + 1, (), generator=generator)) for p in prefix]
+        elif case == "whole pages":  # SGLang's page-rounded speculative reserve: the same count, from page starts
+            prefix = [-(-p // page) * page for p in prefix]
+            count = int(torch.randint(1, 2 * page + 1, (), generator=generator))
+            seq = [p + count * (b % 3 != 1) for b, p in enumerate(prefix)]
         else:
             seq = [p + int(torch.randint(0, 41, (), generator=generator)) for p in prefix]
         last = [-1 if p == 0 else int(torch.randint(1, 50, (), generator=generator)) * page + (p - 1) % page

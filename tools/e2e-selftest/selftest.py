@@ -246,6 +246,17 @@ def paired_checks() -> None:
     fits = [paired_decode.another_round_fits(e, r, m) for e, r, m in
             ((500, [], 100), (70, [20, 30], 100), (71, [20, 30], 100), (10**6, [50], 0))]
     check(fits == [True, True, False, True], f"paired --max-seconds: {fits}")
+    run = {"variants": ["a", "c"], "levels": [1], "meta": {"within": 0.05}, "rounds": rounds[:2]}
+    second = [dict(r, round=k) for k, r in enumerate(rounds[2:])]  # a second run numbers its rounds from 0
+    pooled = paired_decode.pool_runs([run, run | {"rounds": second, "meta": {"within": 0.1}}])
+    check([r["round"] for r in pooled["rounds"]] == [0, 1, 2, 3, 4] and pooled["meta"]["within"] == 0.05
+          and [r["cpu"] for r in pooled["rounds"]] == [r["cpu"] for r in rounds],
+          f"paired --from-json twice: the rounds pooled: {pooled}")
+    try:
+        paired_decode.pool_runs([run, run | {"variants": ["a", "b"]}])
+        check(False, "paired --from-json pooled runs of other arms")
+    except ValueError:
+        check(True, "")
     try:
         paired_decode.parse_ratios("c/b", ["a", "c"])
         check(False, "paired --ratios c/b with no arm b was accepted")

@@ -451,7 +451,10 @@ class VerifySteps:
         coordinator = self._coordinator
         if coordinator._step_kind is DECODE_STEPS:
             coordinator._enter_step_kind(VERIFY_STEPS)  # raises
-        self._check_setup(num_draft_tokens)
+        if self.num_draft_tokens is None:
+            self._check_setup(num_draft_tokens)
+        elif num_draft_tokens != self.num_draft_tokens:  # the setup was checked when T was fixed
+            self._check_num_draft_tokens(num_draft_tokens)  # raises
         count = len(slots)
         lengths = (len(committed_lens), len(allocated_lens), req_pool_indices.shape[0], seq_lens.shape[0])
         if any(length != count for length in lengths):
@@ -555,8 +558,7 @@ class VerifySteps:
             record.spec.slot_d_stale = False
         if page_positions:
             pages = coordinator.allocator.device_rows.alloc_pages(len(page_positions))
-            index = upload_ints([page_slots, page_positions], coordinator.device)
-            first_locs = coordinator.req_to_token[index[0], index[1]]
+            first_locs = _entries(coordinator.req_to_token, page_slots, page_positions)
             coordinator.allocator.map_pages_(first_locs, pages * page)
         if self._may_cap:
             # The previous step's limits were never applied (no acceptance reached cap_accepts): start afresh.
@@ -584,3 +586,18 @@ class VerifySteps:
             buffer_ids = coordinator.buffers.buffer_of_req[req_slots].to(torch.int64)
             rows = coordinator.buffers.slot_rows[buffer_ids, coordinator.buffer_size].to(torch.int64)
             coordinator.ops.copy_rows(coordinator.host_layers, coordinator.device_layers, locs, rows)
+
+
+# At most this many entries are read as one-element views of the table (no upload; a concatenation when more
+# than one); beyond, the indices are uploaded for one gather.
+_FEW_ENTRIES = 16
+
+
+def _entries(table: torch.Tensor, rows: list[int], columns: list[int]) -> torch.Tensor:
+    """``table[rows[i], columns[i]]`` for Python integers (1-D, in order), without an upload for a few: a
+    verify step binds at most one new page per resident request, whose start it reads here."""
+    if len(rows) > _FEW_ENTRIES:
+        index = upload_ints([rows, columns], table.device)
+        return table[index[0], index[1]]
+    views = [table[row, column : column + 1] for row, column in zip(rows, columns)]
+    return views[0] if len(views) == 1 else torch.cat(views)

@@ -92,10 +92,8 @@ class KVAllocator:
     def map_pages_(self, first_locs: torch.Tensor, first_rows: torch.Tensor) -> None:
         """Map whole pages: ``first_locs[i] + j`` to ``first_rows[i] + j`` for ``j < page_size``
         (both page starts, on ``device``)."""
-        offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
-        locs = (first_locs.reshape(-1, 1).to(torch.int64) + offsets).reshape(-1)
-        rows = (first_rows.reshape(-1, 1).to(torch.int64) + offsets).reshape(-1)
-        self.map_(locs, rows)
+        offsets = self.device_rows.page_offsets()  # int64: the sums are int64 whatever the inputs' type
+        self.map_((first_locs.reshape(-1, 1) + offsets).reshape(-1), (first_rows.reshape(-1, 1) + offsets).reshape(-1))
 
     def map_request_pages_(self, locs: torch.Tensor, pages: torch.Tensor) -> None:
         """Map a request's logical pages onto device ``pages`` whole.

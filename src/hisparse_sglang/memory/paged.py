@@ -156,6 +156,7 @@ class PagedAllocator:
         self.ownership = PageOwnership(name, num_pages, self.device, deferred=self.device.type == "cuda" and not checked)
         self._num_free = 0
         self._steps_cache: dict[int, torch.Tensor] = {}
+        self._offsets: torch.Tensor | None = None
         self.clear()
 
     # ------------------------------------------------------------------ capacity
@@ -288,9 +289,11 @@ class PagedAllocator:
     def _alloc_small_extend(self, prefix_lens: list[int], seq_lens: list[int], last_loc: torch.Tensor):
         """:meth:`alloc_extend` of a few tokens (a speculative step's reserve, a short prompt), laid out in
         Python integers; the same rows as :func:`extend_layout`'s tensor path (tests/test_memory.py compares
-        both with a naive layout). When no request starts a page (the common case) nothing is uploaded:
-        the rows are ``last_loc + 1 ..`` per request, one broadcast add (and one concatenation when the
-        requests extend by different counts)."""
+        both with a naive layout). Two shapes upload nothing: no request starts a page (the rows are
+        ``last_loc + 1 ..`` per request: one broadcast add, and one concatenation when the requests extend
+        by different counts), and every extending request starts a page at its prefix with the same count
+        (SGLang's speculative reserve, whose lengths are rounded up to whole pages: the rows of its new
+        pages, one broadcast add)."""
         page = self.page_size
         if len(prefix_lens) != len(seq_lens):
             raise HiSparseMemoryError(
@@ -315,6 +318,13 @@ class PagedAllocator:
                 return grid.reshape(-1)
             return torch.cat([grid[b, :count] for b, count in enumerate(counts) if count])
         pages = self.alloc_pages(num_new_pages)
+        extending = [count for count in counts if count]
+        if new_counts == counts and min(extending) == width:
+            # Every extending request starts a page at its prefix and takes the same count (SGLang's
+            # speculative reserve: its lengths are rounded up to whole pages), so its rows are the leading
+            # rows of its own new pages, taken in request order: one broadcast add, nothing uploaded.
+            rows = torch.add(self.page_offsets(), pages.view(len(extending), -1, 1), alpha=page)
+            return rows.view(len(extending), -1)[:, :width].reshape(-1)
         request: list[int] = []
         # > 0: continues the request's last page at last_loc + offset; < 0: new-page slot -offset - 1.
         offset: list[int] = []
@@ -328,6 +338,12 @@ class PagedAllocator:
         continued = last_loc.to(torch.int64)[plan[0]] + plan[1]
         slot = torch.clamp(-plan[1] - 1, min=0)
         return torch.where(plan[1] > 0, continued, pages[slot // page] * page + slot % page)
+
+    def page_offsets(self) -> torch.Tensor:
+        """``[0, 1, .., page_size - 1]`` (int64 on the device), made once."""
+        if self._offsets is None:
+            self._offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        return self._offsets
 
     def _steps(self, width: int) -> torch.Tensor:
         """``[1, 2, .., width]`` (int64 on the device), cached per width."""
