@@ -5,7 +5,8 @@ stream by ``torch.cuda.current_stream(device)`` and by torch's raw accessor, ``t
 stream idle (best of 3 x 4,000 calls) and, the launches, with a ~1 ms kernel still running ahead of them (median
 and p90 of 200): whether a launch waits for the GPU. Also the logical reserve of a speculative step
 (``PagedAllocator.alloc_extend`` of 4 x 3 tokens inside the last pages, and of whole new pages as SGLang
-0.5.17 - 0.5.21 round it) with each of its two layouts, and the verify prepare's reads of page starts.
+0.5.17 - 0.5.21 round it) with each of its two layouts, the verify prepare's reads of page starts, and one
+upload of a few integers (``memory.paged.upload_ints``).
 
     PYTHONPATH=src python3 benchmarks/host_launch_cost.py
 
@@ -129,6 +130,7 @@ def main() -> None:
           idle(lambda: speculative._entries(req_to_token, [0, 1, 2, 3], [64] * 4)))
     print("page starts of 4 requests, upload + gather:  ",
           idle(lambda: req_to_token[tuple(paged.upload_ints([[0, 1, 2, 3], [64] * 4], device))]))
+    print("upload_ints of 2 x 4 integers:               ", idle(lambda: paged.upload_ints([[0, 1, 2, 3]] * 2, device)))
     print("--- with the stream busy (a sleeping kernel ahead)")
     print("commit_accepted, torch tensors:        ", busy(lambda: module.commit_accepted(*args)))
     print("commit_accepted, tvm-ffi tensors:      ", busy(lambda: module.commit_accepted(*converted)))
@@ -144,6 +146,7 @@ def main() -> None:
           busy(lambda: speculative._entries(req_to_token, [0, 1, 2, 3], [64] * 4)))
     print("page starts of 4 requests, upload + gather:  ",
           busy(lambda: req_to_token[tuple(paged.upload_ints([[0, 1, 2, 3], [64] * 4], device))]))
+    print("upload_ints of 2 x 4 integers:               ", busy(lambda: paged.upload_ints([[0, 1, 2, 3]] * 2, device)))
 
 
 if __name__ == "__main__":
