@@ -86,8 +86,32 @@ def test_the_mtp_model_declares_one_nextn_layer_and_links_the_rest(tmp_path):
     assert others and all((model / f.name).resolve() == f.resolve() for f in others)
 
 
+def test_model_layers_serve_every_arm_a_deeper_copy_of_the_model(tmp_path):
+    """--model-layers N: every arm, the MTP arms' draft model included, serves a copy of the model declaring N
+    decoder layers; nothing else in its config changes and every other file links to the original's."""
+    args = options.parse_args(["--state-dir", str(tmp_path), "--model-layers", "16"])
+    source = Path(args.model_dir)
+    layered = arms.prepare_layered_model(args)
+    assert layered == tmp_path / f"{source.name}-L16" and Path(args.model_dir) == layered
+    original = json.loads((source / "config.json").read_text())
+    config = json.loads((layered / "config.json").read_text())
+    assert config["num_hidden_layers"] == 16 != original["num_hidden_layers"]
+    assert {k: v for k, v in config.items() if k != "num_hidden_layers"} == {
+        k: v for k, v in original.items() if k != "num_hidden_layers"}
+    others = [f for f in source.iterdir() if f.name != "config.json"]
+    assert others and all((layered / f.name).resolve() == f.resolve() for f in others)
+    mtp = json.loads((arms.prepare_mtp_model(args) / "config.json").read_text())
+    assert (mtp["num_hidden_layers"], mtp["num_nextn_predict_layers"]) == (16, 1)
+    common, plugin, _ = arms.prepare_pyext(tmp_path, args)
+    for arm in ("a", "c", "d"):
+        assert flag(arms.arm_spec(arm, args, {}, common, plugin, 30000)[0], "--model-path") == str(layered)
+    plain = options.parse_args(["--state-dir", str(tmp_path / "plain")])
+    assert arms.prepare_layered_model(plain) == plain.model_dir == source and not (tmp_path / "plain").exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--arms", "a+mtp", "--mtp-accept-len", "3"], "--mtp-accept-len 3.0 must be 0 or within 1 .. --mtp-steps + 1 = 2"),
+    (["--model-layers", "-1"], "--model-layers must be >= 1, or 0 for the model as it is (got -1)"),
 ])
 def test_what_the_servers_would_refuse_is_refused_before_starting(tmp_path, argv, message, capsys):
     with pytest.raises(SystemExit):

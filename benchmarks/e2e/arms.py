@@ -68,20 +68,39 @@ def mtp_model_dir(args) -> Path:
     return args.state_dir / "model-mtp"
 
 
-def prepare_mtp_model(args) -> Path:
-    """A copy of --model-dir whose config.json declares one NextN (MTP) layer, the draft model of the MTP arms:
-    config.json rewritten, every other file a symlink.  With --load-format dummy the draft's weights come from
-    the fixture's seeded init like the target's."""
-    src, dst = Path(args.model_dir), mtp_model_dir(args)
+def _model_copy(src: Path, dst: Path, **config_changes) -> Path:
+    """``dst``: ``src`` with config.json rewritten by ``config_changes`` and every other file a symlink."""
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
     for f in src.iterdir():
         if f.name != "config.json":
             (dst / f.name).symlink_to(f.resolve())
     config = json.loads((src / "config.json").read_text())
-    config["num_nextn_predict_layers"] = 1
+    config.update(config_changes)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return dst
+
+
+def prepare_mtp_model(args) -> Path:
+    """A copy of --model-dir whose config.json declares one NextN (MTP) layer, the draft model of the MTP arms:
+    config.json rewritten, every other file a symlink.  With --load-format dummy the draft's weights come from
+    the fixture's seeded init like the target's."""
+    return _model_copy(Path(args.model_dir), mtp_model_dir(args), num_nextn_predict_layers=1)
+
+
+def prepare_layered_model(args) -> Path:
+    """--model-layers N: every arm serves a copy of --model-dir whose config.json declares N decoder layers, made in
+    the state dir as ``<model>-L<N>`` (``args.model_dir`` is set to it, and the MTP arms' model is made from it);
+    without the flag, --model-dir itself.  The weights are dummy, drawn per layer, so nothing else changes.  Why:
+    the tiny model's one draft (NextN) layer is a quarter of its four target layers, so MTP adds about 25 % to
+    every prefill where DeepSeek-V3.2's one NextN layer against 61 adds under 2 % (docs/speculative.md, section 7):
+    with more layers the draft takes a real model's share of the forward.  Call it before anything reads
+    ``args.model_dir``."""
+    if args.model_layers:
+        src = Path(args.model_dir)
+        args.model_dir = _model_copy(src, args.state_dir / f"{src.name}-L{args.model_layers}",
+                                     num_hidden_layers=args.model_layers)
+    return args.model_dir
 
 
 def speculative_args(args) -> list[str]:

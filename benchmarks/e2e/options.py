@@ -152,6 +152,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where install_part.sh put the bundle")
     g.add_argument("--python", default=sys.executable, help="python of the servers (default: this one)")
     g.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
+    g.add_argument("--model-layers", type=int, default=0,
+                   help="serve the model with this many decoder layers (a copy of --model-dir in the state dir, "
+                        "dummy weights; 0: as it is), e.g. to give an MTP draft layer a real model's share of "
+                        "the forward (arms.prepare_layered_model)")
     g.add_argument("--plugin-src", type=Path, default=REPO / "src", help="put on PYTHONPATH for arms c and d")
     g.add_argument("--mooncake-syslibs", type=Path, default=Path("/tmp/mooncake-sys"),
                    help="where install_part.sh put the Mooncake part's system libraries (its lib/ goes on the PD "
@@ -333,6 +337,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_chaos_args(ap, args)
     check_hostpool_args(ap, args)
     bench_serving_phase.check_options(args, ap)
+    if args.model_layers < 0:
+        ap.error(f"--model-layers must be >= 1, or 0 for the model as it is (got {args.model_layers})")
     args.model_dir = args.model_dir.resolve()
     return args
 

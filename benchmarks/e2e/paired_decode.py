@@ -46,7 +46,7 @@ from pathlib import Path
 import client
 import logs
 import options
-from arms import MTP_ARMS, arm_spec, prepare_mtp_model, prepare_pyext
+from arms import MTP_ARMS, arm_spec, prepare_layered_model, prepare_mtp_model, prepare_pyext
 from common import Log
 from environment import base_env
 from phases import run_level
@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     log = Log([args.out / "paired.log"])
     env0, _ = base_env(args, args.state_dir, log)
+    prepare_layered_model(args)
     common, plugin_dir, _ = prepare_pyext(args.state_dir, args)
     if any(v.partition("@")[0] in MTP_ARMS for v in variants):
         prepare_mtp_model(args)

@@ -32,6 +32,7 @@ from arms import (
     arm_servers,
     parse_env_assignments,
     pd_ports,
+    prepare_layered_model,
     prepare_mtp_model,
     prepare_pyext,
     speculative_args,
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fresh and state.exists():
         fresh_state(state)
     state.mkdir(parents=True, exist_ok=True)
+    prepare_layered_model(args)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     log = Log([state / "harness.log"] + ([args.out / "harness.log"] if args.out else []))

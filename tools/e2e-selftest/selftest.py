@@ -513,6 +513,11 @@ def storm_checks() -> None:
               and f"PYTHONPATH={td}/pyext-plugin:{REPO / 'src'}:" in d and "HISPARSE_X=1" in d and "--port 31030" in d,
               f"dry run of arm d: {d}")
         check('"resident_first"' not in blocks.get("c", "") and f"{td}/pyext-plugin" in blocks.get("c", ""), "dry run of arm c")
+        p = subprocess.run([sys.executable, str(E2E / "run_e2e.py"), "--dry-run", "--arms", "c", "--phases", "report",
+                            "--state-dir", f"{td}/deep", "--model-layers", "16"], capture_output=True, text=True, timeout=120)
+        check(p.returncode == 0 and f"--model-path {td}/deep/tiny-dsv32-L16 " in p.stdout
+              and '"num_hidden_layers": 16' in Path(f"{td}/deep/tiny-dsv32-L16/config.json").read_text(),
+              f"dry run with --model-layers 16: rc={p.returncode} {p.stdout[-800:]} {p.stderr[-500:]}")
 
 
 # --------------------------------------------------------------------------------------------
