@@ -433,8 +433,7 @@ class VerifySteps:
         above = starts[newest_page + 1 :]
         if above.numel():
             coordinator.allocator.free_device_pages(coordinator.allocator.translate(above).to(torch.int64) // page)
-        offsets = torch.arange(page, dtype=torch.int64, device=coordinator.device)
-        coordinator.allocator.unmap_((starts.reshape(-1, 1) + offsets).reshape(-1))
+        coordinator.allocator.unmap_(coordinator.allocator.logical.page_rows(starts // page))
         record.spec.slot_d_stale = True
 
     # ================================================================== internals

@@ -162,8 +162,7 @@ class KVAllocator:
         mapped = rows[rows > 0].to(torch.int64)
         if mapped.numel():
             self.device_rows.free_pages_(mapped // self.page_size)
-        offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
-        self.unmap_((starts.reshape(-1, 1) + offsets).reshape(-1))
+        self.unmap_(self.logical.page_rows(pages))
 
     def free_device_pages(self, pages: torch.Tensor) -> None:
         """Free distinct device pages (ids, not rows) without waiting for the GPU: the count is

@@ -236,9 +236,8 @@ class PagedAllocator:
         return self._free[: self._num_free]
 
     def page_rows(self, pages: torch.Tensor) -> torch.Tensor:
-        """Rows of the given pages, page after page (int64)."""
-        offsets = torch.arange(self.page_size, dtype=torch.int64, device=pages.device)
-        return (pages.reshape(-1, 1) * self.page_size + offsets).reshape(-1)
+        """Rows of the given pages (on this allocator's device), page after page (int64): one broadcast add."""
+        return torch.add(self.page_offsets(), pages.reshape(-1, 1), alpha=self.page_size).reshape(-1)
 
     def free_locs(self, locs: torch.Tensor) -> None:
         """Free every page that contains one of ``locs`` (SGLang's ``free`` semantics)."""
@@ -322,9 +321,8 @@ class PagedAllocator:
         if new_counts == counts and min(extending) == width:
             # Every extending request starts a page at its prefix and takes the same count (SGLang's
             # speculative reserve: its lengths are rounded up to whole pages), so its rows are the leading
-            # rows of its own new pages, taken in request order: one broadcast add, nothing uploaded.
-            rows = torch.add(self.page_offsets(), pages.view(len(extending), -1, 1), alpha=page)
-            return rows.view(len(extending), -1)[:, :width].reshape(-1)
+            # rows of its own new pages, taken in request order: nothing uploaded.
+            return self.page_rows(pages).view(len(extending), -1)[:, :width].reshape(-1)
         request: list[int] = []
         # > 0: continues the request's last page at last_loc + offset; < 0: new-page slot -offset - 1.
         offset: list[int] = []
