@@ -11,6 +11,7 @@ result files; one module per subcommand; cli.py: the options):
     python benchmarks/bench_swap_in.py trace --cells 1:5 1:20 8:20   # phase timeline (-DHISPARSE_TRACE)
     python benchmarks/bench_swap_in.py diagnose --batch 128 --miss 5 [--sglang]   # under compute-sanitizer/ncu
     python benchmarks/bench_swap_in.py latency [BATCH]          # fixed costs of a call
+    python benchmarks/bench_swap_in.py resident --against DIR   # all-resident calls, this tree's kernel against DIR's
     python benchmarks/bench_swap_in.py profile BATCH MISS [SPLITS]   # under ncu
     python benchmarks/bench_swap_in.py build-baseline           # SGLang's kernel into .baseline/ (sglang env)
     python benchmarks/bench_swap_in.py check-baseline [--smoke] # load (and run) the .baseline/ libraries

@@ -6,7 +6,8 @@
 // swap_in: grid = batch * splits CTAs. CTA (b, part) with b = blockIdx.x % batch and
 // part = blockIdx.x / batch, so the planner CTAs (part 0) have the lowest block indices.
 //   * padded batch row (b >= num_real_reqs): the planner writes -1 to the output row.
-//   * resident request (buffer_of_req[r] < 0): the planner translates positions to device rows.
+//   * resident request (buffer_of_req[r] < 0): every CTA of the row translates its share of the entries
+//     (resident_share: K / splits, whole warps) from positions to device rows; nothing else runs.
 //   * offloaded request: the planner announces that it has started (kPlannerStarted) and looks every
 //     entry up in the token -> slot map (one load per entry); a hit writes its slot's row and stamps
 //     the slot at once. Only if some entry missed does the block go on: it deduplicates the misses,
@@ -315,6 +316,13 @@ __device__ __forceinline__ void load_top_k_batch(int32_t (&t)[kBatch], const int
     const int i = index + u * THREADS;
     t[u] = first_round ? first_batch[u] : (i < end ? top_k[begin + i] : -1);
   }
+}
+
+// Entries per CTA of a resident row: an equal share of the top-k over all its CTAs, rounded up to whole warps.
+// (A resident row's lookups are three dependent loads per entry; spread over the row's CTAs they take one round
+// where the planner alone took K / (THREADS * kBatch) rounds, at bs 1 most of the launch.)
+__device__ __forceinline__ int resident_share(int top_k, int splits) {
+  return ((top_k + splits - 1) / splits + kWarpSize - 1) / kWarpSize * kWarpSize;
 }
 
 // Entries per copier CTA: an equal share of the top-k, rounded up to whole warps.
@@ -908,7 +916,7 @@ __device__ __forceinline__ void swap_in_cta(const SwapInParams& p) {
     const int i = entries_begin + tid + u * THREADS;
     first_batch[u] = i < entries_end ? top_k[i] : -1;
   }
-  // Padded and resident rows: the planner's work alone, nothing waits, the workspace is not touched.
+  // Padded and resident rows: nothing waits, the workspace is not touched.
   if (b >= num_real) {
     if (part == 0) {
       for (int i = tid; i < K; i += THREADS) out[i] = -1;
@@ -918,28 +926,33 @@ __device__ __forceinline__ void swap_in_cta(const SwapInParams& p) {
   const int32_t* positions_to_loc = p.req_to_token + req * p.req_to_token_stride;
   const int32_t buffer = p.buffer_of_req[req];
 
-  if (buffer < 0) {  // resident: translate positions to device rows
-    if (part == 0) {
-      for (int base = tid; base < K; base += THREADS * kBatch) {
-        int32_t t[kBatch];
-        int32_t loc[kBatch];
-        load_top_k_batch<THREADS>(t, top_k, first_batch, base == tid, 0, base, K);
-        if constexpr (POSITIONS) {
-          // Entry i of query position j = position_offset + i / position_width is valid up to its causal
-          // limit s + j.
+  if (buffer < 0) {  // resident: each CTA of the row translates its share of the entries to device rows
+    const int share = resident_share(K, p.splits);
+    const int begin = min(K, part * share);
+    const int end = min(K, begin + share);
+    for (int base = begin + tid; base < end; base += THREADS * kBatch) {
+      int32_t t[kBatch];
+      int32_t loc[kBatch];
 #pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            const int64_t limit = seq_len + p.position_offset + (base + u * THREADS) / p.position_width;
-            loc[u] = (t[u] >= 0 && t[u] <= limit) ? positions_to_loc[t[u]] : -1;
-          }
-        } else {
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) loc[u] = (t[u] >= 0 && t[u] < seq_len) ? positions_to_loc[t[u]] : -1;
-        }
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = base + u * THREADS;
+        t[u] = i < end ? top_k[i] : -1;
+      }
+      if constexpr (POSITIONS) {
+        // Entry i of query position j = position_offset + i / position_width is valid up to its causal
+        // limit s + j.
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-          if (base + u * THREADS < K) out[base + u * THREADS] = loc[u] >= 0 ? p.device_row_of_loc[loc[u]] : -1;
+          const int64_t limit = seq_len + p.position_offset + (base + u * THREADS) / p.position_width;
+          loc[u] = (t[u] >= 0 && t[u] <= limit) ? positions_to_loc[t[u]] : -1;
         }
+      } else {
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) loc[u] = (t[u] >= 0 && t[u] < seq_len) ? positions_to_loc[t[u]] : -1;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (base + u * THREADS < end) out[base + u * THREADS] = loc[u] >= 0 ? p.device_row_of_loc[loc[u]] : -1;
       }
     }
     return;

@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "trace": ("trace", "phase timeline of a few cells from a -DHISPARSE_TRACE build"),
     "diagnose": ("diagnose", "one cell run a few times and checked (under compute-sanitizer or ncu)"),
     "latency": ("latency", "fixed costs: all-padding launch, after a small-smem kernel, after a swap-in"),
+    "resident": ("resident", "calls whose requests are all resident (translation only), against another tree's kernel"),
     "profile": ("profile", "six calls of one cell for Nsight Compute (--launch-skip 5 profiles the last)"),
     "build-baseline": ("build_baseline", "compile SGLang's kernel from the installed sglang into .baseline/ (no GPU)"),
     "check-baseline": ("baseline", "load the .baseline/ libraries; --smoke runs them on the GPU"),
@@ -123,6 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
     latency = parsers["latency"]
     latency.add_argument("batch", type=int, nargs="?", default=1)
     _add_define(latency, "compile our kernel with these -D macros")
+
+    resident = parsers["resident"]
+    resident.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 32])
+    resident.add_argument("--positions", type=int, default=4, metavar="T",
+                          help="verify positions of the swap_in_positions call (the op picks the group at 4096 slots)")
+    resident.add_argument("--reps", type=int, default=50, help="timed calls per round (median)")
+    resident.add_argument("--rounds", type=int, default=5, help="rounds alternating the kernels; the best round counts")
+    resident.add_argument("--against", metavar="DIR", default=None,
+                          help="also time our kernel built from the kernel sources in DIR (an earlier commit's csrc/)")
+    resident.add_argument("--out", default=os.environ.get("OUT", str(REPO / "benchmarks" / "results")))
+    resident.add_argument("--tag", default="", help="suffix of the output file name")
 
     profile = parsers["profile"]
     profile.add_argument("batch", type=int)

@@ -118,6 +118,18 @@ def test_split_copies_match_reference(splits):
     check(case, splits=splits)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 65])
+@pytest.mark.parametrize("top_k,buffer_size", [(2048, 4096), (100, 512)])
+def test_resident_rows_translated_by_every_cta(splits, top_k, buffer_size):
+    """A resident row's entries are split over all its CTAs (whole-warp shares; at a top_k of 100 and 65
+    CTAs most own none), beside padded rows and entries out of range; also under graph replay."""
+    case = make_case(4, top_k, buffer_size, 1152, miss_rate=0.3, resident_fraction=1.0, padding_fraction=0.02,
+                     out_of_range_fraction=0.02, num_real=3, seed=50 + splits)
+    assert bool((case.buffer_of_req[case.req_pool_indices[:3].long()] < 0).all())
+    check(case, splits=splits)
+    check(case, splits=splits, graph=True)
+
+
 @pytest.mark.parametrize("row_bytes,miss_rate", [(1152, 0.03), (1152, 0.3), (656, 0.1), (64, 1.0)])
 def test_planner_alone_matches_reference(row_bytes, miss_rate):
     """One CTA per request (the large-batch path): the planner copies every missed row itself after

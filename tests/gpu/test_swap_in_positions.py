@@ -194,6 +194,16 @@ def test_matches_reference(batch, positions, top_k, buffer_size, row_bytes, miss
     check(case)
 
 
+@pytest.mark.parametrize("splits", [None, 1, 2, 7, 65])
+def test_resident_rows_translated_by_every_cta(splits):
+    """Resident rows only (the verify of a batch that fits the GPU): every CTA of a row translates its share
+    of the group's entries, each entry up to its position's causal limit, in every split."""
+    case = make_positions_case(3, 4, 2048, 4096, 1152, miss_rate=0.3, resident_fraction=1.0,
+                               out_of_range_fraction=0.02, seed=70 + (splits or 0))
+    assert bool((case.buffer_of_req[case.req_pool_indices.long()] < 0).all())
+    check(case, splits=splits)
+
+
 def test_positions_left_out_where_their_misses_do_not_fit():
     """T = 4 at top_k 2048 with 4096 slots and many misses: some rows' later positions are left out (limit
     below 4, every one of their entries -1), never position 0 or 1 (the first group always fits), in every

@@ -505,3 +505,28 @@ def test_sglangs_num_real_reqs_is_the_count_the_swap_in_kernels_read():
     stack.coordinator.num_real_reqs.fill_(3)
     assert stack.coordinator.num_real_reqs.tensor is stack.coordinator.core.num_real_reqs
     assert int(stack.coordinator.core.num_real_reqs.item()) == 3
+
+
+def test_kv_write_rows_are_gathered_once_per_forward():
+    """Every layer of a forward writes its KV at the same ``out_cache_loc``: the pool's first layer gathers the
+    device rows and the later layers reuse them (one gather per forward, not per layer); the next forward's
+    first layer gathers anew, as does a write of another tensor, so rows rebound between forwards are seen."""
+    stack = Stack()
+    pool = stack.pool
+    table = pool.runtime.device_row_of_loc
+    layers = [types.SimpleNamespace(layer_id=i) for i in range(4)]
+    loc = torch.tensor([PAGE * 3 + 1, PAGE * 5], dtype=torch.int64)
+    table[loc] = torch.tensor([7, 9], dtype=table.dtype)
+    gathers = []
+    gather = pool._rows_of
+    pool._rows_of = lambda locations: gathers.append(locations) or gather(locations)
+    first = pool._write_rows(layers[0], loc)
+    assert first.tolist() == [7, 9] and first.dtype == torch.int64
+    assert all(pool._write_rows(layer, loc) is first for layer in layers[1:])
+    assert len(gathers) == 1
+    table[loc] = torch.tensor([11, 13], dtype=table.dtype)  # rebound before the next forward
+    assert pool._write_rows(layers[0], loc).tolist() == [11, 13]
+    other = loc.clone()
+    table[other] = torch.tensor([17, 19], dtype=table.dtype)
+    assert pool._write_rows(layers[2], other).tolist() == [17, 19]
+    assert len(gathers) == 3
