@@ -20,7 +20,7 @@ import torch
 
 from hisparse_sglang.ops import jit
 from hisparse_sglang.ops.reference import NO_VERIFY_LIMIT
-from hisparse_sglang.ops.swap_in import CudaOps
+from hisparse_sglang.ops.swap_in import DEFAULT_THREADS, CudaOps
 from hisparse_sglang.testing.cases import make_case, make_positions_case
 from swap_in.against import adapt
 from swap_in.cells import BUFFER, PAGE, SEQ_LEN, TOP_K
@@ -54,7 +54,7 @@ def _calls(batch: int, positions: int, ops: list[CudaOps]):
         if not (torch.equal(out_one, outs[0][0]) and torch.equal(out_many, outs[0][1])):
             raise AssertionError(f"bs {batch}: the two kernels' outputs differ")
     group = ops[0].positions_group(positions, TOP_K, BUFFER)
-    return calls, ops[0].choose_splits(batch, TOP_K, BUFFER, 256), group
+    return calls, ops[0].choose_splits(batch, TOP_K, BUFFER, DEFAULT_THREADS), group
 
 
 def run(args) -> int:
