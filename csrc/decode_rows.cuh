@@ -19,11 +19,17 @@
 //   at the first verify position swap_in_positions could not serve (verify_limit), drops the capped
 //   positions from accept_index, and resets verify_limit for the next step.
 //
+// * verify_page_table (no host plan; one thread per entry): once per target-verify forward, the page table
+//   through which SGLang's fused top-k maps a selected position p (table[i, p / P] x P + p % P): a resident
+//   request's rows get the device page of each logical page (its pages are mapped whole), so the top-k
+//   yields device rows; an offloaded request's rows get the identity, so it yields positions for
+//   swap_in_positions.
+//
 // The verify kernels read s (seq_lens) and a (accept_lens) on the device: no host synchronization, and
 // a CUDA graph may capture them.
 //
 // Reference twins: ops/reference.py::bind_rows, ::backup_newest, ::bind_verify_slots, ::commit_accepted,
-// ::cap_accepted.
+// ::cap_accepted, ::verify_page_table.
 #pragma once
 
 #include <cstdint>
@@ -239,6 +245,39 @@ __global__ void cap_accepted_kernel(const CapAcceptedParams p) {
     atomicAdd(p.counters, 1ull);
     atomicAdd(p.counters + 1, static_cast<unsigned long long>(accepted - limit));
   }
+}
+
+struct VerifyPageTableParams {
+  const int32_t* page_table;  // [B x T, width]: logical page ids, row i of batch row i / num_positions
+  int64_t page_table_stride;
+  const void* req_pool_indices;  // [B] int32 or int64
+  int req_pool_indices_is_64;
+  const int32_t* buffer_of_req;  // [R]: -1 = resident
+  const int32_t* device_row_of_loc;  // [N + 1]: a resident page's start maps to its device page's start
+  int64_t num_pages;  // N / page_size: a logical page id outside [0, num_pages) maps to page 0
+  int64_t page_size;
+  int32_t* out;  // [B x T, width]
+  int64_t out_stride;
+  int64_t width;
+  int64_t entries;  // B x T x width
+  int64_t num_positions;  // T
+};
+
+// Thread e: entry (i, w) = (e / width, e % width) of the table.
+__global__ void verify_page_table_kernel(const VerifyPageTableParams p) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= p.entries) return;
+  const int64_t i = e / p.width;
+  const int64_t w = e % p.width;
+  const int64_t req = load_index(p.req_pool_indices, p.req_pool_indices_is_64, static_cast<int>(i / p.num_positions));
+  int32_t value = static_cast<int32_t>(w);
+  if (p.buffer_of_req[req] < 0) {
+    const int64_t page = p.page_table[i * p.page_table_stride + w];
+    value = (page >= 0 && page < p.num_pages)
+                ? static_cast<int32_t>(p.device_row_of_loc[page * p.page_size] / p.page_size)
+                : 0;
+  }
+  p.out[i * p.out_stride + w] = value;
 }
 
 }  // namespace hisparse

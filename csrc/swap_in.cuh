@@ -7,7 +7,8 @@
 // part = blockIdx.x / batch, so the planner CTAs (part 0) have the lowest block indices.
 //   * padded batch row (b >= num_real_reqs): the planner writes -1 to the output row.
 //   * resident request (buffer_of_req[r] < 0): every CTA of the row translates its share of the entries
-//     (resident_share: K / splits, whole warps) from positions to device rows; nothing else runs.
+//     (resident_share: K / splits, whole warps) from positions to device rows; nothing else runs. In
+//     swap_in_positions with resident_rows_given the entries are device rows already and are copied.
 //   * offloaded request: the planner announces that it has started (kPlannerStarted) and looks every
 //     entry up in the token -> slot map (one load per entry); a hit writes its slot's row and stamps
 //     the slot at once. Only if some entry missed does the block go on: it deduplicates the misses,
@@ -141,6 +142,9 @@ struct SwapInParams {
   // (in/out; a large value when every position is). A launch serves no position at or past it and lowers
   // it where its group's misses do not fit the slots it may evict (the planner, after its lookups).
   int32_t* verify_limit;
+  // swap_in_positions only: nonzero when a resident request's entries are already its device rows (SGLang's
+  // fused top-k mapped them through verify_page_table); they are passed through as they are.
+  int resident_rows_given;
 };
 
 // swap_in_positions: the query position of a launch's entry i (its group starts at position_offset, each
@@ -930,6 +934,12 @@ __device__ __forceinline__ void swap_in_cta(const SwapInParams& p) {
     const int share = resident_share(K, p.splits);
     const int begin = min(K, part * share);
     const int end = min(K, begin + share);
+    if constexpr (POSITIONS) {
+      if (p.resident_rows_given) {  // the entries are device rows already: passed through
+        for (int i = begin + tid; i < end; i += THREADS) out[i] = top_k[i];
+        return;
+      }
+    }
     for (int base = begin + tid; base < end; base += THREADS * kBatch) {
       int32_t t[kBatch];
       int32_t loc[kBatch];

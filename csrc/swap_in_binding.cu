@@ -364,12 +364,14 @@ void hisparse_swap_in(
 // ops/reference.py::swap_in_positions for the semantics. seq_lens is s, the committed length. The positions
 // are served in consecutive groups of positions_per_group (G), one launch per group on the stream, each with
 // `plan` (computed for G x K entries): ceil(T / G) launches, fixed for the shape (CUDA-graph capturable).
+// resident_rows_given != 0: a resident request's entries are its device rows already (verify_page_table),
+// passed through.
 void hisparse_swap_in_positions(
     TensorView top_k, TensorView seq_lens, TensorView req_pool_indices, TensorView num_real_reqs,
     TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
     TensorView slot_tokens, TensorView slot_stamps, TensorView token_slot, TensorView host_kv, TensorView device_kv, TensorView out,
     TensorView counters, TensorView verify_limit, TensorView sync, TensorView plan, int64_t positions_per_group,
-    int64_t splits, int64_t threads, int64_t stream) {
+    int64_t resident_rows_given, int64_t splits, int64_t threads, int64_t stream) {
   constexpr const char* op = "swap_in_positions";
   // A batch row's T x K entries are read as one row: each position's K entries contiguous, positions adjacent.
   require_tensor(top_k.ndim() == 3 && is_int(top_k, 32) && on_cuda(top_k) && top_k.stride(2) == 1 &&
@@ -401,6 +403,7 @@ void hisparse_swap_in_positions(
       out.stride(0), counters, sync, plan, splits, threads);
   if (batch == 0) return;
   p.verify_limit = data_of<int32_t>(verify_limit);
+  p.resident_rows_given = resident_rows_given != 0;
   // Group after group in stream order: each launch finds the tables (and the workspace, reset by its
   // predecessor's last CTA) as the previous one left them.
   const int32_t* top_k_base = p.top_k_positions;
@@ -730,6 +733,55 @@ void hisparse_commit_accepted(
                          std::to_string(layers) + " layers");
 }
 
+// Once per target-verify forward: the page table SGLang's fused top-k maps its positions through
+// (ops/reference.py::verify_page_table). Row i of page_table (int32 [B x T, W], logical page ids) belongs to
+// batch row i / num_positions; out (int32, the same shape) gets a resident request's device pages and an
+// offloaded request's column indices.
+void hisparse_verify_page_table(TensorView page_table, TensorView req_pool_indices, TensorView buffer_of_req,
+                                TensorView device_row_of_loc, TensorView out, int64_t num_positions,
+                                int64_t page_size, int64_t stream) {
+  constexpr const char* op = "verify_page_table";
+  require(num_positions >= 1, op, "num_positions must be >= 1; got " + std::to_string(num_positions));
+  require(page_size >= 1, op, "page_size must be >= 1; got " + std::to_string(page_size));
+  require_tensor(on_cuda(page_table) && page_table.ndim() == 2 && is_int(page_table, 32) &&
+                     (page_table.size(1) <= 1 || page_table.stride(1) == 1),
+                 op, "page_table", "int32 [rows, pages] on CUDA, rows contiguous", page_table);
+  const int64_t rows = page_table.size(0);
+  const int64_t width = page_table.size(1);
+  require_tensor(on_cuda(req_pool_indices) && req_pool_indices.ndim() == 1 && is_index(req_pool_indices) &&
+                     req_pool_indices.size(0) * num_positions == rows &&
+                     (req_pool_indices.size(0) == 0 || req_pool_indices.stride(0) == 1),
+                 op, "req_pool_indices",
+                 "a contiguous int32/int64 [B] tensor on CUDA with B x num_positions = page_table's rows",
+                 req_pool_indices);
+  require_tensor(on_cuda(buffer_of_req) && buffer_of_req.ndim() == 1 && is_int(buffer_of_req, 32), op, "buffer_of_req",
+                 "int32 [R] on CUDA", buffer_of_req);
+  require_tensor(on_cuda(device_row_of_loc) && device_row_of_loc.ndim() == 1 && is_int(device_row_of_loc, 32) &&
+                     (device_row_of_loc.size(0) - 1) % page_size == 0,
+                 op, "device_row_of_loc", "int32 [N + 1] on CUDA, N a multiple of page_size", device_row_of_loc);
+  require_tensor(on_cuda(out) && out.ndim() == 2 && is_int(out, 32) && out.size(0) == rows && out.size(1) == width &&
+                     (width <= 1 || out.stride(1) == 1),
+                 op, "out", "int32 [rows, pages] on CUDA like page_table, rows contiguous", out);
+  const int64_t entries = rows * width;
+  if (entries == 0) return;
+  hisparse::VerifyPageTableParams p{};
+  p.page_table = data_of<int32_t>(page_table);
+  p.page_table_stride = page_table.stride(0);
+  p.req_pool_indices = data_of<void>(req_pool_indices);
+  p.req_pool_indices_is_64 = is_int(req_pool_indices, 64);
+  p.buffer_of_req = data_of<int32_t>(buffer_of_req);
+  p.device_row_of_loc = data_of<int32_t>(device_row_of_loc);
+  p.num_pages = (device_row_of_loc.size(0) - 1) / page_size;
+  p.page_size = page_size;
+  p.out = data_of<int32_t>(out);
+  p.out_stride = out.stride(0);
+  p.width = width;
+  p.entries = entries;
+  p.num_positions = num_positions;
+  launch_decode_rows(hisparse::verify_page_table_kernel, p, (entries + kDecodeRowThreads - 1) / kDecodeRowThreads,
+                     stream, op, std::to_string(rows) + " rows x " + std::to_string(width) + " pages");
+}
+
 // After acceptance, before SGLang uses the accept lengths: a row whose verify_limit (set by
 // swap_in_positions) is below its accept length accepts only the positions before the limit
 // (ops/reference.py::cap_accepted); every verify_limit entry of the batch is reset for the next step.
@@ -770,3 +822,4 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(bind_rows, hisparse_bind_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bind_verify_slots, hisparse_bind_verify_slots);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(commit_accepted, hisparse_commit_accepted);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cap_accepted, hisparse_cap_accepted);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(verify_page_table, hisparse_verify_page_table);

@@ -138,3 +138,30 @@ def test_positions_the_swap_in_left_out_are_not_checked(monkeypatch):
         recorder.check()
     assert recorder.rows_checked > 0
     assert recorder.mismatches == 0, recorder.first_mismatch
+
+
+def test_with_resident_rows_given_only_offloaded_requests_are_recorded_as_positions(monkeypatch):
+    """SGLang 0.5.17 - 0.5.21's fused verify top-k gives a resident request's entries as device rows: the check
+    records only the offloaded requests' positions (a resident request's entries become -1, not checked)."""
+    import types
+
+    import torch
+
+    rows_out = torch.zeros(3, 2, 4, dtype=torch.int32)
+    monkeypatch.setattr(core.Coordinator, "swap_in_verify", lambda self, *args: rows_out)
+    monkeypatch.setattr(core.Coordinator, "__init__", core.Coordinator.__init__)
+    monkeypatch.setattr(core.Coordinator, "swap_in", core.Coordinator.swap_in)
+    kv_check_fixture._wrap_swap_in(core)
+    recorded = []
+    fake = types.SimpleNamespace(
+        _kv_check=types.SimpleNamespace(record=lambda *args: recorded.append(args)),
+        speculative=types.SimpleNamespace(verify_limit=torch.full((4,), 99, dtype=torch.int32)),
+        buffers=types.SimpleNamespace(buffer_of_req=torch.tensor([-1, 0, -1, 1], dtype=torch.int32)),
+    )
+    top_k = torch.arange(3 * 2 * 4, dtype=torch.int32).reshape(3, 2, 4)
+    slots, seq_lens = torch.tensor([2, 1, 3]), torch.tensor([40, 50, 60])
+    for given in (False, True):
+        assert core.Coordinator.swap_in_verify(fake, slots, seq_lens, top_k, 0, given) is rows_out
+    unmasked, masked = recorded[0][1].reshape(3, 2, 4), recorded[1][1].reshape(3, 2, 4)
+    assert torch.equal(unmasked, top_k)
+    assert bool((masked[0] == -1).all()) and torch.equal(masked[1:], top_k[1:])

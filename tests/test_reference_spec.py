@@ -47,7 +47,7 @@ class Case:
             self.stamps, self.token_slot, self.host, self.device,
         )
 
-    def run(self, top_k, reqs=(0,), committed=None, num_real=None, group=None, verify_limit=None):
+    def run(self, top_k, reqs=(0,), committed=None, num_real=None, group=None, verify_limit=None, resident_rows=False):
         top_k = torch.tensor(top_k, dtype=torch.int32)
         if top_k.dim() == 2:
             top_k = top_k.unsqueeze(0)
@@ -56,7 +56,7 @@ class Case:
         out = torch.full(top_k.shape, 12345, dtype=torch.int32)  # sentinel
         result = reference.swap_in_positions(
             top_k, seq_lens, torch.tensor(reqs, dtype=torch.int64), num_real, self.tables(), out=out,
-            counters=self.counters, verify_limit=verify_limit, group=group,
+            counters=self.counters, verify_limit=verify_limit, group=group, resident_rows=resident_rows,
         )
         assert result is out
         self.check_map()
@@ -171,6 +171,19 @@ def test_resident_request_translates_every_valid_entry():
     assert out.tolist() == [[[305, 339, 340, -1, -1], [305, 339, 340, 341, -1]]]
     assert case.counters.tolist() == [0, 0]
     assert case.written_rows() == []
+
+
+def test_resident_rows_given_pass_through_and_offloaded_positions_are_served_as_before():
+    """With ``resident_rows`` (the fused top-k through verify_page_table) a resident request's entries are its rows
+    already: out as they are, -1 included, never translated again; an offloaded request's are still positions."""
+    case = Case()
+    out = case.run(
+        [[[60, 61], [62, 52]], [[305, 339], [-1, 341]], [[1, 2], [3, 4]]],
+        reqs=(0, 1, 2), committed=[40, 40, 9], num_real=2, resident_rows=True,
+    )
+    assert out.tolist()[1:] == [[[305, 339], [-1, 341]], [[-1, -1], [-1, -1]]]
+    offloaded = Case().run([[[60, 61], [62, 52]]], reqs=(0,), committed=[40])
+    assert out.tolist()[0] == offloaded.tolist()[0]
 
 
 def test_mixed_batch_with_a_padded_row():
@@ -632,3 +645,39 @@ def test_random_verify_steps_with_random_accept_lengths(seed):
     for _ in range(40):
         model.step()
     assert model.committed[0] > 30 or model.T == 1
+
+
+# ------------------------------------------------------------------------------ the fused top-k's page table
+def test_verify_page_table_maps_resident_positions_to_their_rows_and_offloaded_ones_to_themselves():
+    """Through the table, a fused top-k's ``table[i, p // P] * P + p % P`` is the device row of a resident
+    request's position ``p`` (the allocator maps its pages whole) and ``p`` itself for an offloaded request."""
+    from hisparse_sglang.memory.allocator import KVAllocator
+
+    page, positions = 8, 3
+    allocator = KVAllocator(host_pages=40, device_pages=20, page_size=page)
+    lens = [5 * page + 3, 2 * page + 7, 3 * page]
+    locs = allocator.alloc_extend(torch.zeros(3, dtype=torch.int64), torch.tensor(lens), torch.full((3,), -1))
+    width = 6
+    req_to_token = torch.zeros((5, width * page), dtype=torch.int32)
+    slots = torch.tensor([3, 0, 4])
+    starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    for slot, begin, end in zip(slots.tolist(), starts, starts[1:]):
+        req_to_token[slot, : end - begin] = locs[begin:end].to(torch.int32)
+    buffer_of_req = torch.tensor([0, -1, -1, -1, -1], dtype=torch.int32)  # slot 0 offloaded
+    logical = (req_to_token[slots][:, ::page] // page).repeat_interleave(positions, dim=0)
+    table = reference.verify_page_table(logical, slots, positions, buffer_of_req, allocator.device_row_of_loc, page)
+    assert table.shape == logical.shape and table.dtype == torch.int32
+    for row in range(3 * positions):
+        b = row // positions
+        p = torch.arange(lens[b])
+        mapped = table[row, p // page].to(torch.int64) * page + p % page
+        if int(slots[b]) == 0:
+            assert torch.equal(mapped, p)
+        else:
+            want = allocator.translate(req_to_token[slots[b], : lens[b]]).to(torch.int64)
+            assert bool((want > 0).all()) and torch.equal(mapped, want)
+    # a resident request's page id outside the logical space maps to page 0, as an unmapped page does; an
+    # offloaded request's column stays its index whatever the id
+    logical[0, 1], logical[1, 2], logical[positions, 1] = -1, 10**6, -1
+    table = reference.verify_page_table(logical, slots, positions, buffer_of_req, allocator.device_row_of_loc, page)
+    assert int(table[0, 1]) == 0 and int(table[1, 2]) == 0 and int(table[positions, 1]) == 1

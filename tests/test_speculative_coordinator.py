@@ -256,7 +256,7 @@ def test_ops_without_the_verify_ops_are_refused_by_name():
     sim.coordinator.ops = decode_only
     slot = admitted(sim, 30)
     reserve(sim, slot, 30, 40)
-    with pytest.raises(UnsupportedSetupError, match="no swap_in_positions, bind_verify_slots, commit_accepted"):
+    with pytest.raises(UnsupportedSetupError, match="no swap_in_positions, bind_verify_slots, verify_page_table, commit_accepted"):
         prepare(sim, [slot], [30], [40])
 
 

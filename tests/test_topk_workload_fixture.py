@@ -132,6 +132,26 @@ def test_locations_layout_translates_through_req_to_token(fixture):
     assert bool((rows[0] == -1).any()), "the short request must keep its padding"
 
 
+def test_verify_page_table_layout_maps_each_row_through_its_pages(fixture):
+    """The plugin's verify runs SGLang's fused top-k through its own page table, one row per query: each
+    position p of row i becomes table[i, p // P] * P + p % P (device rows or, with the identity, positions)."""
+    workload = TopKWorkload(PROFILES["calibrated"])
+    keys, slots, request_keys, prompts, seq_lens = keyed_batch(fixture, torch.Generator().manual_seed(6))
+    page = 64
+    width = int(seq_lens.max()) // page + 1
+    table = torch.randint(1, 9000, (slots.numel(), width), generator=torch.Generator().manual_seed(8), dtype=torch.int32)
+    table[1] = torch.arange(width, dtype=torch.int32)  # an offloaded request's identity
+    positions = workload.topk(request_keys, prompts, seq_lens, 2)
+    rows = fixture.replacement_topk(workload, keys.table, slots, seq_lens, 2, slots.numel(), None, table, page)
+    for b in range(slots.numel()):
+        valid = positions[b] >= 0
+        want = table[b, positions[b][valid] // page].to(torch.int64) * page + positions[b][valid] % page
+        assert torch.equal(rows[b][valid].to(torch.int64), want)
+        assert bool((rows[b][~valid] == -1).all())
+    assert torch.equal(rows[1][positions[1] >= 0].to(torch.int64), positions[1][positions[1] >= 0])
+    assert not torch.equal(rows[0].to(torch.int64), positions[0])
+
+
 FUSED_CHECK = """
 import sys, torch
 torch.set_num_threads(1)
@@ -140,16 +160,21 @@ import topk_workload_fixture as f
 from hisparse_sglang.testing.workload import PROFILES, TopKWorkload
 generator = torch.Generator().manual_seed(7)
 req_to_token = (torch.arange(16 * 41000, dtype=torch.int32).reshape(16, 41000) * 7 + 5) % 1000003
-# positions with one profile, KV locations with another; a short request, a long one, a padding row
-for name, translate, layer in (("calibrated", None, 1), ("random", req_to_token, 0)):
+pages = torch.randint(0, 5000, (3, 41000 // 64 + 1), generator=generator, dtype=torch.int32)
+# positions with one profile, KV locations with another, a verify page table; a short request, a long one,
+# a padding row
+for name, translate, page_table, layer in (
+    ("calibrated", None, None, 1), ("random", req_to_token, None, 0), ("calibrated", None, pages, 3)
+):
+    page_size = 64 if page_table is not None else 0
     workload = TopKWorkload(PROFILES[name])
     keys = f.SlotKeys(16, "cpu")
     slots = torch.randperm(15, generator=generator)[:2] + 1
     prompts = torch.tensor([650, int(torch.randint(20000, 40000, (1,), generator=generator))])
     seq_lens = prompts + torch.tensor([50, 123])
     keys.update(zip(slots.tolist(), torch.randint(0, 2**32, (2,), generator=generator).tolist(), prompts.tolist()))
-    want = f.replacement_topk(workload, keys.table, slots, seq_lens, layer, 3, translate)
-    got = f.fused_replacement_topk(workload, keys.table, slots, seq_lens, layer, 3, translate)
+    want = f.replacement_topk(workload, keys.table, slots, seq_lens, layer, 3, translate, page_table, page_size)
+    got = f.fused_replacement_topk(workload, keys.table, slots, seq_lens, layer, 3, translate, page_table, page_size)
     assert torch.equal(want, got), (name, (want != got).nonzero()[:4].tolist())
 print("fused == torch")
 """
@@ -157,7 +182,7 @@ print("fused == torch")
 
 def test_fused_kernel_is_the_torch_generator_in_the_triton_interpreter():
     """The Triton kernel the servers run, executed by Triton's CPU interpreter, gives the torch
-    generator's rows bit for bit in both layouts (on a GPU: ``topk_workload_fixture.py --bench``)."""
+    generator's rows bit for bit in all three layouts (on a GPU: ``topk_workload_fixture.py --bench``)."""
     pytest.importorskip("triton")
     env = {"PYTHONPATH": str(REPO / "src"), "TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
     done = subprocess.run(
@@ -359,7 +384,7 @@ def test_before_hook_on_the_speculative_worker(fixture):
     assert replacement.keys.table[3].tolist() == [request_key_from_tokens(range(3, 20)), 17]
 
 
-def speculative_setup(fixture, monkeypatch, fused: bool, per: int):
+def speculative_setup(fixture, monkeypatch, fused: bool, per: int, verify_page_table=None):
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.model_executor import forward_context
 
@@ -369,7 +394,9 @@ def speculative_setup(fixture, monkeypatch, fused: bool, per: int):
     seq_lens = prompts + torch.tensor([40, 7])  # committed lengths (the verify's draft tokens come after)
     # the indexer's own row lengths (DSA backend: seqlens_expand over the committed lengths + per)
     expanded = (seq_lens[:, None] + torch.arange(1, per + 1)).reshape(-1).to(torch.int32)
-    metadata = types.SimpleNamespace(force_unfused_topk=not fused, get_seqlens_expanded=lambda: expanded)
+    metadata = types.SimpleNamespace(force_unfused_topk=not fused, get_seqlens_expanded=lambda: expanded,
+                                     verify_page_table=verify_page_table,
+                                     attn_metadata=types.SimpleNamespace(page_size=64))
     backend = types.SimpleNamespace(
         req_to_token_pool=pool, get_indexer_metadata=lambda layer, batch: metadata, speculative_num_draft_tokens=per
     )
@@ -403,6 +430,31 @@ def test_speculative_rows_are_the_workloads_at_each_position(fixture, monkeypatc
     assert rows.shape == real.shape and torch.equal(rows.to(torch.int64), want)
     # the positions a decode of each length would attend: the first row's newest token is its own
     assert not torch.equal(rows[0], rows[1])
+
+
+@pytest.mark.sglang
+def test_plugin_verify_rows_go_through_its_verify_page_table(fixture, monkeypatch):
+    """With the plugin's fused verify top-k (the metadata carries ``verify_page_table``, force_unfused_topk
+    False) each row's positions go through that table's pages, not through req_to_token."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    per = 3
+    table = torch.randint(1, 9000, (2 * per, 4096 // 64), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    table[per:] = torch.arange(4096 // 64, dtype=torch.int32)  # the second request offloaded: the identity
+    pool, slots, prompts, seq_lens, expanded, replacement = speculative_setup(fixture, monkeypatch, True, per, table)
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=slots, seq_lens=seq_lens)
+    real = torch.zeros(2 * per, 2048, dtype=torch.int32)
+    rows = replacement.around_indexer(
+        lambda *a, **k: real, types.SimpleNamespace(index_topk=2048), None, forward_batch=batch, layer_id=4
+    )
+    keys = torch.tensor([11, 12]).repeat_interleave(per)
+    positions = TopKWorkload(PROFILES["calibrated"]).topk(keys, prompts.repeat_interleave(per), expanded.to(torch.int64), 4)
+    valid = positions >= 0
+    want = torch.full_like(positions, -1)
+    row_of = torch.arange(2 * per)[:, None].expand_as(positions)
+    want[valid] = table[row_of[valid], positions[valid] // 64].to(torch.int64) * 64 + positions[valid] % 64
+    assert torch.equal(rows.to(torch.int64), want)
+    assert torch.equal(rows[per:].to(torch.int64), positions[per:])
 
 
 @pytest.mark.sglang

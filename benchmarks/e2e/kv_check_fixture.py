@@ -145,12 +145,14 @@ def _wrap_swap_in(core) -> None:
 
     original_swap_in_verify = core.Coordinator.swap_in_verify
 
-    def swap_in_verify(self, req_pool_indices, seq_lens, top_k, layer_id):
+    def swap_in_verify(self, req_pool_indices, seq_lens, top_k, layer_id, resident_rows=False):
         """A verify forward: every position's history rows before ``s - 1`` (accepted and backed up by earlier
         steps) are checked. Not checked: the verify positions' own rows, whose host truth exists only once
         accepted, and position ``s - 1``, whose row (an offloaded request's slot ``D``) the same step's commit
-        rewrites with the newest accepted token after attention has read it."""
-        rows = original_swap_in_verify(self, req_pool_indices, seq_lens, top_k, layer_id)
+        rewrites with the newest accepted token after attention has read it; and with ``resident_rows`` (the
+        fused top-k of SGLang 0.5.17 - 0.5.21 through the verify page table) a resident request's entries,
+        which are device rows, not positions (the judge checks those requests' outputs)."""
+        rows = original_swap_in_verify(self, req_pool_indices, seq_lens, top_k, layer_id, resident_rows)
         recorder = getattr(self, "_kv_check", None)
         if recorder is not None:
             import torch
@@ -160,6 +162,9 @@ def _wrap_swap_in(core) -> None:
             # holds: at or past the row's verify limit) has every row -1 and is never accepted: not checked.
             limit = self.speculative.verify_limit[:batch].to(torch.int64).reshape(-1, 1)
             served = torch.arange(positions, device=top_k.device).reshape(1, -1) < limit
+            if resident_rows:
+                offloaded = self.buffers.buffer_of_req[req_pool_indices.to(torch.int64)] >= 0
+                served = served & offloaded.reshape(-1, 1)
             top_k = torch.where(served.unsqueeze(2), top_k, torch.full_like(top_k, -1))
             recorder.record(layer_id, top_k.reshape(batch * positions, k),
                             req_pool_indices.repeat_interleave(positions),

@@ -30,7 +30,12 @@ Design (SGLang 0.5.17; every target is checked by tests/test_topk_workload_fixtu
   swap-in translates them); without it (arm a) SGLang fuses the page-table transform into the top-k
   (``SGLANG_DSA_FUSE_TOPK``) and the indexer returns *KV locations*. The backend's own rule decides
   (``get_indexer_metadata(...).force_unfused_topk``): positions are translated through
-  ``req_to_token`` when it returns locations, as the fused kernel does. -1 stays -1.
+  ``req_to_token`` when it returns locations, as the fused kernel does. A verify of the plugin (arms c, d
+  with MTP, SGLang 0.5.17 - 0.5.21) runs SGLang's fused top-k through the plugin's verify page table
+  (the metadata's ``verify_page_table``: resident requests' device pages, the identity for offloaded
+  ones): positions go through that table per row, as the fused kernel maps them. -1 stays -1. (The
+  fixture asks the backend for the metadata again, so the plugin builds that table twice at a forward's
+  first layer: one small extra launch per forward, in the plugin's arms only.)
 * **Request identity**: a GPU table per request slot of (request key, original prompt length). The
   key is the CRC-32 of the prompt's token ids (``Req.origin_input_ids``: the same in every arm, after
   a retraction and on a PD decode instance, unlike the request slot or a generated rid). A BEFORE
@@ -189,7 +194,10 @@ class SlotKeys:
         return len(changed)
 
 
-def replacement_topk(workload, table, req_pool_indices, seq_lens, layer_id: int, rows: int, req_to_token=None):
+def replacement_topk(
+    workload, table, req_pool_indices, seq_lens, layer_id: int, rows: int, req_to_token=None, page_table=None,
+    page_size: int = 0,
+):
     """The decode top-k of a batch from the workload: int32 ``[rows, top_k]``.
 
     Args:
@@ -201,6 +209,9 @@ def replacement_topk(workload, table, req_pool_indices, seq_lens, layer_id: int,
         rows: rows of the indexer's output; rows past ``req_pool_indices`` are -1.
         req_to_token: int32 ``[slots, context]`` to return KV locations (the fused top-k layout)
             instead of positions; None: positions.
+        page_table, page_size: int32 ``[>= rows, pages]`` and its page size, to return ``page_table[row, p //
+            page_size] * page_size + p % page_size`` of each position ``p`` (SGLang's fused v2 top-k through
+            the table it is given: hisparse-sglang's verify page table); None: not used.
     """
     import torch
 
@@ -211,6 +222,9 @@ def replacement_topk(workload, table, req_pool_indices, seq_lens, layer_id: int,
     if req_to_token is not None:
         locations = req_to_token[slots.reshape(-1, 1), positions.clamp(min=0)].to(torch.int64)
         positions = torch.where(positions >= 0, locations, torch.full_like(positions, -1))
+    elif page_table is not None:
+        pages = page_table[:count].to(torch.int64).gather(1, positions.clamp(min=0) // page_size)
+        positions = torch.where(positions >= 0, pages * page_size + positions % page_size, torch.full_like(positions, -1))
     out = torch.full((rows, workload.params.top_k), -1, dtype=torch.int32, device=positions.device)
     out[:count] = positions.to(torch.int32)
     return out
@@ -258,6 +272,8 @@ if triton is not None:
         seq_lens_ptr,
         req_to_token_ptr,
         req_to_token_stride,
+        page_table_ptr,
+        page_table_stride,
         dwell_ptr,
         dwell_len,
         rank_ptr,
@@ -270,6 +286,7 @@ if triton is not None:
         WINDOW: tl.constexpr,
         PERIOD: tl.constexpr,
         LOCATIONS: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
         DWELL_LOG2: tl.constexpr,
         RANK_LOG2: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -315,6 +332,15 @@ if triton is not None:
                 other=-1,
             )
             positions = tl.where(valid, located.to(tl.int64), -1)
+        if PAGE_SIZE > 0:
+            valid = positions >= 0
+            safe = tl.maximum(positions, 0)
+            page = tl.load(
+                page_table_ptr + row_index.to(tl.int64) * page_table_stride + safe // PAGE_SIZE,
+                mask=valid & in_row & real,
+                other=-1,
+            )
+            positions = tl.where(valid, page.to(tl.int64) * PAGE_SIZE + safe % PAGE_SIZE, -1)
         positions = tl.where(real, positions, -1)
         tl.store(out_ptr + row_index * TOP_K + cols, positions.to(tl.int32), mask=in_row)
 
@@ -322,7 +348,10 @@ if triton is not None:
 _FUSED_BLOCK = 256
 
 
-def fused_replacement_topk(workload, table, req_pool_indices, seq_lens, layer_id: int, rows: int, req_to_token=None):
+def fused_replacement_topk(
+    workload, table, req_pool_indices, seq_lens, layer_id: int, rows: int, req_to_token=None, page_table=None,
+    page_size: int = 0,
+):
     """:func:`replacement_topk` in one Triton launch (same arguments, same result)."""
     import torch
 
@@ -333,6 +362,8 @@ def fused_replacement_topk(workload, table, req_pool_indices, seq_lens, layer_id
     locations = req_to_token is not None
     if not locations:
         req_to_token = table  # not read
+    if locations or page_table is None:
+        page_table, page_size = table, 0  # not read
     row_salt = workload_row_salt(workload)
     grid = (rows, -(-params.top_k // _FUSED_BLOCK))
     _workload_topk_kernel[grid](
@@ -342,6 +373,8 @@ def fused_replacement_topk(workload, table, req_pool_indices, seq_lens, layer_id
         seq_lens,
         req_to_token,
         req_to_token.stride(0),
+        page_table,
+        page_table.stride(0),
         dwell_table,
         dwell_table.numel(),
         rank_table,
@@ -354,6 +387,7 @@ def fused_replacement_topk(workload, table, req_pool_indices, seq_lens, layer_id
         WINDOW=params.recent_window,
         PERIOD=workload.generation_period,
         LOCATIONS=locations,
+        PAGE_SIZE=page_size,
         DWELL_LOG2=max(1, (dwell_table.numel()).bit_length()),
         RANK_LOG2=max(1, (rank_table.numel()).bit_length()),
         BLOCK=_FUSED_BLOCK,
@@ -476,18 +510,26 @@ class TopKReplacement:
         keys = self._ensure_keys(req_to_token.shape[0], req_to_token.device)
         workload = self._ensure_workload(indexer.index_topk, result.device)
         metadata = backend.get_indexer_metadata(layer_id, forward_batch)
-        locations = not metadata.force_unfused_topk
+        # hisparse-sglang's verify runs SGLang's fused top-k through its own page table (resident requests'
+        # device pages, the identity for offloaded ones): the rows go through that table.
+        page_table = getattr(metadata, "verify_page_table", None)
+        locations = not metadata.force_unfused_topk and page_table is None
         rows = result.shape[0]
         if speculative:
             slots, lens = speculative_rows(backend, metadata, forward_batch.req_pool_indices, rows)
         else:
             slots, lens = forward_batch.req_pool_indices, forward_batch.seq_lens
         layout = f"{mode.name.lower()} {'locations' if locations else 'positions'}"
+        if page_table is not None:
+            layout = f"{mode.name.lower()} verify page table"
         if layout not in self._logged_layouts:
             self._logged_layouts.add(layout)
             _say(f"top-k layout: {layout} (layer {layer_id}, {rows} rows, {keys.table.shape[0]} slots)")
         generate = self.generator(result.device)
-        out = generate(workload, keys.table, slots, lens, layer_id, rows, req_to_token if locations else None)
+        out = generate(
+            workload, keys.table, slots, lens, layer_id, rows, req_to_token if locations else None, page_table,
+            metadata.attn_metadata.page_size if page_table is not None else 0,
+        )
         return out.to(result.dtype)
 
     @staticmethod

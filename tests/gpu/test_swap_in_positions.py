@@ -73,7 +73,7 @@ def default_group(case):
     return positions_per_group(positions, top_k, case.slot_tokens.shape[1])
 
 
-def run_both(case, splits=None, threads=None, module=None, group=None, limit=None):
+def run_both(case, splits=None, threads=None, module=None, group=None, limit=None, resident_rows=False):
     """The reference on CPU copies, the kernel (of ``module``, default the production build) on GPU
     copies with a sentinel-filled output, both with ``group`` (None: each twin's default, which must be the
     same) and verify limits ``limit`` (None: none set yet); both states and limits, the workspace checked
@@ -84,7 +84,7 @@ def run_both(case, splits=None, threads=None, module=None, group=None, limit=Non
     expected_counters = torch.zeros(2, dtype=torch.int64)
     expected_limit = limit.clone()
     expected_out = reference.swap_in_positions(*expected.args(), counters=expected_counters,
-                                               verify_limit=expected_limit, group=group)
+                                               verify_limit=expected_limit, group=group, resident_rows=resident_rows)
     actual_limit = limit.clone().cuda()
 
     actual = case.clone(device="cuda", pin_host=True)
@@ -96,7 +96,7 @@ def run_both(case, splits=None, threads=None, module=None, group=None, limit=Non
         "this GPU's shared memory per block gives another default group than the reference's (sm_90's)"
     )
     result = ops.swap_in_positions(*actual.args(), out=out, counters=counters, verify_limit=actual_limit,
-                                   splits=splits, threads=threads, group=group)
+                                   splits=splits, threads=threads, group=group, resident_rows=resident_rows)
     assert result is out
     torch.cuda.synchronize()
     assert_workspace_clear(ops)
@@ -202,6 +202,22 @@ def test_resident_rows_translated_by_every_cta(splits):
                                out_of_range_fraction=0.02, seed=70 + (splits or 0))
     assert bool((case.buffer_of_req[case.req_pool_indices.long()] < 0).all())
     check(case, splits=splits)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3, 65])
+@pytest.mark.parametrize("batch,positions,resident_fraction", [(1, 4, 1.0), (6, 4, 0.5), (5, 2, 0.4)])
+def test_resident_rows_given_are_passed_through(splits, batch, positions, resident_fraction):
+    """With resident_rows (the fused top-k through verify_page_table) a resident request's entries are its device
+    rows already and come out as they are, -1 included; offloaded requests are served from positions as before."""
+    case = make_positions_case(batch, positions, 2048, 4096, 1152, miss_rate=0.3, resident_fraction=resident_fraction,
+                               padding_fraction=0.02, seed=400 + batch + (splits or 0))
+    resident = case.buffer_of_req[case.req_pool_indices.long()] < 0
+    assert bool(resident.any())
+    rows = reference.swap_in_positions(*case.clone().args())  # what the fused top-k gives a resident request
+    case.top_k[resident] = rows[resident]
+    out, _ = check(case, splits=splits, resident_rows=True)
+    real = torch.arange(batch) < int(case.num_real_reqs[0])
+    assert torch.equal(out[resident & real], rows[resident & real])
 
 
 def test_positions_left_out_where_their_misses_do_not_fit():
@@ -504,6 +520,57 @@ def test_bind_verify_slots_matches_reference(batch, positions, index_dtype):
     assert_same("device_row_of_loc", expected, actual)
     if bool((t["buffer_of_req"][t["req_pool_indices"][:real].to(torch.int64)] >= 0).any()):
         assert not torch.equal(expected, before), "nothing was bound"
+
+
+def verify_page_table_case(seed: int, batch: int, positions: int, width: int, index_dtype=torch.int64):
+    """A verify's logical page table (one row per query; some ids outside the pool), its request slots (about half
+    resident), and a location -> row table mapping every logical page start to a device page start."""
+    g = torch.Generator().manual_seed(seed)
+    num_pages, slots = 300, batch + 5
+    page_table = torch.randint(-2, num_pages + 3, (batch * positions, width), generator=g, dtype=torch.int32)
+    req_pool_indices = torch.randperm(slots, generator=g)[:batch].to(index_dtype)
+    buffer_of_req = torch.where(torch.rand(slots, generator=g) < 0.5, -1, torch.arange(slots)).to(torch.int32)
+    device_row_of_loc = torch.zeros(num_pages * PAGE + 1, dtype=torch.int32)
+    device_row_of_loc[::PAGE][:num_pages] = torch.randint(0, 5000, (num_pages,), generator=g, dtype=torch.int32) * PAGE
+    device_row_of_loc[-1] = -1
+    return page_table, req_pool_indices, buffer_of_req, device_row_of_loc
+
+
+@pytest.mark.parametrize("batch,positions,width", [(1, 4, 1), (3, 4, 257), (64, 2, 40), (7, 1, 1024)])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_verify_page_table_matches_reference(batch, positions, width, index_dtype):
+    t = verify_page_table_case(batch * 7 + width, batch, positions, width, index_dtype)
+    expected = reference.verify_page_table(t[0], t[1], positions, t[2], t[3], PAGE)
+    actual = cuda_ops().verify_page_table(*(x.cuda() for x in t[:2]), positions, *(x.cuda() for x in t[2:]), PAGE)
+    torch.cuda.synchronize()
+    assert_same("verify_page_table", expected, actual)
+    resident = (t[2][t[1].long()] < 0).repeat_interleave(positions)
+    assert torch.equal(expected[~resident], torch.arange(width, dtype=torch.int32).expand(int((~resident).sum()), -1))
+    if bool(resident.any()):
+        assert not torch.equal(expected[resident], torch.arange(width, dtype=torch.int32).expand(int(resident.sum()), -1))
+
+
+def test_verify_page_table_replays_in_a_cuda_graph_and_refuses_bad_arguments():
+    from hisparse_sglang.errors import HiSparseError
+
+    positions, batch = 4, 5
+    t = [x.cuda() for x in verify_page_table_case(11, batch, positions, 33)]
+    ops = cuda_ops()
+    out = torch.empty_like(t[0])
+    ops.verify_page_table(t[0], t[1], positions, t[2], t[3], PAGE, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.verify_page_table(t[0], t[1], positions, t[2], t[3], PAGE, out=out)
+    fresh = verify_page_table_case(12, batch, positions, 33)
+    for mine, new in zip(t, fresh):
+        mine.copy_(new.cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same("replayed", reference.verify_page_table(fresh[0], fresh[1], positions, fresh[2], fresh[3], PAGE), out)
+    with pytest.raises((ValueError, HiSparseError), match="req_pool_indices"):
+        ops.verify_page_table(t[0], t[1][:-1], positions, t[2], t[3], PAGE)
+    with pytest.raises((ValueError, HiSparseError), match="device_row_of_loc"):
+        ops.verify_page_table(t[0], t[1], positions, t[2], t[3][:-1], PAGE)
 
 
 def test_bind_verify_slots_replays_in_a_cuda_graph():

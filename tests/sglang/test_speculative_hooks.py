@@ -45,8 +45,52 @@ def unreachable(*args, **kwargs):
     raise AssertionError("the hook must not call SGLang's original here")
 
 
+def fused_v2_top_k(logits, lengths, topk, attn_metadata):
+    """Stand-in for SGLang's ``_topk_transform_v2_paged`` (its kernel has no CPU path), doing what its docstring
+    states the kernel does with a row's selected positions ``p``: ``real_page_table[i, p // P] * P + p % P``. The
+    test hands the selected positions (int32 ``[rows, K]``, -1 padding) as ``logits``."""
+    positions = logits.to(torch.int64)
+    table = attn_metadata.real_page_table.to(torch.int64)
+    page = attn_metadata.page_size
+    pages = table.gather(1, positions.clamp(min=0) // page)
+    return torch.where(positions >= 0, pages * page + positions % page, -1).to(torch.int32)
+
+
 class HookedRun(SpecRun):
-    """SpecRun with every coordinator call made by the 0.5.17 - 0.5.21 hook that makes it."""
+    """SpecRun with every coordinator call made by the 0.5.17 - 0.5.21 hook that makes it.
+
+    ``fused``: each layer's top-k goes through H5 as SGLang's indexer calls it, with SGLang's real
+    ``DSAIndexerMetadata`` and top-k dispatch (sgl-kernel, PAGED, a v2 plan), whose fused v2 kernel is the
+    :func:`fused_v2_top_k` stand-in (the test monkeypatches it in); else H4 gets the positions (the unfused top-k).
+    """
+
+    def __init__(self, *args, fused: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fused = fused
+
+    def fused_top_k(self, backend, graph, layer_id: int, top_k: torch.Tensor) -> torch.Tensor:
+        """The layer's top-k as the indexer gets it through H5: SGLang's metadata of the verify (its logical page
+        table, one row per query), H5's replacement, its ``topk_transform`` with the selected positions."""
+        from sglang.srt.layers.attention.dsa.dsa_indexer_metadata import DSAIndexerMetadata
+        from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
+
+        rows = top_k.shape[0] * T
+        req_to_token = self.stack.req_to_token_pool.req_to_token
+        logical = req_to_token[graph.req_pool_indices][:, ::PAGE] // PAGE
+        attn = types.SimpleNamespace(
+            real_page_table=logical.repeat_interleave(T, dim=0).to(torch.int32),
+            page_size=PAGE,
+            topk_v2_plan=torch.zeros(rows + 1, dtype=torch.int32),
+            dsa_seqlens_expanded=backend.forward_metadata.dsa_seqlens_expanded,
+            cu_seqlens_q=None,
+            topk_indices_offset=None,
+        )
+        metadata = DSAIndexerMetadata(attn_metadata=attn, topk_transform_method=TopkTransformMethod.PAGED)
+        ours = hooks._get_indexer_metadata_after(metadata, backend, layer_id, graph)
+        assert ours.get_page_table_64() is attn.real_page_table, "the indexer must read its keys' own pages"
+        out = ours.topk_transform(top_k.view(rows, -1), top_k.shape[-1])
+        assert self.coordinator.runtime.verify_top_k_fused
+        return out
 
     def reserve(self, batch) -> None:
         """alloc_for_spec_decode through H1: SGLang's lengths, SGLang's alloc_paged_token_slots_extend (which
@@ -110,6 +154,10 @@ class HookedRun(SpecRun):
         coordinator.num_real_reqs.fill_(len(reqs))
         for layer in stack.layers:
             top_k = self.top_k(graph_s, len(reqs))
+            if self.fused:
+                topk_indices = self.fused_top_k(backend, graph, layer.layer_id, top_k)
+            else:
+                topk_indices = top_k.view(rows_in_graph * T, -1)
 
             def forward_extend(self_, q, k, v, layer_, forward_batch, **kwargs):
                 # What SGLang's does with its page table of the verify: translate it once through the pool.
@@ -117,7 +165,7 @@ class HookedRun(SpecRun):
                 return self_.token_to_kv_pool.translate_loc_to_hisparse_device(page_table)
 
             rows = hooks._forward_extend(
-                forward_extend, backend, None, None, None, layer, graph, topk_indices=top_k.view(rows_in_graph * T, -1)
+                forward_extend, backend, None, None, None, layer, graph, topk_indices=topk_indices
             )
             self.check_rows(reqs, s, accept, top_k, rows.view(rows_in_graph, T, -1), layer.layer_id)
 
@@ -130,10 +178,14 @@ class HookedRun(SpecRun):
 @pytest.mark.parametrize("kv_dtype", sorted(KV_DTYPES))
 @pytest.mark.parametrize("host_lag", [False, True])
 @pytest.mark.parametrize("resident_first", [True, False])
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused-top-k", "fused-top-k"])
 def test_verify_steps_through_the_hooks_serve_the_right_kv_and_commit_only_accepted_tokens(
-    resident_first, host_lag, kv_dtype
+    fused, resident_first, host_lag, kv_dtype, monkeypatch
 ):
-    run = HookedRun(host_lag=host_lag, resident_first=resident_first, kv_dtype=kv_dtype)
+    from sglang.srt.layers.attention.dsa import dsa_topk_backend
+
+    monkeypatch.setattr(dsa_topk_backend, "_topk_transform_v2_paged", fused_v2_top_k)
+    run = HookedRun(host_lag=host_lag, resident_first=resident_first, kv_dtype=kv_dtype, fused=fused)
     reqs = [run.admit("a", 3 * PAGE + 5), run.admit("b", 2 * PAGE - 1)]
     for step, accept in enumerate(random_accepts(run, 8)):
         run.step(reqs, [accept, max(1, T - accept)], padded=step % 2 == 1)
@@ -212,6 +264,48 @@ def test_the_verify_top_k_is_unfused_only_in_a_verify_with_our_coordinator():
     assert hooks._get_indexer_metadata_after(metadata, ours, 0, extend) is metadata
     theirs = types.SimpleNamespace(hisparse_coordinator=None)
     assert hooks._get_indexer_metadata_after(metadata, theirs, 0, verify) is metadata
+
+
+def test_the_verify_top_k_is_fused_only_where_sglang_would_run_its_v2_kernel():
+    """H5 takes SGLang's fused top-k (through the verify page table) only where SGLang's dispatch would run its
+    v2 paged kernel; the unfused top-k (positions) everywhere else, and the swap-ins are told which."""
+    import dataclasses
+
+    from sglang.srt.layers.attention.dsa.dsa_indexer_metadata import DSAIndexerMetadata
+    from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend, TopkTransformMethod
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from hisparse_sglang.errors import UnsupportedSetupError
+
+    run = HookedRun(host_lag=False)
+    run.admit("a", PAGE + 2)
+    runtime = run.coordinator.runtime
+    attn = types.SimpleNamespace(
+        real_page_table=torch.zeros(T, 4, dtype=torch.int32), topk_v2_plan=torch.zeros(T + 1, dtype=torch.int32),
+        page_size=PAGE, dsa_seqlens_expanded=torch.full((T,), 8, dtype=torch.int32), cu_seqlens_q=None,
+        topk_indices_offset=None,
+    )
+    fusable = DSAIndexerMetadata(attn_metadata=attn, topk_transform_method=TopkTransformMethod.PAGED)
+    ours = types.SimpleNamespace(hisparse_coordinator=run.coordinator)
+    verify = types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor([1]))
+    fused = hooks._get_indexer_metadata_after(fusable, ours, 0, verify)
+    assert fused.verify_page_table is not None and fused.force_unfused_topk is False and runtime.verify_top_k_fused
+    assert fused.get_page_table_64() is attn.real_page_table
+    # A call SGLang would not route to its v2 kernel (row starts given) would map through the unfused transform's
+    # table: refused by name instead of yielding locations the swap-in would misread.
+    with pytest.raises(UnsupportedSetupError, match="left SGLang's fused v2 path"):
+        fused.topk_transform(torch.zeros(T, 8), 4, ks=torch.zeros(T, dtype=torch.int32))
+    for other in (
+        dataclasses.replace(fusable, force_unfused_topk=True),  # SGLANG_DSA_FUSE_TOPK off / PD IndexShare
+        dataclasses.replace(fusable, topk_transform_method=TopkTransformMethod.RAGGED),
+        dataclasses.replace(fusable, topk_backend=DSATopKBackend.TORCH),
+        dataclasses.replace(fusable, attn_metadata=types.SimpleNamespace(real_page_table=attn.real_page_table)),
+    ):
+        unfused = hooks._get_indexer_metadata_after(other, ours, 0, verify)
+        assert unfused.force_unfused_topk is True and not hasattr(unfused, "verify_page_table")
+        assert not runtime.verify_top_k_fused
+    assert not compat.verify_top_k_fusable(fusable, 4096)  # beyond what the v2 kernel serves
+    assert compat.verify_top_k_fusable(fusable, 2048)
 
 
 def test_a_translation_of_another_shape_than_the_verify_rows_is_refused():

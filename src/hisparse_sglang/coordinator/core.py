@@ -363,12 +363,22 @@ class Coordinator:
         """Before a target-verify forward (speculative decoding); see :meth:`VerifySteps.prepare`."""
         self.speculative.prepare(slots, committed_lens, allocated_lens, req_pool_indices, seq_lens, num_draft_tokens)
 
+    def verify_page_table(self, req_pool_indices: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+        """Once per target-verify forward: the page table for a fused top-k (device rows of resident requests,
+        positions of offloaded ones); see :meth:`VerifySteps.page_table`."""
+        return self.speculative.page_table(req_pool_indices, page_table)
+
     def swap_in_verify(
-        self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, layer_id: int
+        self,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        top_k: torch.Tensor,
+        layer_id: int,
+        resident_rows: bool = False,
     ) -> torch.Tensor:
         """Device rows of one layer's top-k of every verify position (int32 ``[B, T, K]``); see
         :meth:`VerifySteps.swap_in`."""
-        return self.speculative.swap_in(req_pool_indices, seq_lens, top_k, layer_id)
+        return self.speculative.swap_in(req_pool_indices, seq_lens, top_k, layer_id, resident_rows)
 
     def cap_verify(self, accept_lens: torch.Tensor, accept_index: torch.Tensor) -> None:
         """Right after acceptance: accept no verify position the swap-ins left out; see

@@ -49,7 +49,9 @@ if TYPE_CHECKING:
 
 __all__ = ["VerifyOps", "VerifySteps", "VERIFY_OP_NAMES"]
 
-VERIFY_OP_NAMES = ("swap_in_positions", "bind_verify_slots", "commit_accepted", "cap_accepted", "copy_rows")
+VERIFY_OP_NAMES = (
+    "swap_in_positions", "bind_verify_slots", "verify_page_table", "commit_accepted", "cap_accepted", "copy_rows"
+)
 """The ops a verify step calls; the coordinator's ``ops`` must have all of them."""
 
 
@@ -77,6 +79,7 @@ class VerifyOps(Protocol):
         verify_limit: torch.Tensor | None = None,
         *,
         group: int | None = None,
+        resident_rows: bool = False,
         splits: int | None = None,
         threads: int | None = None,
     ) -> torch.Tensor:
@@ -108,6 +111,9 @@ class VerifyOps(Protocol):
                 fits the buffer and one launch of the CUDA twin, in both twins (the CUDA twin with its GPU's
                 shared memory, the same 227 KiB as the reference's sm_90 default on an H100 or H200): top_k
                 2048 gives ``G = 2`` with ``D`` 4096 to 5760, ``G = 1`` from 6144 up.
+            resident_rows: a resident request's entries are its device rows already (the fused top-k mapped
+                them through :meth:`verify_page_table`'s table) and are passed through; an offloaded
+                request's are positions either way.
             splits, threads: launch parameters; they never change the result.
 
         Returns:
@@ -131,6 +137,21 @@ class VerifyOps(Protocol):
         rows are left alone. ``req_pool_indices``, ``seq_lens``: int32/int64 ``[B]``;
         ``num_real_reqs``: int32 ``[1]``; ``num_positions``: ``T``; ``buffer_size``: ``D``; the tables
         as in :meth:`swap_in_positions` (``reference.bind_verify_slots``)."""
+
+    def verify_page_table(
+        self,
+        page_table: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        num_positions: int,
+        buffer_of_req: torch.Tensor,
+        device_row_of_loc: torch.Tensor,
+        page_size: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The page table (int32 ``[B * T, W]``) a fused top-k maps a verify forward's selected positions
+        through: a resident request's rows get the device page of each logical page of ``page_table`` (int32
+        ``[B * T, W]``, row ``i`` of batch row ``i // T``), an offloaded request's the column index, so the
+        top-k yields device rows and positions respectively (``reference.verify_page_table``)."""
 
     def commit_accepted(
         self,
@@ -283,8 +304,39 @@ class VerifySteps:
         self._check_setup(num_draft_tokens)
         self._fix_num_draft_tokens(num_draft_tokens)
 
+    def page_table(self, req_pool_indices: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+        """Once per target-verify forward, before its first layer's top-k: the page table through which a fused
+        top-k yields a resident request's device rows and an offloaded request's positions, for
+        :meth:`swap_in` with ``resident_rows`` (``verify_page_table``; the modes and resident pages are those
+        :meth:`prepare` left, which nothing changes during the forward).
+
+        Args:
+            req_pool_indices: int32/int64 ``[B]`` on the device (padding rows included).
+            page_table: int32 ``[B * T, W]`` on the device: the forward's logical page table, one row per
+                query (SGLang's ``real_page_table``).
+
+        Returns:
+            A new int32 ``[B * T, W]`` tensor (under CUDA-graph capture, the graph's).
+        """
+        coordinator = self._coordinator
+        if self.num_draft_tokens is None:
+            raise HiSparseMemoryError("verify page table before any prepare_verify: prepare the verify step first.")
+        return coordinator.ops.verify_page_table(
+            page_table,
+            req_pool_indices,
+            self.num_draft_tokens,
+            coordinator.buffers.buffer_of_req,
+            coordinator.allocator.device_row_of_loc,
+            coordinator.page_size,
+        )
+
     def swap_in(
-        self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, layer_id: int
+        self,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        top_k: torch.Tensor,
+        layer_id: int,
+        resident_rows: bool = False,
     ) -> torch.Tensor:
         """One DSA layer of the target-verify forward: device rows of every verify position's top-k.
 
@@ -293,8 +345,10 @@ class VerifySteps:
             seq_lens: int32/int64 ``[B]`` on the device: ``s`` per row. SGLang 0.5.22+ passes the
                 per-query lengths ``dsa_seqlens_expanded`` (int32 ``[B * T]``, ``s + j + 1``): the adapter
                 hands ``view(B, T)[:, 0] - 1``.
-            top_k: int32 ``[B, T, K]`` on the device: token positions per query position, -1 padding.
+            top_k: int32 ``[B, T, K]`` on the device: token positions per query position, -1 padding;
+                with ``resident_rows``, a resident request's entries are device rows (:meth:`page_table`).
             layer_id: the target layer (0-based).
+            resident_rows: the top-k came through :meth:`page_table`'s table.
 
         Returns:
             int32 ``[B, T, K]``, a view of :attr:`rows` (the same storage on every call): the device
@@ -320,6 +374,7 @@ class VerifySteps:
             out=self.rows[: top_k.shape[0]],
             counters=coordinator.swap_counters,
             verify_limit=self.verify_limit,
+            resident_rows=resident_rows,
             threads=coordinator.config.swap_in_block_size,
         )
 

@@ -280,8 +280,8 @@ def _newest_slot_rows(
 # ``s`` a request's committed length: positions ``[0, s)`` hold accepted KV, ``s - 1`` is the newest
 # accepted token, and the verify writes the KV of positions ``s .. s + T - 1``.
 
-__all__ += ["swap_in_positions", "bind_verify_slots", "commit_accepted", "cap_accepted", "VERIFY_SLOT_BASE",
-            "NO_VERIFY_LIMIT"]
+__all__ += ["swap_in_positions", "bind_verify_slots", "verify_page_table", "commit_accepted", "cap_accepted",
+            "VERIFY_SLOT_BASE", "NO_VERIFY_LIMIT"]
 
 VERIFY_SLOT_BASE = 1
 """Verify position ``j`` of an offloaded request lives in buffer slot ``D + VERIFY_SLOT_BASE + j``:
@@ -319,6 +319,7 @@ def swap_in_positions(
     verify_limit: torch.Tensor | None = None,
     *,
     group: int | None = None,
+    resident_rows: bool = False,
     splits: int | None = None,
     threads: int | None = None,
 ) -> torch.Tensor:
@@ -348,6 +349,9 @@ def swap_in_positions(
             the largest group whose ``G x K`` entries fit one launch of the CUDA twin on sm_90 and the
             ``D`` LRU slots, which is what the CUDA twin chooses by default too (top_k 2048: ``G = 2``
             with ``D`` 4096 to 5760, ``G = 1`` with ``D`` of 6144 and more).
+        resident_rows: a resident request's entries are its device rows already (SGLang's fused top-k
+            mapped the positions through :func:`verify_page_table`): they are passed through unchanged, -1
+            included. An offloaded request's entries are positions either way.
         splits, threads: launch parameters of the CUDA twin; they never change the result (ignored here).
 
     Returns:
@@ -359,7 +363,8 @@ def swap_in_positions(
 
     * Resident (``buf == -1``): every valid entry ``t`` maps to
       ``device_row_of_loc[req_to_token[r, t]]``, the verify positions ``t >= s`` included (their
-      pages are bound before the forward). Nothing is copied or updated; ``verify_limit`` is not read.
+      pages are bound before the forward); with ``resident_rows`` every entry is its own output. Nothing
+      is copied or updated; ``verify_limit`` is not read.
     * Offloaded: the positions are served in consecutive groups of ``G`` positions (``0 .. G - 1``,
       ``G .. 2G - 1``, ...; the last may be shorter), one group after another. A group's positions at
       or past the row's limit (``verify_limit[b]`` when the group starts) are padding. For the others,
@@ -420,6 +425,9 @@ def swap_in_positions(
         tokens = top_k[b].to(torch.int64)  # [T, K]
         valid = (tokens >= 0) & (tokens <= committed + offsets)
         buf = int(tables.buffer_of_req[req])
+        if buf < 0 and resident_rows:
+            out[b] = top_k[b]
+            continue
         if buf < 0:
             locs = tables.req_to_token[req, tokens[valid]].to(torch.int64)
             out[b][valid] = tables.device_row_of_loc[locs].to(torch.int32)
@@ -564,6 +572,53 @@ def bind_verify_slots(
         locs = req_to_token[req, committed : committed + num_positions].to(torch.int64)
         slots = buffer_size + VERIFY_SLOT_BASE + torch.arange(num_positions, dtype=torch.int64, device=locs.device)
         device_row_of_loc[locs] = slot_rows[buf, slots].to(device_row_of_loc.dtype)
+
+
+def verify_page_table(
+    page_table: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    num_positions: int,
+    buffer_of_req: torch.Tensor,
+    device_row_of_loc: torch.Tensor,
+    page_size: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The page table SGLang's fused top-k maps the selected positions of a target-verify forward through.
+
+    The fused top-k turns a selected position ``p`` of row ``i`` into ``table[i, p // P] * P + p % P``. Given
+    SGLang's logical page table, a resident request's rows map to device rows (its logical pages are mapped
+    whole onto device pages, page starts to page starts) and an offloaded request's rows stay positions, which
+    :func:`swap_in_positions` with ``resident_rows`` expects.
+
+    Args:
+        page_table: int32 ``[B * T, W]``: logical page ids; row ``i`` belongs to batch row ``i // T``
+            (SGLang's ``real_page_table`` of the verify forward, one row per query).
+        req_pool_indices: int32/int64 ``[B]``: the request slot of each batch row (CUDA-graph padding rows
+            included; their top-k has no entry, so their table is never read).
+        num_positions: ``T``.
+        buffer_of_req: int32 ``[R]``: -1 for a resident request.
+        device_row_of_loc: int32 ``[N + 1]``, ``N`` a multiple of ``page_size``.
+        page_size: ``P``.
+        out: optional int32 ``[B * T, W]`` to write into.
+
+    Returns:
+        int32 ``[B * T, W]``: for a resident request's rows ``device_row_of_loc[page * P] // P`` of each
+        logical ``page`` (0 for an id outside ``[0, N / P)``, as for an unmapped page); for an offloaded
+        request's rows the column index ``w``.
+    """
+    rows, width = page_table.shape
+    if out is None:
+        out = torch.empty((rows, width), dtype=torch.int32, device=page_table.device)
+    num_pages = (device_row_of_loc.shape[0] - 1) // page_size
+    pages = page_table.to(torch.int64)
+    inside = (pages >= 0) & (pages < num_pages)
+    device_pages = device_row_of_loc[torch.where(inside, pages, 0) * page_size].to(torch.int64) // page_size
+    device_pages = torch.where(inside, device_pages, 0)
+    resident = buffer_of_req[req_pool_indices.to(torch.int64)] < 0
+    resident = resident.repeat_interleave(num_positions).reshape(-1, 1)
+    columns = torch.arange(width, dtype=torch.int64, device=page_table.device).expand(rows, width)
+    out.copy_(torch.where(resident, device_pages, columns).to(torch.int32))
+    return out
 
 
 def commit_accepted(

@@ -342,6 +342,7 @@ class CudaOps:
         verify_limit: torch.Tensor | None = None,
         *,
         group: int | None = None,
+        resident_rows: bool = False,
         splits: int | None = None,
         threads: int | None = None,
     ) -> torch.Tensor:
@@ -392,8 +393,29 @@ class CudaOps:
             self._workspace(batch),
             plan,
             group,
+            int(resident_rows),
             splits,
             threads,
+            self._stream(),
+        )
+        return out
+
+    def verify_page_table(
+        self,
+        page_table: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        num_positions: int,
+        buffer_of_req: torch.Tensor,
+        device_row_of_loc: torch.Tensor,
+        page_size: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """CUDA twin of :func:`hisparse_sglang.ops.reference.verify_page_table` (one launch, one thread per
+        entry, no host sync; CUDA-graph capturable)."""
+        if out is None:
+            out = torch.empty(page_table.shape, dtype=torch.int32, device=self.device)
+        self.module.verify_page_table(
+            page_table, req_pool_indices, buffer_of_req, device_row_of_loc, out, num_positions, page_size,
             self._stream(),
         )
         return out

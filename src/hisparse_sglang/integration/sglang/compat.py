@@ -389,6 +389,73 @@ def forward_extend_topk_indices(args: tuple, kwargs: dict):
     return topk_indices
 
 
+# The largest top-k SGLang's fused v2 top-k kernel serves (``_topk_transform_v2_paged``, 0.5.17 - 0.5.21).
+_FUSED_TOP_K_MAX = 2048
+
+
+def verify_top_k_fusable(indexer_metadata, top_k: int) -> bool:
+    """Whether SGLang's top-k for this TARGET_VERIFY ``DSAIndexerMetadata`` would run its fused paged v2 kernel,
+    which maps each selected position ``p`` through ``attn_metadata.real_page_table`` (``table[i, p // P] * P +
+    p % P``): the top-k is not forced unfused (``SGLANG_DSA_FUSE_TOPK`` on, no PD IndexShare seeding), the
+    transform is PAGED, the backend is sgl-kernel's with ``SGLANG_OPT_USE_TOPK_V2`` (the forward then carries
+    its ``topk_v2_plan``), and ``top_k`` is at most 2048 (0.5.17 - 0.5.21)."""
+    metadata = indexer_metadata
+    return (
+        not metadata.force_unfused_topk
+        and metadata.topk_transform_method.name == "PAGED"
+        and metadata.topk_backend.should_use_topk_v2()
+        and getattr(metadata.attn_metadata, "topk_v2_plan", None) is not None
+        and 0 < top_k <= _FUSED_TOP_K_MAX
+    )
+
+
+class _VerifyPageTableView:
+    """SGLang's DSA attention metadata of a TARGET_VERIFY forward as its fused top-k reads it: ``real_page_table``
+    is the coordinator's verify page table; every other field is the forward's own. Only the fused v2 path may
+    read it: its ``page_table_1`` (the unfused transform's table) raises."""
+
+    def __init__(self, metadata, page_table) -> None:
+        self._metadata = metadata
+        self.real_page_table = page_table
+
+    @property
+    def page_table_1(self):
+        raise UnsupportedSetupError(
+            "the TARGET_VERIFY top-k left SGLang's fused v2 path (topk_transform_v2_paged) that hisparse-sglang "
+            "chose for it; set SGLANG_OPT_USE_TOPK_V2=0 to use the unfused top-k, or remove --speculative-algorithm."
+        )
+
+    def __getattr__(self, name):
+        return getattr(self._metadata, name)
+
+
+@functools.cache
+def _fused_verify_metadata_class(base):
+    """A subclass of SGLang's ``DSAIndexerMetadata`` class ``base`` whose top-k maps through a verify page table."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class FusedVerifyIndexerMetadata(base):
+        verify_page_table: object = None
+
+        def topk_transform(self, logits, topk, *args, **kwargs):
+            view = _VerifyPageTableView(self.attn_metadata, self.verify_page_table)
+            return base.topk_transform(dataclasses.replace(self, attn_metadata=view), logits, topk, *args, **kwargs)
+
+    return FusedVerifyIndexerMetadata
+
+
+def fused_verify_indexer_metadata(indexer_metadata, page_table):
+    """``indexer_metadata`` (a TARGET_VERIFY ``DSAIndexerMetadata`` for which :func:`verify_top_k_fusable` holds)
+    whose ``topk_transform`` runs SGLang's fused top-k through ``page_table`` instead of the logical page table;
+    the indexer's own reads (its keys' pages, lengths) are unchanged."""
+    import dataclasses
+
+    cls = _fused_verify_metadata_class(type(indexer_metadata))
+    fields = {field.name: getattr(indexer_metadata, field.name) for field in dataclasses.fields(indexer_metadata)}
+    return cls(**fields, verify_page_table=page_table)
+
+
 def hisparse_enabled() -> bool:
     """``--enable-hisparse`` as this process published it."""
     from sglang.srt.runtime_context import get_memory

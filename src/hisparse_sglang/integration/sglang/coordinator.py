@@ -199,19 +199,26 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu):
         self.core.prepare_decode(req_pool_indices_cpu.tolist(), seq_lens_cpu.tolist(), out_cache_loc)
 
-    def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id):
+    def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id, resident_rows=False):
         """One DSA layer's swap-in. Decode: ``top_k_result`` int32 ``[B, K]``, ``seq_lens`` ``[B]``;
-        returns ``[B, K]`` device rows. Target verify (0.5.22+): ``top_k_result`` int32 ``[B, T, K]`` and
-        ``seq_lens`` the per-query lengths ``dsa_seqlens_expanded`` (int32, ``s + j + 1`` at ``b * T + j``);
-        returns ``[B, T, K]`` (SGLang views it as ``[B * T, K]``)."""
+        returns ``[B, K]`` device rows. Target verify (0.5.22+; 0.5.17 - 0.5.21 through hook H4):
+        ``top_k_result`` int32 ``[B, T, K]`` and ``seq_lens`` the per-query lengths ``dsa_seqlens_expanded``
+        (int32, ``s + j + 1`` at ``b * T + j``); returns ``[B, T, K]`` (SGLang views it as ``[B * T, K]``).
+        ``resident_rows`` (H4 only): the top-k is the fused one through :meth:`verify_page_table`'s table."""
         layer = layer_id - self.start_layer
         if top_k_result.dim() == 3:
             batch, positions = top_k_result.shape[:2]
             # s of each row: its first query's length minus one (one strided elementwise op, captured
             # with the graph; the slice also drops any tail of a longer, graph-static length buffer).
             committed = seq_lens[: batch * positions : positions] - 1
-            return self.core.swap_in_verify(req_pool_indices, committed, top_k_result, layer)
+            return self.core.swap_in_verify(req_pool_indices, committed, top_k_result, layer, resident_rows)
         return self.core.swap_in(req_pool_indices, seq_lens, top_k_result, layer)
+
+    def verify_page_table(self, req_pool_indices, page_table):
+        """Once per target-verify forward (hook H5 on 0.5.17 - 0.5.21): the page table (int32 ``[B * T, W]``)
+        SGLang's fused top-k maps its positions through, from the forward's logical ``real_page_table``; the
+        top-k then yields a resident request's device rows and an offloaded request's positions."""
+        return self.core.verify_page_table(req_pool_indices, page_table)
 
     def wait_for_pending_backup(self) -> None:
         self.core.wait_for_pending_backup()

@@ -233,7 +233,7 @@ HOOKS: tuple[HookSpec, ...] = (
     ),
     HookSpec(
         f"{_ATTENTION}.get_indexer_metadata", "AFTER", lambda: _get_indexer_metadata_after,
-        why="H5: the verify's fused top-k yields locations; H4's swap-in needs positions",
+        why="H5: the verify's fused top-k yields locations; H4's swap-in needs positions (or device rows)",
         upstream="0.5.22 forces the unfused top-k for TARGET_VERIFY", versions=_HOOKED,
         written_against="0.5.17",
     ),

@@ -67,8 +67,9 @@ def _eagle_sample_after(result, verify_input, batch, *args, **kwargs):
 
 def _forward_extend(original, self, q, k, v, layer, forward_batch, *args, **kwargs):
     """H4 AROUND DeepseekSparseAttnBackend.forward_extend: in a TARGET_VERIFY forward, swap in the rows of
-    the top-k positions (int32 ``[B, T, K]``, unfused by H5) and hand them to the pool's one translation
-    of the call's page table (0.5.22+ calls the 3-D ``swap_in_selected_pages`` in place of it)."""
+    the top-k (int32 ``[B, T, K]``: positions, or with H5's fused top-k a resident request's device rows) and
+    hand them to the pool's one translation of the call's page table (0.5.22+ calls the 3-D
+    ``swap_in_selected_pages`` in place of it)."""
     coordinator = _verify_coordinator(self.hisparse_coordinator)
     if coordinator is None or not forward_batch.forward_mode.is_target_verify():
         return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
@@ -78,19 +79,32 @@ def _forward_extend(original, self, q, k, v, layer, forward_batch, *args, **kwar
     rows = coordinator.swap_in_selected_pages(
         forward_batch.req_pool_indices, self.forward_metadata.dsa_seqlens_expanded,
         topk_indices.view(batch, positions, -1), layer.layer_id,
+        resident_rows=coordinator.runtime.verify_top_k_fused,
     )
     with coordinator.runtime.verify_rows_for_translation(rows.view(batch * positions, -1)):
         return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
 
 
 def _get_indexer_metadata_after(result, self, layer_id, forward_batch):
-    """H5 AFTER DeepseekSparseAttnBackend.get_indexer_metadata: the verify's top-k must be positions
-    (the unfused top-k) for H4's swap-in, as for decode (0.5.22+ forces it for TARGET_VERIFY)."""
+    """H5 AFTER DeepseekSparseAttnBackend.get_indexer_metadata: the verify's top-k must give H4's swap-in
+    positions of offloaded requests. Where SGLang would run its fused v2 top-k (it maps the positions through a
+    page table in the same kernel), it maps them through the coordinator's verify page table, built once per
+    forward: a resident request's entries come out as its device rows and the swap-in passes them through, an
+    offloaded request's as positions. Elsewhere the top-k is the unfused one, positions for all (0.5.22+ forces
+    that for TARGET_VERIFY)."""
     import dataclasses
 
-    if _verify_coordinator(self.hisparse_coordinator) is None or not forward_batch.forward_mode.is_target_verify():
+    coordinator = _verify_coordinator(self.hisparse_coordinator)
+    if coordinator is None or not forward_batch.forward_mode.is_target_verify():
         return result
-    return dataclasses.replace(result, force_unfused_topk=True)
+    runtime = coordinator.runtime
+    if not compat.verify_top_k_fusable(result, runtime.config.top_k):
+        runtime.unfused_verify_top_k()
+        return dataclasses.replace(result, force_unfused_topk=True)
+    table = runtime.fused_verify_page_table(
+        forward_batch.req_pool_indices, result.attn_metadata.real_page_table, layer_id
+    )
+    return compat.fused_verify_indexer_metadata(result, table)
 
 
 def _build_dsa_kv_pool(original, self, *, max_total_num_tokens):

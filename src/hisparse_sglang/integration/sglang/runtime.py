@@ -76,6 +76,11 @@ class HiSparseRuntime:
         # pool's one translation of its page table returns the verify swap-in's rows instead.
         self.reserving_logical_only = False
         self._verify_rows: torch.Tensor | None = None
+        # Whether the verify forward's top-k is SGLang's fused one through the coordinator's verify page table
+        # (hook H5 decides per layer, H4's swap-in reads it), and that table with the page table it was built from.
+        self.verify_top_k_fused = False
+        self._verify_page_table: torch.Tensor | None = None
+        self._verify_page_table_of: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- construction, in SGLang's order
     def attach_pool(self, pool) -> None:
@@ -152,6 +157,22 @@ class HiSparseRuntime:
             yield
         finally:
             self._verify_rows = None
+
+    def fused_verify_page_table(self, req_pool_indices: torch.Tensor, page_table: torch.Tensor, layer_id: int):
+        """The page table the fused top-k of this TARGET_VERIFY forward maps through (hook H5; the coordinator's
+        ``verify_page_table``): built at the pool's first layer, or for a page table not seen before, and reused
+        by the forward's later layers (SGLang's page table is one tensor per forward, which nothing changes during
+        it; under CUDA-graph capture the graph records the build at the first layer). The forward's swap-ins then
+        take a resident request's entries as device rows (:attr:`verify_top_k_fused`)."""
+        if layer_id == self._pool.start_layer or page_table is not self._verify_page_table_of:
+            self._verify_page_table = self.coordinator.verify_page_table(req_pool_indices, page_table)
+            self._verify_page_table_of = page_table
+        self.verify_top_k_fused = True
+        return self._verify_page_table
+
+    def unfused_verify_top_k(self) -> None:
+        """This TARGET_VERIFY forward's top-k yields positions only (SGLang's unfused top-k; hook H5)."""
+        self.verify_top_k_fused = False
 
     def take_verify_rows(self, loc: torch.Tensor) -> torch.Tensor | None:
         """The rows :meth:`verify_rows_for_translation` handed over (once), or None. ``loc``, the page table
