@@ -359,3 +359,33 @@ def test_each_define_set_builds_its_own_cache_entry(tmp_path):
     again = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert {name: (tmp_path / name / "hisparse_kernels.so").stat().st_mtime_ns for name in entries} == mtimes
+
+
+def test_against_kernel_from_before_given_resident_rows_is_driven_without_them(bench):
+    """``--against DIR`` of sources whose ``swap_in_positions`` takes no ``resident_rows_given``: the adapter drops
+    it after the first refusal (tvm-ffi refuses a wrong arity before any launch) and refuses given rows, which that
+    kernel would translate as positions; a library of this tree's signature is called unchanged."""
+    from swap_in.against import adapt
+
+    class Library:
+        def __init__(self, arity):
+            self.arity, self.calls = arity, []
+
+        def swap_in_positions(self, *args):
+            if len(args) != self.arity:
+                raise TypeError(f"Mismatched number of arguments: expected {self.arity}, got {len(args)}")
+            self.calls.append(args)
+            return "launched"
+
+    ours = (*range(18), "group", 0, "splits", "threads", "stream")
+    earlier = Library(len(ours) - 1)
+    adapted = adapt(earlier)
+    assert adapted.swap_in_positions(*ours) == "launched"
+    assert adapted.swap_in_positions(*ours) == "launched"
+    assert earlier.calls == [(*range(18), "group", "splits", "threads", "stream")] * 2
+    with pytest.raises(ValueError, match="predates given resident rows"):
+        adapted.swap_in_positions(*ours[:19], 1, *ours[20:])
+    current = Library(len(ours))
+    assert adapt(current).swap_in_positions(*ours) == "launched" and current.calls == [ours]
+    with pytest.raises(TypeError, match="Mismatched"):
+        adapt(Library(3)).swap_in_positions(*ours)

@@ -3,11 +3,14 @@
 The ``swap_in`` binding of sources from before the forward-progress change (issue #27) takes one
 more argument, the test hook ``late_copiers_ns`` (right before the stream), and a launch workspace
 of three int32 counters per batch row (flags, done, looked) where this tree's has
-``SYNC_COUNTERS_PER_ROW``. :func:`adapt` wraps a kernel library so that ``CudaOps`` drives either
-kind unchanged: the first ``swap_in`` that tvm-ffi refuses for its argument count switches the
-wrapper to the earlier signature for good (hook 0, and a zeroed workspace of the earlier layout
-kept here, which the earlier kernel also leaves zero after every launch). Every other function
-passes through.
+``SYNC_COUNTERS_PER_ROW``. The ``swap_in_positions`` binding of sources from before the verify's fused
+top-k (issue #24) takes no ``resident_rows_given`` (after ``positions_per_group``). :func:`adapt` wraps a
+kernel library so that ``CudaOps`` drives either kind unchanged: the first call of one of these two that
+tvm-ffi refuses for its argument count (refused before any launch) switches the wrapper to that function's
+earlier signature for good (``swap_in``: hook 0, and a zeroed workspace of the earlier layout kept here,
+which the earlier kernel also leaves zero after every launch; ``swap_in_positions``: the argument dropped,
+and refused where it asks for given rows, which the earlier kernel cannot pass through). Every other
+function passes through.
 """
 
 from __future__ import annotations
@@ -27,21 +30,41 @@ class AgainstModule:
 
     def __init__(self, module) -> None:
         self._module = module
-        self._earlier: bool | None = None  # unknown until the first swap_in
+        self._earlier: dict[str, bool] = {}  # per adapted function; unknown until its first call
         self._earlier_workspace: torch.Tensor | None = None
 
     def swap_in(self, *args):
-        if self._earlier is None:
+        return self._call("swap_in", args, self._earlier_arguments)
+
+    def swap_in_positions(self, *args):
+        return self._call("swap_in_positions", args, self._earlier_positions_arguments)
+
+    def _call(self, name: str, args: tuple, earlier_arguments):
+        """``name`` with this tree's ``args``, or with ``earlier_arguments(args)`` once the library refused them."""
+        function = getattr(self._module, name)
+        if name not in self._earlier:
             try:
-                result = self._module.swap_in(*args)
+                result = function(*args)
             except TypeError as exc:
                 if _ARITY_ERROR not in str(exc):
                     raise
-                self._earlier = True
+                self._earlier[name] = True
             else:
-                self._earlier = False
+                self._earlier[name] = False
                 return result
-        return self._module.swap_in(*(self._earlier_arguments(args) if self._earlier else args))
+        return function(*(earlier_arguments(args) if self._earlier[name] else args))
+
+    @staticmethod
+    def _earlier_positions_arguments(args: tuple) -> tuple:
+        """This tree's ``swap_in_positions`` arguments (..., positions_per_group, resident_rows_given, splits,
+        threads, stream) as the binding from before ``resident_rows_given`` takes them."""
+        *head, resident_rows_given, splits, threads, stream = args
+        if resident_rows_given:
+            raise ValueError(
+                "swap_in_positions(resident_rows=True): the --against kernel predates given resident rows "
+                "(it would translate them as positions); time it with resident_rows=False."
+            )
+        return (*head, splits, threads, stream)
 
     def _earlier_arguments(self, args: tuple) -> tuple:
         """This tree's arguments (..., out, counters, workspace, plan, splits, threads, stream) as the
