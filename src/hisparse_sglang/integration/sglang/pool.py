@@ -16,7 +16,7 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
 from hisparse_sglang.errors import UnsupportedSetupError
 from hisparse_sglang.integration.sglang import compat
-from hisparse_sglang.integration.sglang.runtime import HiSparseRuntime
+from hisparse_sglang.integration.sglang.runtime import HiSparseRuntime, PerForward
 
 __all__ = ["HiSparseDevicePool"]
 
@@ -65,9 +65,8 @@ class HiSparseDevicePool(DSATokenToKVPool):
         )
         self.host_to_device_ratio = host_to_device_ratio
         self.bytes_per_token = self.kv_cache_dim * self.store_dtype.itemsize
-        # The last KV write's logical locations and their device rows (see _write_rows).
-        self._written_loc: torch.Tensor | None = None
-        self._written_rows: torch.Tensor | None = None
+        # The device rows of a forward's KV-write locations (see _write_rows).
+        self._written_rows = PerForward()
         # The process's HiSparse state starts here: SGLang builds this pool first and hands it to
         # the allocator (as kvcache) and to the model runner.
         self.runtime = HiSparseRuntime(host_to_device_ratio)
@@ -96,21 +95,14 @@ class HiSparseDevicePool(DSATokenToKVPool):
         return self.runtime.device_row_of_loc[loc.to(torch.int64)].to(torch.int64)
 
     def _write_rows(self, layer, loc_info) -> torch.Tensor:
-        """Device rows of a KV write's logical locations, gathered once per forward.
+        """Device rows of a KV write's logical locations, gathered once per forward (:class:`PerForward`).
 
         Every layer of a forward writes its KV at the same locations (the batch's ``out_cache_loc``, one
         tensor), whose rows nothing rebinds during the forward (the allocator and the coordinator bind them
-        before it), so the first layer gathers the rows and a later layer writing the same tensor reuses
-        them: one gather and one cast per forward instead of per layer. Under CUDA-graph capture the graph
-        records the first layer's gather and the later layers read its output. The first layer of the pool
-        always gathers anew, as does a write of any other tensor.
+        before it): one gather and one cast per forward instead of per layer.
         """
         loc = compat.write_locations(loc_info)
-        if loc is self._written_loc and layer.layer_id != self.start_layer:
-            return self._written_rows
-        rows = self._rows_of(loc)
-        self._written_loc, self._written_rows = loc, rows
-        return rows
+        return self._written_rows.get(loc, layer.layer_id == self.start_layer, lambda: self._rows_of(loc))
 
     # ---------------------------------------------------------------- KV access through the table
     def set_kv_buffer(self, layer, loc, cache_k, cache_v):

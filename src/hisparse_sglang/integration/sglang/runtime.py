@@ -29,7 +29,29 @@ from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.memory.allocator import KVAllocator
 from hisparse_sglang.memory.quarantine import RowQuarantine
 
-__all__ = ["HiSparseRuntime", "RequestLengthLimit", "runtime_of"]
+__all__ = ["HiSparseRuntime", "PerForward", "RequestLengthLimit", "runtime_of"]
+
+
+class PerForward:
+    """A value derived from one tensor of a forward, computed at the forward's first layer and reused by its later
+    layers.
+
+    SGLang hands every layer of a forward the same tensor object (the KV write's locations, the verify's page
+    table), which nothing rebinds during the forward, so a value computed from it at the first layer holds for
+    the rest. :meth:`get` computes anew at the pool's first layer and for any tensor other than the last one
+    seen: under CUDA-graph capture the graph records the first layer's computation and the later layers read its
+    output; a forward whose first layer does not ask still gets a fresh value for a new tensor.
+    """
+
+    def __init__(self) -> None:
+        self._of: torch.Tensor | None = None
+        self._value = None
+
+    def get(self, of: torch.Tensor, first_layer: bool, compute):
+        """``compute()``'s value for tensor ``of``, computed now if ``first_layer`` or ``of`` is new."""
+        if first_layer or of is not self._of:
+            self._value, self._of = compute(), of
+        return self._value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +99,9 @@ class HiSparseRuntime:
         self.reserving_logical_only = False
         self._verify_rows: torch.Tensor | None = None
         # Whether the verify forward's top-k is SGLang's fused one through the coordinator's verify page table
-        # (hook H5 decides per layer, H4's swap-in reads it), and that table with the page table it was built from.
+        # (hook H5 decides per layer, H4's swap-in reads it), and that table, built once per forward.
         self.verify_top_k_fused = False
-        self._verify_page_table: torch.Tensor | None = None
-        self._verify_page_table_of: torch.Tensor | None = None
+        self._verify_page_table = PerForward()
 
     # ---------------------------------------------------------------- construction, in SGLang's order
     def attach_pool(self, pool) -> None:
@@ -160,15 +181,14 @@ class HiSparseRuntime:
 
     def fused_verify_page_table(self, req_pool_indices: torch.Tensor, page_table: torch.Tensor, layer_id: int):
         """The page table the fused top-k of this TARGET_VERIFY forward maps through (hook H5; the coordinator's
-        ``verify_page_table``): built at the pool's first layer, or for a page table not seen before, and reused
-        by the forward's later layers (SGLang's page table is one tensor per forward, which nothing changes during
-        it; under CUDA-graph capture the graph records the build at the first layer). The forward's swap-ins then
-        take a resident request's entries as device rows (:attr:`verify_top_k_fused`)."""
-        if layer_id == self._pool.start_layer or page_table is not self._verify_page_table_of:
-            self._verify_page_table = self.coordinator.verify_page_table(req_pool_indices, page_table)
-            self._verify_page_table_of = page_table
+        ``verify_page_table``), built once per forward (:class:`PerForward`: SGLang's logical page table is one
+        tensor per forward). The forward's swap-ins then take a resident request's entries as device rows
+        (:attr:`verify_top_k_fused`)."""
         self.verify_top_k_fused = True
-        return self._verify_page_table
+        return self._verify_page_table.get(
+            page_table, layer_id == self._pool.start_layer,
+            lambda: self.coordinator.verify_page_table(req_pool_indices, page_table),
+        )
 
     def unfused_verify_top_k(self) -> None:
         """This TARGET_VERIFY forward's top-k yields positions only (SGLang's unfused top-k; hook H5)."""
