@@ -278,7 +278,6 @@ def test_the_verify_top_k_is_fused_only_where_sglang_would_run_its_v2_kernel():
     from hisparse_sglang.errors import UnsupportedSetupError
 
     run = HookedRun(host_lag=False)
-    run.admit("a", PAGE + 2)
     runtime = run.coordinator.runtime
     attn = types.SimpleNamespace(
         real_page_table=torch.zeros(T, 4, dtype=torch.int32), topk_v2_plan=torch.zeros(T + 1, dtype=torch.int32),
