@@ -140,28 +140,75 @@ def test_positions_the_swap_in_left_out_are_not_checked(monkeypatch):
     assert recorder.mismatches == 0, recorder.first_mismatch
 
 
-def test_with_resident_rows_given_only_offloaded_requests_are_recorded_as_positions(monkeypatch):
-    """SGLang 0.5.17 - 0.5.21's fused verify top-k gives a resident request's entries as device rows: the check
-    records only the offloaded requests' positions (a resident request's entries become -1, not checked)."""
-    import types
-
+def fused_verify_server(monkeypatch, mistake=None) -> SimulatedServer:
+    """A recorded verify server (T = 3, resident-first) whose swap-in gets a resident request's entries as
+    device rows, as SGLang 0.5.17 - 0.5.21's fused top-k through the verify page table gives them: the position
+    ``p`` of a resident request becomes the row its location maps to, and the swap-in passes it through
+    (``resident_rows``). ``mistake(entries, resident)`` may change the rows first."""
     import torch
 
-    rows_out = torch.zeros(3, 2, 4, dtype=torch.int32)
-    monkeypatch.setattr(core.Coordinator, "swap_in_verify", lambda self, *args: rows_out)
-    monkeypatch.setattr(core.Coordinator, "__init__", core.Coordinator.__init__)
-    monkeypatch.setattr(core.Coordinator, "swap_in", core.Coordinator.swap_in)
-    kv_check_fixture._wrap_swap_in(core)
-    recorded = []
-    fake = types.SimpleNamespace(
-        _kv_check=types.SimpleNamespace(record=lambda *args: recorded.append(args)),
-        speculative=types.SimpleNamespace(verify_limit=torch.full((4,), 99, dtype=torch.int32)),
-        buffers=types.SimpleNamespace(buffer_of_req=torch.tensor([-1, 0, -1, 1], dtype=torch.int32)),
-    )
-    top_k = torch.arange(3 * 2 * 4, dtype=torch.int32).reshape(3, 2, 4)
-    slots, seq_lens = torch.tensor([2, 1, 3]), torch.tensor([40, 50, 60])
-    for given in (False, True):
-        assert core.Coordinator.swap_in_verify(fake, slots, seq_lens, top_k, 0, given) is rows_out
-    unmasked, masked = recorded[0][1].reshape(3, 2, 4), recorded[1][1].reshape(3, 2, 4)
-    assert torch.equal(unmasked, top_k)
-    assert bool((masked[0] == -1).all()) and torch.equal(masked[1:], top_k[1:])
+    from hisparse_sglang.testing.sim import SpeculativeMode
+
+    def fused_top_k(self, req_pool_indices, seq_lens, top_k, layer_id, resident_rows=False):
+        slots = req_pool_indices.to(torch.int64)
+        resident = self.buffers.buffer_of_req[slots] < 0
+        locations = self.req_to_token[slots].to(torch.int64).unsqueeze(1).expand(-1, top_k.shape[1], -1)
+        rows = self.allocator.device_row_of_loc[locations.gather(2, top_k.clamp(min=0).to(torch.int64))]
+        # SGLang's kernel selects only within each position's causal range [0, s + j]: -1 elsewhere
+        causal = top_k <= (seq_lens.reshape(-1, 1) + torch.arange(top_k.shape[1])).unsqueeze(2)
+        top_k = torch.where(causal, top_k, -1)
+        entries = torch.where(resident.reshape(-1, 1, 1) & (top_k >= 0), rows.to(top_k.dtype), top_k)
+        if mistake is not None:
+            mistake(entries, resident)
+        return serve(self, req_pool_indices, seq_lens, entries, layer_id, True)
+
+    config = HiSparseConfig(top_k=16, device_buffer_size=64, page_size=16, host_to_device_ratio=4,
+                            resident_first=True)
+    server = recorded_server(monkeypatch, (300, 200), config=config, seed=5, verify=False,
+                             speculative=SpeculativeMode(3, host_lag=False, accept=lambda uid, i: 2))
+    serve = core.Coordinator.swap_in_verify  # wrapped by the check, as H4 calls it
+    monkeypatch.setattr(core.Coordinator, "swap_in_verify", fused_top_k)
+    return server
+
+
+def test_resident_rows_given_are_checked_by_the_position_they_stand_for(monkeypatch):
+    """With the fused verify top-k a resident request's entries are device rows: the check finds, for each, the
+    request's position whose location maps to it and compares the row with that position's host row. A correct
+    run has no mismatch; a changed resident row is found."""
+    server = fused_verify_server(monkeypatch)
+    recorder = server.coordinator._kv_check
+    for _ in range(5):
+        server.step()
+        recorder.check()
+    assert recorder.given_checked > 0 and recorder.rows_checked > 0
+    assert recorder.mismatches == 0, recorder.first_mismatch
+    layer = 1
+    real = int(recorder.real) * recorder.positions
+    given = recorder.given[:real].nonzero().flatten()
+    request = int(given[0])
+    entries = recorder.top_k[layer, request]
+    seq_len = int(recorder.seq_lens[request])
+    row = next(int(r) for r in entries.tolist() if r > 0 and int(
+        (server.coordinator.allocator.device_row_of_loc[server.coordinator.req_to_token[int(recorder.slots[request]),
+                                                        :seq_len].long()] == r).sum()))
+    server.coordinator.device_layers[layer][row, 7] ^= 0xFF
+    recorder.check()
+    assert recorder.mismatches >= 1
+    found = recorder.first_mismatch
+    assert found["given_row"] and (found["layer"], found["device_row"]) == (layer, row) and not found["stray"]
+
+
+def test_a_given_row_of_no_position_of_its_request_counts(monkeypatch):
+    """An entry of a resident request that is no row of the request's positions (a mapping gone wrong) is a
+    mismatch, named as such."""
+    import torch
+
+    def one_row_elsewhere(entries, resident):
+        request = int(resident.nonzero()[0])
+        entries[request, 0, 0] = torch.iinfo(torch.int32).max // 2  # beyond the device rows
+
+    server = fused_verify_server(monkeypatch, one_row_elsewhere)
+    recorder = server.coordinator._kv_check
+    server.step()
+    recorder.check()
+    assert recorder.mismatches >= 1 and recorder.first_mismatch["stray"] and recorder.first_mismatch["given_row"]

@@ -61,6 +61,9 @@ class Recorder:
         self.rows = torch.full((layers, rows, k), -1, dtype=torch.int32, device=device)
         self.slots = torch.zeros(rows, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(rows, dtype=torch.int64, device=device)
+        # query rows whose top-k entries are device rows, not positions (a resident request's, with the fused
+        # verify top-k through the verify page table)
+        self.given = torch.zeros(rows, dtype=torch.bool, device=device)
         self.real = torch.zeros(1, dtype=torch.int32, device=device)
         self.batch = torch.zeros(1, dtype=torch.int32, device=device)
         self.capacity = rows
@@ -68,11 +71,55 @@ class Recorder:
         self.checks = 0
         self.rows_checked = 0
         self.mismatches = 0
+        self.given_checked = 0  # query rows checked whose entries were device rows
         self.first_mismatch: dict | None = None
 
-    def record(self, layer: int, top_k, slots, seq_lens, rows, positions: int = 1) -> None:
+    def _row_inverses(self, slots, seq_lens, given, layer_rows: int) -> dict[int, object]:
+        """Per query row of ``given``: a map from device row to the request's position ``p < s + T`` whose
+        location maps to that row (``device_row_of_loc``; a resident request's rows are its own), -1 for every
+        other row. Rows of one request share theirs."""
+        import torch
+
+        coordinator = self.coordinator
+        translate = coordinator.allocator.device_row_of_loc
+        by_request: dict[tuple[int, int], object] = {}
+        inverses = {}
+        for row in given.nonzero().flatten().tolist():
+            slot = int(slots[row])
+            # recorded: s - 1; the verify's query rows see positions [0, s + T)
+            span = min(int(seq_lens[row, 0]) + 1 + self.positions, coordinator.req_to_token.shape[1])
+            if (slot, span) not in by_request:
+                locations = coordinator.req_to_token[slot, :span].to(torch.int64)
+                of_position = translate[locations].to(torch.int64)
+                of_position = torch.where(of_position > 0, of_position, layer_rows)  # 0 / -1: no row
+                inverse = torch.full((layer_rows + 1,), -1, dtype=torch.int64, device=of_position.device)
+                inverse[of_position.clamp(max=layer_rows)] = torch.arange(span, device=of_position.device)
+                inverse[layer_rows] = -1
+                by_request[(slot, span)] = inverse
+            inverses[row] = by_request[(slot, span)]
+        return inverses
+
+    @staticmethod
+    def _positions_of_given_rows(entries, inverses: dict, layer_rows: int):
+        """The position each device-row entry of the query rows in ``inverses`` stands for, and the entries
+        that are no row of the request's range (``stray``: a wrong row, counted as a mismatch). Entries of other
+        query rows stay as they are (positions)."""
+        import torch
+
+        positions = entries.clone()
+        stray = torch.zeros_like(entries, dtype=torch.bool)
+        for row, inverse in inverses.items():
+            picked = entries[row]
+            named = picked >= 0
+            found = inverse[picked.clamp(min=0, max=layer_rows)]
+            positions[row] = torch.where(named, found, picked)
+            stray[row] = named & (found < 0)
+        return positions, stray
+
+    def record(self, layer: int, top_k, slots, seq_lens, rows, positions: int = 1, given=None) -> None:
         """One layer's swap-in: ``top_k`` / ``rows`` ``[B, K]``, ``slots`` / ``seq_lens`` ``[B]`` (a verify's
-        ``B x T`` query rows flattened, each with its request's slot and committed length, ``positions = T``)."""
+        ``B x T`` query rows flattened, each with its request's slot and committed length, ``positions = T``);
+        ``given`` ``[B]`` bool: the rows whose entries are device rows (None: none)."""
         self.positions = positions
         batch = top_k.shape[0]
         if batch > self.capacity:
@@ -83,6 +130,10 @@ class Recorder:
         if layer == 0:
             self.slots[:batch].copy_(slots)
             self.seq_lens[:batch].copy_(seq_lens)
+            if given is None:
+                self.given[:batch].fill_(False)
+            else:
+                self.given[:batch].copy_(given)
             self.real.copy_(self.coordinator.num_real_reqs)
             self.batch.fill_(batch)
 
@@ -98,11 +149,15 @@ class Recorder:
         coordinator = self.coordinator
         slots = self.slots[:real]
         seq_lens = self.seq_lens[:real].unsqueeze(1)
+        given = self.given[:real]
+        layer_rows = coordinator.device_layers[0].shape[0]
+        inverses = self._row_inverses(slots, seq_lens, given, layer_rows) if bool(given.any()) else {}
         for layer in range(self.top_k.shape[0]):
             positions = self.top_k[layer, :real].to(torch.int64)
             rows = self.rows[layer, :real].to(torch.int64)
+            positions, stray = self._positions_of_given_rows(positions, inverses, layer_rows)
             valid = (positions >= 0) & (positions < seq_lens)
-            unserved = valid & (rows < 0)
+            unserved = (valid & (rows < 0)) | stray
             served = valid & (rows >= 0)
             locations = coordinator.req_to_token[slots].to(torch.int64).gather(1, positions.clamp(min=0))
             device_bytes = coordinator.device_layers[layer][rows[served]].cpu()
@@ -117,10 +172,13 @@ class Recorder:
                     "check": self.checks, "layer": layer, "batch_row": request, "slot": int(slots[request]),
                     "position": int(positions[request, entry]), "device_row": int(rows[request, entry]),
                     "host_row": int(locations[request, entry]), "unserved": bool(unserved[request, entry]),
+                    "given_row": bool(given[request]), "stray": bool(stray[request, entry]),
                 }
             self.mismatches += wrong
         self.checks += 1
+        self.given_checked += int(given.sum())
         _say("kv-check " + json.dumps({"checks": self.checks, "rows": self.rows_checked,
+                                       "given_query_rows": self.given_checked,
                                        "mismatches": self.mismatches, "first_mismatch": self.first_mismatch}))
 
 
@@ -149,9 +207,10 @@ def _wrap_swap_in(core) -> None:
         """A verify forward: every position's history rows before ``s - 1`` (accepted and backed up by earlier
         steps) are checked. Not checked: the verify positions' own rows, whose host truth exists only once
         accepted, and position ``s - 1``, whose row (an offloaded request's slot ``D``) the same step's commit
-        rewrites with the newest accepted token after attention has read it; and with ``resident_rows`` (the
-        fused top-k of SGLang 0.5.17 - 0.5.21 through the verify page table) a resident request's entries,
-        which are device rows, not positions (the judge checks those requests' outputs)."""
+        rewrites with the newest accepted token after attention has read it. With ``resident_rows`` (the fused
+        top-k of SGLang 0.5.17 - 0.5.21 through the verify page table) a resident request's entries are device
+        rows, not positions: they are recorded as given rows, and the check finds the position each stands for
+        (the request's location mapped to that row) before comparing, a row of no position being a mismatch."""
         rows = original_swap_in_verify(self, req_pool_indices, seq_lens, top_k, layer_id, resident_rows)
         recorder = getattr(self, "_kv_check", None)
         if recorder is not None:
@@ -162,13 +221,14 @@ def _wrap_swap_in(core) -> None:
             # holds: at or past the row's verify limit) has every row -1 and is never accepted: not checked.
             limit = self.speculative.verify_limit[:batch].to(torch.int64).reshape(-1, 1)
             served = torch.arange(positions, device=top_k.device).reshape(1, -1) < limit
+            given = None
             if resident_rows:
-                offloaded = self.buffers.buffer_of_req[req_pool_indices.to(torch.int64)] >= 0
-                served = served & offloaded.reshape(-1, 1)
+                given = (self.buffers.buffer_of_req[req_pool_indices.to(torch.int64)] < 0).repeat_interleave(positions)
             top_k = torch.where(served.unsqueeze(2), top_k, torch.full_like(top_k, -1))
             recorder.record(layer_id, top_k.reshape(batch * positions, k),
                             req_pool_indices.repeat_interleave(positions),
-                            (seq_lens - 1).repeat_interleave(positions), rows.reshape(batch * positions, k), positions)
+                            (seq_lens - 1).repeat_interleave(positions), rows.reshape(batch * positions, k), positions,
+                            given)
         return rows
 
     core.Coordinator.__init__ = __init__

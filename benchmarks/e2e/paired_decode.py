@@ -14,7 +14,9 @@ slow CPU or a slow minute slows both sides of a ratio alike.
 
 For each level N of ``--levels`` the arm being measured gets N requests of ``--input-len`` + ``--output-len``
 tokens at once (the same prompts for every arm of a round): its time per output token is the mean over those
-requests of (last token - first token) / (tokens - 1).
+requests of (last token - first token) / (tokens - 1). With ``--steady`` it also records the time per token while
+every request of the level decodes (from the last request's first token to the first request's last), per request
+then averaged: the decode step's pace without the other requests' prefills interleaved, reported in a second table.
 
     python3 benchmarks/e2e/paired_decode.py --variants a+mtp,c+mtp,d+mtp --levels 1,2,4 --rounds 14 \\
         --harness-args "--mtp-steps 3 --mtp-accept-len 3 --plugin-hisparse-config '{\\"device_buffer_size\\": 8192}'"
@@ -54,14 +56,20 @@ from profile_decode import find_scheduler_pid, pin_process
 from servers import Server
 
 
-def decode_level(server: Server, prompts: list[list[int]], output_len: int) -> dict:
-    """Every prompt at once (phases.run_level): the mean time per output token over the requests (ms), or the
-    first error when a request gave no time per token."""
-    row = run_level(server, prompts, output_len, timeout=600)
+def decode_level(server: Server, prompts: list[list[int]], output_len: int, steady: bool = False) -> dict:
+    """Every prompt at once (phases.run_level): the mean time per output token over the requests (ms), with
+    ``steady`` also the mean over the requests of their time per token while all of them decode
+    (``steady_ms``), or the first error when a request gave no time per token."""
+    row = run_level(server, prompts, output_len, timeout=600, steady=steady)
     tpots = row["tpot_ms_per_request"]
     if len(tpots) < len(prompts):
         return {"error": str(row["errors"][0] if row["errors"] else "a request without a time per token")}
-    return {"tpot_ms": round(statistics.mean(tpots), 4)}
+    out = {"tpot_ms": round(statistics.mean(tpots), 4)}
+    if steady:
+        window = row.get("steady_tpot_ms_per_request") or []
+        out["steady_ms"] = round(statistics.mean(window), 4) if len(window) == len(prompts) else (
+            "no window in which every request decoded")
+    return out
 
 
 def spread(values: list[float]) -> dict:
@@ -72,19 +80,20 @@ def spread(values: list[float]) -> dict:
 
 
 def summarize(variants: list[str], levels: list[int], rounds: list[dict], within: float,
-              ratios: list[tuple[str, str]] | None = None) -> dict:
-    """Per level: each arm's time per token over the rounds, and per ``(arm, baseline)`` of ``ratios`` (default:
-    every arm against the first) the arm's per-round ratio to the baseline."""
+              ratios: list[tuple[str, str]] | None = None, metric: str = "tpot_ms") -> dict:
+    """Per level: each arm's time per token (``metric``: ``tpot_ms``, or ``steady_ms`` of a ``--steady`` run)
+    over the rounds, and per ``(arm, baseline)`` of ``ratios`` (default: every arm against the first) the arm's
+    per-round ratio to the baseline."""
     ratios = ratios or [(v, variants[0]) for v in variants[1:]]
     out = {}
     for level in levels:
         key = str(level)
-        per_arm = {v: [r["tpot_ms"][v][key] for r in rounds if isinstance(r["tpot_ms"][v].get(key), float)]
+        per_arm = {v: [r[metric][v][key] for r in rounds if isinstance(r[metric][v].get(key), float)]
                    for v in variants}
         per_pair = {}
         for v, base in ratios:
-            pairs = [r["tpot_ms"][v][key] / r["tpot_ms"][base][key] for r in rounds
-                     if isinstance(r["tpot_ms"][v].get(key), float) and isinstance(r["tpot_ms"][base].get(key), float)]
+            pairs = [r[metric][v][key] / r[metric][base][key] for r in rounds
+                     if isinstance(r[metric][v].get(key), float) and isinstance(r[metric][base].get(key), float)]
             if pairs:
                 per_pair[f"{v} / {base}"] = spread(pairs) | {"within": sum(abs(p - 1) <= within for p in pairs)}
         out[key] = {"tpot_ms": {v: spread(t) for v, t in per_arm.items() if t}, "ratio": per_pair}
@@ -92,9 +101,10 @@ def summarize(variants: list[str], levels: list[int], rounds: list[dict], within
 
 
 def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | None = None,
-           hisparse_log: dict | None = None) -> str:
-    """The table of every level (arms' time per token, the ratios per round), what the plugin's log lines say
-    per arm (modes, hit rate, host work), then every round's figures."""
+           hisparse_log: dict | None = None, steady: dict | None = None) -> str:
+    """The table of every level (arms' time per token, the ratios per round), with ``steady`` (the summary of
+    ``steady_ms``) the same table while every request of a level decodes, what the plugin's log lines say per arm
+    (modes, hit rate, host work), then every round's figures."""
     names = list(next(iter(summary.values()))["ratio"]) if summary else []
     lines = [f"Arms side by side ({meta['rounds']} rounds, scheduler of the measured arm pinned to one CPU per round: "
              f"{meta['cpus']}; parking CPU {meta['park_cpu']}, client CPU {meta['client_cpu']}; "
@@ -103,16 +113,12 @@ def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | 
              + "".join(f" | {name} per round, median [q1-q3] (min-max), rounds within {meta['within']:.0%}"
                        for name in names) + " |",
              "|---" * (1 + len(variants) + len(names)) + "|"]
-    for level, row in summary.items():
-        cells = []
-        for v in variants:
-            s = row["tpot_ms"].get(v)
-            cells.append(f"{s['median']} [{s['q1']}-{s['q3']}] ({s['min']}-{s['max']})" if s else "–")
-        for name in names:
-            s = row["ratio"].get(name)
-            cells.append(f"**{s['median']:.3f}** [{s['q1']:.3f}-{s['q3']:.3f}] ({s['min']:.3f}-{s['max']:.3f}), "
-                         f"{s['within']} of {s['n']}" if s else "–")
-        lines.append(f"| {level} | " + " | ".join(cells) + " |")
+    header = lines[1:]
+    lines += _level_rows(variants, names, summary)
+    if steady:
+        lines += ["\nWhile every request of the level decodes (from the last request's first token to the first "
+                  "request's last; the other requests' prefills not interleaved):\n", *header,
+                  *_level_rows(variants, names, steady)]
     for variant, plugin in (hisparse_log or {}).items():
         if plugin:
             hit = plugin["hit_rate_pct_min"]
@@ -130,6 +136,21 @@ def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | 
             cells = ["/".join(str(r["tpot_ms"][v].get(level, "–")) for level in levels) for v in variants]
             lines.append(f"| {r['round']} | {r['cpu']} | {', '.join(r['order'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _level_rows(variants: list[str], names: list[str], summary: dict) -> list[str]:
+    lines = []
+    for level, row in summary.items():
+        cells = []
+        for v in variants:
+            s = row["tpot_ms"].get(v)
+            cells.append(f"{s['median']} [{s['q1']}-{s['q3']}] ({s['min']}-{s['max']})" if s else "–")
+        for name in names:
+            s = row["ratio"].get(name)
+            cells.append(f"**{s['median']:.3f}** [{s['q1']:.3f}-{s['q3']:.3f}] ({s['min']:.3f}-{s['max']:.3f}), "
+                         f"{s['within']} of {s['n']}" if s else "–")
+        lines.append(f"| {level} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def parse_ratios(text: str, variants: list[str]) -> list[tuple[str, str]] | None:
@@ -183,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", action="append", default=[], metavar="LABEL=DIR",
                         help="plugin source (a src directory) of the variants ARM@LABEL; repeatable")
     parser.add_argument("--harness-args", default="", help="run_e2e.py flags of the servers (shell-quoted string)")
+    parser.add_argument("--steady", action="store_true",
+                        help="also time each level while every one of its requests decodes (a second table)")
     parser.add_argument("--max-seconds", type=float, default=0,
                         help="start no round that would end later than this many seconds after the start (servers' "
                         "start included; 0: run every round): under a time limit, leave ~30 s for stopping the "
@@ -195,10 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         meta = earlier.get("meta") or {"cpus": sorted({r["cpu"] for r in earlier["rounds"]}), "park_cpu": "?",
                                        "client_cpu": "?", "input_len": args.input_len,
                                        "output_len": args.output_len, "within": args.within}
-        summary = summarize(variants, earlier["levels"], earlier["rounds"], meta["within"],
-                            parse_ratios(args.ratios, variants))
+        picked = parse_ratios(args.ratios, variants)
+        summary = summarize(variants, earlier["levels"], earlier["rounds"], meta["within"], picked)
+        steady = (summarize(variants, earlier["levels"], earlier["rounds"], meta["within"], picked, "steady_ms")
+                  if all("steady_ms" in r for r in earlier["rounds"]) else None)
         print(render(variants, summary, meta | {"rounds": len(earlier["rounds"])}, earlier["rounds"],
-                     earlier.get("hisparse_log")), end="")
+                     earlier.get("hisparse_log"), steady), end="")
         return 0
     harness_args = options.parse_args(shlex.split(args.harness_args))
     for key, value in vars(harness_args).items():
@@ -260,18 +285,25 @@ def main(argv: list[str] | None = None) -> int:
             cpu = sweep[r % len(sweep)]
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             entry = {"round": r, "cpu": cpu, "order": order, "tpot_ms": {v: {} for v in variants}}
+            if args.steady:
+                entry["steady_ms"] = {v: {} for v in variants}
             for level in levels:
                 prompts = [client.make_prompt(10_000 * r + 100 * level + j, args.input_len, vocab) for j in range(level)]
                 for variant in order:
                     for other, pid in schedulers.items():
                         pin_process(pid, {cpu} if other == variant else {park_cpu})
-                    out = decode_level(servers[variant], prompts, args.output_len)
+                    out = decode_level(servers[variant], prompts, args.output_len, args.steady)
                     entry["tpot_ms"][variant][str(level)] = out.get("tpot_ms", out.get("error"))
+                    if args.steady:
+                        entry["steady_ms"][variant][str(level)] = out.get("steady_ms", out.get("error"))
                     servers[variant].check()
             result["rounds"].append(entry)
             round_s.append(time.monotonic() - round_started)
             log(f"round {r} (CPU {cpu}, {round_s[-1]:.0f} s): {entry['tpot_ms']}")
             result["summary"] = summarize(variants, levels, result["rounds"], args.within, ratios)
+            if args.steady:
+                result["summary_steady"] = summarize(variants, levels, result["rounds"], args.within, ratios,
+                                                     "steady_ms")
             (args.out / "paired.json").write_text(json.dumps(result, indent=1))
     finally:
         for variant, server in servers.items():
@@ -280,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             result.setdefault("hisparse_log", {})[variant] = logs.summarize_hisparse(text)
         (args.out / "paired.json").write_text(json.dumps(result, indent=1))
     text = render(variants, result.get("summary", {}), meta | {"rounds": len(result["rounds"])}, result["rounds"],
-                  result.get("hisparse_log"))
+                  result.get("hisparse_log"), result.get("summary_steady"))
     (args.out / "paired.md").write_text(text)
     log(text)
     return 0

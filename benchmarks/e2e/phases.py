@@ -317,7 +317,8 @@ def run_level(target, prompts: list[list[int]], out_len: int, timeout: float, *,
         window = steady_window([o.get("arrivals") or [] for o in outs]) if len(ok) == len(outs) else None
         per_request = [w for w in (window_tpot(o["arrivals"], window) for o in ok) if w] if window else []
         row.update({"steady_window_s": round(window[1] - window[0], 3) if window else None,
-                    "steady_tpot_ms_median": round(1000 * statistics.median(per_request), 3) if per_request else None})
+                    "steady_tpot_ms_median": round(1000 * statistics.median(per_request), 3) if per_request else None,
+                    "steady_tpot_ms_per_request": [round(1000 * t, 3) for t in per_request]})
     return row
 
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Where the decode step's time goes at concurrency 1, per arm: host waits and host work.
+"""Where the decode step's time goes at a low concurrency (1 unless ``--concurrency``), per arm: host waits, host
+work and GPU kernels.
 
 For each variant (an arm of run_e2e.py, optionally with extra server flags, e.g.
 ``c+--disable-overlap-schedule``) this starts the server, warms it up and then
 
-1. decodes one long request (``--trace-out`` tokens) during which
+1. decodes one long request (``--trace-out`` tokens; ``--concurrency N``: N of them at once) during which
    * the fixture plugin records every synchronizing CUDA call of the scheduler process, with its
      Python stack, over decode batches ``--sync-window`` (``HISPARSE_E2E_SYNC_TRACE``), and
    * py-spy samples the scheduler process (``--idle``: waits count) for ``--spy-seconds``;
@@ -149,16 +150,25 @@ def pin_process(pid: int, cpus: set[int]) -> dict[int, set[int]]:
     return previous
 
 
-def timed_requests(port: int, prompts: list[list[int]], output_len: int) -> tuple[list[float], list]:
-    """The prompts decoded one after the other: each request's time per output token (ms, rounded to
-    microseconds) and the errors of those that gave none."""
+def timed_requests(port: int, prompts: list[list[int]], output_len: int,
+                   concurrency: int = 1) -> tuple[list[float], list]:
+    """The prompts decoded ``concurrency`` at a time (consecutive ones together), one group after the other: per
+    group the median time per output token of its requests (ms, rounded to microseconds), and the errors of the
+    requests that gave none."""
     tpots, errors = [], []
-    for prompt in prompts:
-        out = client.generate_stream(port, prompt, output_len, timeout=600)
-        if out.get("tpot_s"):
-            tpots.append(round(1e3 * out["tpot_s"], 3))
-        else:
-            errors.append(out.get("error"))
+    for start in range(0, len(prompts), concurrency):
+        group = prompts[start:start + concurrency]
+        outs: list[dict] = [{} for _ in group]
+        threads = [threading.Thread(target=lambda i=i, prompt=prompt: outs[i].update(
+            client.generate_stream(port, prompt, output_len, timeout=600))) for i, prompt in enumerate(group)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        group_tpots = [out["tpot_s"] for out in outs if out.get("tpot_s")]
+        errors += [out.get("error") for out in outs if not out.get("tpot_s")]
+        if group_tpots:
+            tpots.append(round(1e3 * statistics.median(group_tpots), 3))
     return tpots, errors
 
 
@@ -224,8 +234,10 @@ def summarize_spy(raw: str, top: int = 60, within: str = "Scheduler.event_loop")
 
 
 def summarize_kernels(trace_dir: Path, steps: int, top: int = 25) -> dict:
-    """GPU kernel time of a torch-profiler trace SGLang wrote under ``trace_dir``: total and per step, and the
-    ``top`` kernels by total time (name, calls, microseconds per step)."""
+    """GPU kernel time of a torch-profiler trace SGLang wrote under ``trace_dir``: total and per step, the ``top``
+    kernels by total time (name, calls, microseconds per step), and the GPU's idle time: the span from the first
+    kernel's start to the last one's end less the time some kernel ran, per step, with the ``top`` kinds of gap
+    (the kernel before and the kernel after) by their total."""
     files = sorted(trace_dir.rglob("*.json.gz")) + sorted(trace_dir.rglob("*.json"))
     if not files:
         return {"error": f"no trace under {trace_dir}"}
@@ -234,14 +246,44 @@ def summarize_kernels(trace_dir: Path, steps: int, top: int = 25) -> dict:
         events = json.load(f).get("traceEvents", [])
     total: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
+    spans = []
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            total[e["name"][:120]] += float(e.get("dur", 0.0))
-            calls[e["name"][:120]] += 1
+            name = e["name"][:120]
+            total[name] += float(e.get("dur", 0.0))
+            calls[name] += 1
+            spans.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), name))
     us = sum(total.values())
-    return {"trace": files[0].name, "steps": steps, "gpu_us": round(us, 1), "gpu_us_per_step": round(us / steps, 1),
-            "kernels": [{"name": n, "calls": calls[n], "us_per_step": round(t / steps, 1)}
-                        for n, t in total.most_common(top)]}
+    out = {"trace": files[0].name, "steps": steps, "gpu_us": round(us, 1), "gpu_us_per_step": round(us / steps, 1),
+           "kernels": [{"name": n, "calls": calls[n], "us_per_step": round(t / steps, 1)}
+                       for n, t in total.most_common(top)]}
+    if spans:
+        out |= gpu_idle(spans, steps, top)
+    return out
+
+
+def gpu_idle(spans: list[tuple[float, float, str]], steps: int, top: int) -> dict:
+    """Span, busy time (the union of the kernels' intervals) and idle time per step of ``(start, end, name)``
+    kernel intervals (microseconds), and the gaps summed by ``(kernel before, kernel after)``."""
+    spans = sorted(spans)
+    busy = 0.0
+    gaps: collections.Counter = collections.Counter()
+    gap_calls: collections.Counter = collections.Counter()
+    start, end, before = spans[0]
+    for s, e, name in spans[1:]:
+        if s > end:
+            busy += end - start
+            gaps[(before[:60], name[:60])] += s - end
+            gap_calls[(before[:60], name[:60])] += 1
+            start = s
+        if e >= end:
+            end, before = e, name
+    busy += end - start
+    span = max(e for _, e, _ in spans) - spans[0][0]
+    return {"span_us_per_step": round(span / steps, 1), "busy_us_per_step": round(busy / steps, 1),
+            "idle_us_per_step": round((span - busy) / steps, 1),
+            "gaps": [{"before": b, "after": a, "count": gap_calls[(b, a)], "us_per_step": round(t / steps, 1)}
+                     for (b, a), t in gaps.most_common(top)]}
 
 
 def sync_traces(log_text: str) -> list[dict]:
@@ -267,12 +309,12 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
         result["startup_s"] = round(server.wait_healthy(args.health_timeout), 1)
         client.generate(port, client.make_prompt(3, 4096, vocab), 16, timeout=300)
         log(f"{variant}: healthy after {result['startup_s']} s")
-        prompt = client.make_prompt(11, args.input_len, vocab)
-        traced: dict = {}
-        thread = threading.Thread(
-            target=lambda: traced.update(client.generate_stream(port, prompt, args.trace_out, timeout=600))
-        )
-        thread.start()
+        traced: list[dict] = [{} for _ in range(args.concurrency)]
+        threads = [threading.Thread(target=lambda i=i: traced[i].update(client.generate_stream(
+            port, client.make_prompt(11 + i, args.input_len, vocab), args.trace_out, timeout=600)))
+            for i in range(args.concurrency)]
+        for thread in threads:
+            thread.start()
         scheduler_pid = find_scheduler_pid(server.proc.pid) if args.placement_sweep else None
         if scheduler_pid is not None:  # where the scheduler runs and what else is busy, beside the sweep
             result["scheduler_cpu"] = int(proc_stat(f"/proc/{scheduler_pid}/stat")[1][_LAST_CPU])
@@ -309,11 +351,12 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
                     result["spy"] = summarize_spy(raw_path.read_text(), top=args.spy_top)
                 else:
                     result["spy_error"] = (proc.stderr or proc.stdout)[-800:]
-        thread.join()
-        result["traced_request"] = {k: traced.get(k) for k in ("tokens", "tpot_s", "error")}
+        for thread in threads:
+            thread.join()
+        result["traced_requests"] = [{k: t.get(k) for k in ("tokens", "tpot_s", "error")} for t in traced]
         tpots, errors = timed_requests(
-            port, [client.make_prompt(100 + repeat, args.input_len, vocab) for repeat in range(args.repeats)],
-            args.output_len)
+            port, [client.make_prompt(100 + i, args.input_len, vocab) for i in range(args.repeats * args.concurrency)],
+            args.output_len, args.concurrency)
         if errors:
             result["errors"] = errors
         result["tpot_ms"] = tpots
@@ -358,6 +401,12 @@ def render(results: list[dict]) -> str:
         if kernels.get("kernels"):
             lines.append(f"\nGPU time per forward step {kernels['gpu_us_per_step']} us ({kernels['steps']} steps):\n")
             lines += [f"- {k['us_per_step']} us/step, {k['calls']} calls: `{k['name']}`" for k in kernels["kernels"]]
+            if "span_us_per_step" in kernels:
+                lines.append(f"\nGPU timeline per step: span {kernels['span_us_per_step']} us, busy "
+                             f"{kernels['busy_us_per_step']} us, idle {kernels['idle_us_per_step']} us; the gaps "
+                             "by the kernels around them:\n")
+                lines += [f"- {g['us_per_step']} us/step, {g['count']} gaps: `{g['before']}` -> `{g['after']}`"
+                          for g in kernels["gaps"]]
         elif kernels:
             lines.append(f"\nkernel profile: {kernels.get('error')}")
         spy = r.get("spy") or {}
@@ -375,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=16384)
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--trace-out", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="requests decoded at once while traced and per timed repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sync-window", default="100:300", help="first decode batch : number of batches")
     parser.add_argument("--spy-delay", type=float, default=2.5, help="seconds after the traced request starts")

@@ -204,7 +204,9 @@ def kv_check_cell(r: dict) -> str:
     kv = r.get("log", {}).get("kv_check")
     if not kv:
         return "–"
-    return f"{kv['rows']} / {kv['mismatches']} ({kv['checks']})"
+    given = kv.get("given_query_rows")
+    # query rows whose top-k entries were device rows (the fused verify top-k): checked by the position each stands for
+    return f"{kv['rows']} / {kv['mismatches']} ({kv['checks']})" + (f", {given} query rows of device rows" if given else "")
 
 
 def spread(r: dict, key: str, nd: int = 2) -> str:

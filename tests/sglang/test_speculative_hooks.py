@@ -11,6 +11,7 @@ same checks follow every step: each row holds the right KV, every committed toke
 row holds a rejected draft's KV.
 """
 
+import logging
 import types
 
 import drive
@@ -266,7 +267,7 @@ def test_the_verify_top_k_is_unfused_only_in_a_verify_with_our_coordinator():
     assert hooks._get_indexer_metadata_after(metadata, theirs, 0, verify) is metadata
 
 
-def test_the_verify_top_k_is_fused_only_where_sglang_would_run_its_v2_kernel():
+def test_the_verify_top_k_is_fused_only_where_sglang_would_run_its_v2_kernel(caplog):
     """H5 takes SGLang's fused top-k (through the verify page table) only where SGLang's dispatch would run its
     v2 paged kernel; the unfused top-k (positions) everywhere else, and the swap-ins are told which."""
     import dataclasses
@@ -287,8 +288,12 @@ def test_the_verify_top_k_is_fused_only_where_sglang_would_run_its_v2_kernel():
     fusable = DSAIndexerMetadata(attn_metadata=attn, topk_transform_method=TopkTransformMethod.PAGED)
     ours = types.SimpleNamespace(hisparse_coordinator=run.coordinator)
     verify = types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor([1]))
-    fused = hooks._get_indexer_metadata_after(fusable, ours, 0, verify)
+    with caplog.at_level(logging.INFO, logger="hisparse_sglang"):
+        fused = hooks._get_indexer_metadata_after(fusable, ours, 0, verify)
+        hooks._get_indexer_metadata_after(fusable, ours, 1, verify)
     assert fused.verify_page_table is not None and fused.force_unfused_topk is False and runtime.verify_top_k_fused
+    said = [r.getMessage() for r in caplog.records if "verify's top-k" in r.getMessage()]
+    assert len(said) == 1 and "fused v2 kernel through the verify page table" in said[0], said  # once, not per layer
     assert fused.get_page_table_64() is attn.real_page_table
     # A call SGLang would not route to its v2 kernel (row starts given) would map through the unfused transform's
     # table: refused by name instead of yielding locations the swap-in would misread.
@@ -300,9 +305,12 @@ def test_the_verify_top_k_is_fused_only_where_sglang_would_run_its_v2_kernel():
         dataclasses.replace(fusable, topk_backend=DSATopKBackend.TORCH),
         dataclasses.replace(fusable, attn_metadata=types.SimpleNamespace(real_page_table=attn.real_page_table)),
     ):
-        unfused = hooks._get_indexer_metadata_after(other, ours, 0, verify)
+        with caplog.at_level(logging.INFO, logger="hisparse_sglang"):
+            unfused = hooks._get_indexer_metadata_after(other, ours, 0, verify)
         assert unfused.force_unfused_topk is True and not hasattr(unfused, "verify_page_table")
         assert not runtime.verify_top_k_fused
+    said = [r.getMessage() for r in caplog.records if "verify's top-k" in r.getMessage()]
+    assert len(said) == 2 and "unfused top-k (positions" in said[1], said  # the change is said once
     assert not compat.verify_top_k_fusable(fusable, 4096)  # beyond what the v2 kernel serves
     assert compat.verify_top_k_fusable(fusable, 2048)
 

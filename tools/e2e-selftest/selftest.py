@@ -212,15 +212,25 @@ def unit_checks() -> None:
         # markdown renders with partial data
         md = report.render_markdown({"meta": {}, "arms": {"a": {"status": "failed", "error": "boom"}}, "compare": {}})
         check("boom" in md and "| status | failed |" in md, "markdown with a failed arm")
+        cells = [report.kv_check_cell({"log": {"kv_check": kv}}) for kv in (
+            {"rows": 5, "mismatches": 0, "checks": 2, "given_query_rows": 3}, {"rows": 5, "mismatches": 1, "checks": 2})]
+        check(cells == ["5 / 0 (2), 3 query rows of device rows", "5 / 1 (2)"], f"KV check cells: {cells}")
     storm_checks()
     lowload_checks()
     serving_checks()
     judge_checks()
     try:  # it imports the harness modules by name
-        import profile_decode  # noqa: F401
+        import profile_decode
         check(True, "")
     except ImportError as e:
         check(False, f"profile_decode.py does not import: {e}")
+    else:
+        # the GPU's idle time per step: kernels a [0, 10) with b inside it, c [12, 20), d [20, 25), a [30, 31)
+        # over two steps: span 31, busy 24, gaps d -> a (5) and a -> c (2)
+        idle = profile_decode.gpu_idle([(30, 31, "a"), (0, 10, "a"), (2, 5, "b"), (12, 20, "c"), (20, 25, "d")], 2, 5)
+        check(idle["span_us_per_step"] == 15.5 and idle["busy_us_per_step"] == 12.0 and idle["idle_us_per_step"] == 3.5
+              and [(g["before"], g["after"], g["us_per_step"]) for g in idle["gaps"]] == [("d", "a", 2.5), ("a", "c", 1.0)],
+              f"profile: the GPU's idle time and its gaps: {idle}")
     paired_checks()
     print(f"unit checks: {PASSES} passed, {len(FAILS)} failed", flush=True)
 
@@ -277,6 +287,22 @@ def paired_checks() -> None:
     failed = paired_decode.decode_level(target, [[1], [2]], 4)
     check(level == {"tpot_ms": 1.5} and failed == {"error": "HTTP 500: boom"},
           f"paired: a level's mean time per token and its error: {level} {failed}")
+    # --steady: the window in which both requests decode is [1.0, 2.0] s (the second's first token, the first's
+    # last); inside it request 0 brought 4 -> 14 tokens (0.1 s each), request 1 2 -> 7 (0.2 s each), where their
+    # whole requests took 0.3 and 0.5 s per token
+    steady_outs = [{"tpot_s": 0.3, "tokens": 20, "e2e_s": 3.0, "arrivals": [(0.5, 1), (1.0, 4), (2.0, 14)]},
+                   {"tpot_s": 0.5, "tokens": 20, "e2e_s": 3.0, "arrivals": [(1.0, 2), (2.0, 7), (3.0, 20)]}]
+    target.endpoint = Endpoint(steady_outs)
+    steady = paired_decode.decode_level(target, [[1], [2]], 20, steady=True)
+    target.endpoint = Endpoint([dict(steady_outs[0], arrivals=[(0.5, 1), (0.9, 4)]), steady_outs[1]])
+    apart = paired_decode.decode_level(target, [[1], [2]], 20, steady=True)
+    check(steady == {"tpot_ms": 400.0, "steady_ms": 150.0}
+          and apart["steady_ms"] == "no window in which every request decoded",
+          f"paired --steady: the mean per-request time per token inside the common window: {steady} {apart}")
+    steady_rounds = [dict(r, steady_ms={"a": {"1": 1.0}, "c": {"1": 1.02}}) for r in rounds]
+    steady_summary = paired_decode.summarize(["a", "c"], [1], steady_rounds, 0.05, metric="steady_ms")["1"]
+    check(abs(steady_summary["ratio"]["c / a"]["median"] - 1.02) < 1e-9
+          and steady_summary["ratio"]["c / a"]["within"] == 5, f"paired --steady summary: {steady_summary}")
     text = paired_decode.render(["a", "c"], {"1": summary}, {"rounds": 5, "cpus": [2, 3], "park_cpu": 1,
                                                             "client_cpu": 0, "input_len": 8, "output_len": 4,
                                                             "within": 0.05}, rounds,
@@ -287,6 +313,11 @@ def paired_checks() -> None:
           and "c, the plugin's log lines (9): at most 2 requests resident and 1 offloaded" in text
           and "lowest LRU hit rate 58.4 %" in text and "a, the plugin" not in text,
           f"paired table, plugin lines and rounds: {text}")
+    both = paired_decode.render(["a", "c"], {"1": summary}, {"rounds": 5, "cpus": [2, 3], "park_cpu": 1,
+                                                            "client_cpu": 0, "input_len": 8, "output_len": 4,
+                                                            "within": 0.05}, steady={"1": steady_summary})
+    check("**1.080**" in both and "While every request of the level decodes" in both and "**1.020**" in both
+          and "While every request" not in text, f"paired table with --steady: {both}")
 
 
 def pd_checks(a, common: Path, plug: Path) -> None:

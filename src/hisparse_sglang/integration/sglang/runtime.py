@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 
 import torch
 
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.memory.allocator import KVAllocator
 from hisparse_sglang.memory.quarantine import RowQuarantine
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["HiSparseRuntime", "PerForward", "RequestLengthLimit", "runtime_of"]
 
@@ -102,6 +105,7 @@ class HiSparseRuntime:
         # (hook H5 decides per layer, H4's swap-in reads it), and that table, built once per forward.
         self.verify_top_k_fused = False
         self._verify_page_table = PerForward()
+        self._logged_verify_top_k: bool | None = None
 
     # ---------------------------------------------------------------- construction, in SGLang's order
     def attach_pool(self, pool) -> None:
@@ -184,7 +188,7 @@ class HiSparseRuntime:
         ``verify_page_table``), built once per forward (:class:`PerForward`: SGLang's logical page table is one
         tensor per forward). The forward's swap-ins then take a resident request's entries as device rows
         (:attr:`verify_top_k_fused`)."""
-        self.verify_top_k_fused = True
+        self._set_verify_top_k(True)
         return self._verify_page_table.get(
             page_table, layer_id == self._pool.start_layer,
             lambda: self.coordinator.verify_page_table(req_pool_indices, page_table),
@@ -192,7 +196,17 @@ class HiSparseRuntime:
 
     def unfused_verify_top_k(self) -> None:
         """This TARGET_VERIFY forward's top-k yields positions only (SGLang's unfused top-k; hook H5)."""
-        self.verify_top_k_fused = False
+        self._set_verify_top_k(False)
+
+    def _set_verify_top_k(self, fused: bool) -> None:
+        self.verify_top_k_fused = fused
+        if fused != self._logged_verify_top_k:  # the first verify forward (a graph capture) and any change
+            self._logged_verify_top_k = fused
+            logger.info(
+                "HiSparse: the speculative verify's top-k is "
+                + ("SGLang's fused v2 kernel through the verify page table (resident requests' entries are device "
+                   "rows)" if fused else "SGLang's unfused top-k (positions; docs/speculative.md 2.7)")
+            )
 
     def take_verify_rows(self, loc: torch.Tensor) -> torch.Tensor | None:
         """The rows :meth:`verify_rows_for_translation` handed over (once), or None. ``loc``, the page table
