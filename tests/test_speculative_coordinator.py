@@ -317,3 +317,50 @@ def test_entries_of_the_request_table(count, monkeypatch):
     columns = torch.randint(0, 50, (count,), generator=generator).tolist()
     assert speculative._entries(table, rows, columns).tolist() == table[rows, columns].tolist()
     assert len(uploads) == (count > speculative._FEW_ENTRIES)
+
+
+# ---------------------------------------------------------------------------------------------- fused top-k
+class CountingOps(types.SimpleNamespace):
+    """The reference ops, counting the swap-ins of verify steps."""
+
+    def __init__(self):
+        super().__init__(**{name: getattr(reference, name) for name in reference.__all__ if name != "swap_in_positions"})
+        self.swap_ins = 0
+
+    def swap_in_positions(self, *args, **kwargs):
+        self.swap_ins += 1
+        return reference.swap_in_positions(*args, **kwargs)
+
+
+def fused_step(sim, slots, committed, padding=0):
+    """A prepared verify step's page table and one layer's swap-in with the fused top-k (entries of resident
+    requests given as rows); returns (top_k handed in, what the swap-in returned)."""
+    for slot, length in zip(slots, committed):
+        reserve(sim, slot, length, length + 2 * T)
+    prepare(sim, slots, committed, [length + 2 * T for length in committed])
+    rows_in = len(slots) + padding
+    indices = torch.tensor(list(slots) + [slots[0]] * padding)
+    sim.coordinator.verify_page_table(indices, torch.zeros((rows_in * T, 1), dtype=torch.int32))
+    top_k = torch.full((rows_in, T, TOP_K), -1, dtype=torch.int32)
+    top_k[:, :, 0] = torch.tensor([length - 2 for length in committed] + [committed[0] - 2] * padding).reshape(-1, 1)
+    return top_k, sim.coordinator.swap_in_verify(indices, torch.tensor(list(committed) + [committed[0]] * padding),
+                                                 top_k, 0, resident_rows=True)
+
+
+@pytest.mark.parametrize("resident_first,padding,skipped", [(True, 0, True), (True, 1, False), (False, 0, False)])
+def test_an_eager_fused_verify_of_resident_requests_only_skips_its_swap_in(resident_first, padding, skipped):
+    """With the fused top-k a resident request's entries are its rows already: an eager forward whose prepared rows
+    are all resident returns the top-k itself and launches nothing. A batch with padding rows (a CUDA graph's) or
+    with an offloaded request runs the swap-in into the coordinator's rows."""
+    sim = server(resident_first=resident_first)
+    sim.coordinator.ops = ops = CountingOps()
+    slots = [admitted(sim, 30), admitted(sim, 22)]
+    top_k, rows = fused_step(sim, slots, [30, 22], padding)
+    assert (rows is top_k) == skipped
+    assert ops.swap_ins == (0 if skipped else 1)
+    if not skipped:
+        assert rows.data_ptr() == sim.coordinator.speculative.rows.data_ptr()
+    sim.coordinator.commit_verify(torch.tensor(slots), torch.tensor([30, 22]), torch.tensor([1, 1]))
+    # After the commit, a forward of no prepared step (CUDA-graph warm-up, capture) never skips.
+    again = sim.coordinator.swap_in_verify(torch.tensor(slots), torch.tensor([30, 22]), top_k, 0, resident_rows=True)
+    assert again is not top_k

@@ -395,6 +395,91 @@ def test_graph_replays_with_drifting_top_k_and_growing_lengths(positions, top_k,
     assert int(ref_counters[1]) > 0, "the replays never missed"
 
 
+def test_conditional_swap_in_runs_only_in_replays_with_an_offloaded_row():
+    """The captured verify forward with the fused top-k (VerifySteps.swap_in with top_k_writable): one graph of
+    swap_in_needed_conditions, then two layers' swap_in_positions, each under its own condition and copying its
+    rows into its top-k (the layers share the tables here, so the second finds the first's rows). Replays whose
+    real rows include an offloaded request run the launches and the copies, bit for bit as the reference; a replay
+    whose real rows are all resident (an offloaded request only among the padding rows included) runs none: the
+    top-k, the outputs, the tables, the device KV and the counters stay as they were."""
+    batch, positions, layers = 4, 4, 2
+    case = make_positions_case(batch, positions, 2048, 4096, 1152, miss_rate=0.3, resident_fraction=0.5, seed=131)
+    slots = case.req_pool_indices.long()
+    resident = case.buffer_of_req[slots] < 0
+    offloaded = torch.nonzero(~resident).flatten().tolist()
+    assert offloaded and bool(resident.any()), "the case needs both kinds of request"
+    given = reference.swap_in_positions(*case.clone().args())  # what the fused top-k gives a resident request
+    case.top_k[resident] = given[resident]
+    asked = case.top_k.clone()
+    ref = case.clone()
+    gpu = case.clone(device="cuda", pin_host=True)
+    top_ks = [gpu.top_k] + [gpu.top_k.clone() for _ in range(layers - 1)]
+    outs = [torch.full(tuple(case.top_k.shape), 777, dtype=torch.int32, device="cuda") for _ in range(layers)]
+    counters = torch.zeros(2, dtype=torch.int64, device="cuda")
+    ref_counters = torch.zeros(2, dtype=torch.int64)
+    limit = torch.full((batch,), reference.NO_VERIFY_LIMIT, dtype=torch.int32, device="cuda")
+    ops = cuda_ops()
+    assert ops.swap_in_needed_conditions(gpu.req_pool_indices, gpu.num_real_reqs, gpu.buffer_of_req, layers) is None
+    with pytest.raises(ValueError, match="not capturing"):
+        ops.swap_in_positions(*gpu.args(), out=outs[0], condition=1, copy_to=gpu.top_k)
+    warm = case.clone(device="cuda", pin_host=True)
+    ops.swap_in_positions(*warm.args(), out=outs[0].clone(), resident_rows=True)  # loads the module, smem limits
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        conditions = ops.swap_in_needed_conditions(gpu.req_pool_indices, gpu.num_real_reqs, gpu.buffer_of_req, layers)
+        assert conditions is not None and len(set(conditions)) == layers
+        for top_k, out, condition in zip(top_ks, outs, conditions):
+            ops.swap_in_positions(top_k, *gpu.args()[1:], out=out, counters=counters, verify_limit=limit,
+                                  resident_rows=True, condition=condition, copy_to=top_k)
+    torch.cuda.synchronize()
+    buffers = case.buffer_of_req.clone()
+    # (real rows, change, whether the swap-ins run): mixed; the offloaded requests made resident; real rows cut
+    # to the resident ones placed first (the offloaded ones then padding); mixed again.
+    order = sorted(range(batch), key=lambda b: bool(not resident[b]))
+    steps = [(batch, None, True), (batch, "all resident", False), (int(resident.sum()), "resident first", False),
+             (batch, None, True)]
+    for step, (real, change, runs) in enumerate(steps):
+        rows_order = order if change == "resident first" else list(range(batch))
+        top = asked[rows_order]
+        for state in (ref, gpu):
+            state.buffer_of_req.copy_(buffers)
+            state.num_real_reqs.fill_(real)
+            state.req_pool_indices.copy_(case.req_pool_indices[rows_order])
+            state.seq_lens.copy_(case.seq_lens[rows_order])
+        if change == "all resident":
+            gpu.buffer_of_req[slots[offloaded]] = -1
+        for top_k, out in zip(top_ks, outs):
+            top_k.copy_(top)
+            out.fill_(777)
+        limit.fill_(reference.NO_VERIFY_LIMIT)
+        before = {name: getattr(gpu, name).clone() for name in ("slot_tokens", "slot_stamps", "token_slot", "device_kv")}
+        counters_before = counters.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        if runs:
+            ref_limit = torch.full((batch,), reference.NO_VERIFY_LIMIT, dtype=torch.int32)
+            for layer, (top_k, out) in enumerate(zip(top_ks, outs)):
+                ref.top_k.copy_(top)
+                expected = reference.swap_in_positions(*ref.args(), counters=ref_counters, verify_limit=ref_limit,
+                                                       resident_rows=True)
+                assert_same(f"top-k written with the rows, step {step} layer {layer}", expected, top_k)
+                assert_same(f"out step {step} layer {layer}", expected, out)
+            for name in ("slot_tokens", "slot_stamps", "token_slot", "device_kv"):
+                assert_same(f"{name} step {step}", getattr(ref, name), getattr(gpu, name))
+            assert_same(f"counters step {step}", ref_counters, counters)
+            assert_workspace_clear(ops)
+        else:
+            for layer, (top_k, out) in enumerate(zip(top_ks, outs)):
+                assert_same(f"skipped replay's top-k, step {step} layer {layer}", top, top_k)
+                assert bool((out == 777).all()), f"step {step} layer {layer}: a skipped replay wrote the output"
+            for name, value in before.items():
+                assert_same(f"skipped replay's {name}, step {step}", value, getattr(gpu, name))
+            assert_same(f"skipped replay's counters, step {step}", counters_before, counters)
+    assert int(ref_counters[1]) > 0, "the replays that ran never missed"
+
+
 def test_shapes_the_kernel_cannot_plan_are_refused_before_any_launch():
     from hisparse_sglang.errors import HiSparseConfigError
 

@@ -347,9 +347,9 @@ class Coordinator:
         self._step_kind = kind
 
     # ================================================================== speculative verify step
-    def configure_verify(self, num_draft_tokens: int) -> None:
+    def configure_verify(self, num_draft_tokens: int, top_k_writable: bool = False) -> None:
         """Fix the verify positions ``T`` at startup, checking the setup; see :meth:`VerifySteps.configure`."""
-        self.speculative.configure(num_draft_tokens)
+        self.speculative.configure(num_draft_tokens, top_k_writable)
 
     def prepare_verify(
         self,

@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["VerifyOps", "VerifySteps", "VERIFY_OP_NAMES"]
 
 VERIFY_OP_NAMES = (
-    "swap_in_positions", "bind_verify_slots", "verify_page_table", "commit_accepted", "cap_accepted", "copy_rows"
+    "swap_in_positions", "bind_verify_slots", "verify_page_table", "commit_accepted", "cap_accepted", "copy_rows",
+    "swap_in_needed_conditions",
 )
 """The ops a verify step calls; the coordinator's ``ops`` must have all of them."""
 
@@ -82,6 +83,8 @@ class VerifyOps(Protocol):
         resident_rows: bool = False,
         splits: int | None = None,
         threads: int | None = None,
+        condition: int | None = None,
+        copy_to: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One layer's swap-in of a target-verify forward.
 
@@ -115,10 +118,21 @@ class VerifyOps(Protocol):
                 them through :meth:`verify_page_table`'s table) and are passed through; an offloaded
                 request's are positions either way.
             splits, threads: launch parameters; they never change the result.
+            condition: under CUDA-graph capture, one of :meth:`swap_in_needed_conditions`' (each call its own):
+                the op (and the copy into ``copy_to``) runs only in replays where it holds; None: always.
+            copy_to: int32 ``[B, T, K]``, also written with ``out``.
 
         Returns:
             ``out``: the device row of every entry, -1 for padding (``reference.swap_in_positions``).
         """
+
+    def swap_in_needed_conditions(
+        self, req_pool_indices: torch.Tensor, num_real_reqs: torch.Tensor, buffer_of_req: torch.Tensor, count: int
+    ) -> list[int] | None:
+        """Under CUDA-graph capture, once per forward before its swap-ins: ``count`` conditionals of the graph
+        (one per swap-in: a conditional node takes its own), each set by every replay to
+        ``reference.swap_in_needed`` (a real row is offloaded) of its batch; None when nothing is captured (the
+        reference twin: always)."""
 
     def bind_verify_slots(
         self,
@@ -212,6 +226,10 @@ class VerifySteps:
         verify_limit: int32 ``[R]``: per batch row, the first verify position the forward's swap-ins did not
             serve (``reference.NO_VERIFY_LIMIT``: every one was), one fixed tensor; :meth:`cap_accepts`
             applies and resets it.
+        top_k_writable: with a fused top-k (:meth:`swap_in` ``resident_rows``), nothing reads a layer's top-k
+            tensor after that layer's swap-in (no later layer reuses it), so a captured forward may write the
+            rows into it and skip the swap-ins of a batch with no offloaded request. Set by the integration
+            from the model (False: a layer reuses an earlier one's top-k).
     """
 
     def __init__(self, coordinator: "Coordinator") -> None:
@@ -223,6 +241,14 @@ class VerifySteps:
         )
         # Whether the prepared step has an offloaded row (only those can leave a position unserved).
         self._may_cap = False
+        # The same, kept for the prepared step's forward (an eager forward of the prepared rows, all resident, skips
+        # its swap-ins; a forward of no prepared step never does: _prepared_batch is None then).
+        self._step_has_offloaded = True
+        self.top_k_writable = False
+        # Per verify forward with a fused top-k (page_table): whether a CUDA graph is being captured, and the
+        # graph's conditionals its layers' swap-ins run under (None: eager, or the top-k is not writable).
+        self._forward_captured = False
+        self._swap_in_conditions: list[int] | None = None
         # Batch size of the verify step prepared and not yet committed.
         self._prepared_batch: int | None = None
         # Rows the prepare and the commit work on: every row of their batch (no CUDA-graph padding there).
@@ -292,9 +318,10 @@ class VerifySteps:
             coordinator._fence_copies()
         coordinator.telemetry.decode_step_done(entered)
 
-    def configure(self, num_draft_tokens: int) -> None:
+    def configure(self, num_draft_tokens: int, top_k_writable: bool = False) -> None:
         """Fix ``T`` before the first verify step: a server knows it at startup, and its TARGET_VERIFY
-        CUDA graph is captured (swap-ins included) before any request is prepared.
+        CUDA graph is captured (swap-ins included) before any request is prepared. ``top_k_writable``: see
+        the attribute (the model's layers each run their own top-k).
 
         Raises what :meth:`prepare` raises for the setup, now instead of at the first verify:
         HiSparseConfigError (``T`` outside ``[1, P - 1]``),
@@ -303,6 +330,7 @@ class VerifySteps:
         """
         self._check_setup(num_draft_tokens)
         self._fix_num_draft_tokens(num_draft_tokens)
+        self.top_k_writable = top_k_writable
 
     def page_table(self, req_pool_indices: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
         """Once per target-verify forward, before its first layer's top-k: the page table through which a fused
@@ -317,10 +345,20 @@ class VerifySteps:
 
         Returns:
             A new int32 ``[B * T, W]`` tensor (under CUDA-graph capture, the graph's).
+
+        Under CUDA-graph capture with :attr:`top_k_writable`, it also sets up the forward's conditionals (one per
+        layer): each replay decides on the device whether the forward's swap-ins run (:meth:`swap_in`).
         """
         coordinator = self._coordinator
         if self.num_draft_tokens is None:
             raise HiSparseMemoryError("verify page table before any prepare_verify: prepare the verify step first.")
+        self._forward_captured = coordinator.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        self._swap_in_conditions = None
+        if self._forward_captured and self.top_k_writable:
+            self._swap_in_conditions = coordinator.ops.swap_in_needed_conditions(
+                req_pool_indices, coordinator.num_real_reqs, coordinator.buffers.buffer_of_req,
+                len(coordinator.layer_tables),
+            )
         return coordinator.ops.verify_page_table(
             page_table,
             req_pool_indices,
@@ -351,9 +389,14 @@ class VerifySteps:
             resident_rows: the top-k came through :meth:`page_table`'s table.
 
         Returns:
-            int32 ``[B, T, K]``, a view of :attr:`rows` (the same storage on every call): the device
-            row of every entry, -1 for padding. Real rows are the first ``num_real_reqs[0]`` (the
-            coordinator's tensor, set per forward like the decode swap-in's).
+            int32 ``[B, T, K]``: the device row of every entry, -1 for padding. Real rows are the first
+            ``num_real_reqs[0]`` (the coordinator's tensor, set per forward like the decode swap-in's). Without
+            ``resident_rows``, a view of :attr:`rows` (the same storage on every call). With it, where no real
+            row is offloaded the swap-in would return a resident row's entries unchanged, so it is skipped:
+            an eager forward of such a step (no padding rows) returns ``top_k`` itself and launches nothing; a
+            captured forward with :attr:`top_k_writable` returns ``top_k`` too, into which the replays that have
+            an offloaded row copy the rows (a conditional node: the others run none of it; their padding rows
+            keep the top-k's entries, which attention reads and SGLang discards).
         """
         coordinator = self._coordinator
         num_positions = self.num_draft_tokens
@@ -365,7 +408,12 @@ class VerifySteps:
                 f"verify top-k of shape {tuple(top_k.shape)}; expected [B, {expected[0]}, {expected[1]}] "
                 f"(num_draft_tokens, top_k) with B <= {self.rows.shape[0]} request slots."
             )
-        return coordinator.ops.swap_in_positions(
+        conditions = self._swap_in_conditions if resident_rows else None
+        condition = None if conditions is None else conditions[layer_id]
+        if (resident_rows and condition is None and not self._forward_captured and not self._step_has_offloaded
+                and top_k.shape[0] == self._prepared_batch):
+            return top_k  # an eager forward of the prepared rows only, all resident
+        rows = coordinator.ops.swap_in_positions(
             top_k,
             seq_lens,
             req_pool_indices,
@@ -376,7 +424,10 @@ class VerifySteps:
             verify_limit=self.verify_limit,
             resident_rows=resident_rows,
             threads=coordinator.config.swap_in_block_size,
+            condition=condition,
+            copy_to=None if condition is None else top_k,
         )
+        return rows if condition is None else top_k
 
     def cap_accepts(self, accept_lens: torch.Tensor, accept_index: torch.Tensor) -> None:
         """Right after SGLang's acceptance of the prepared step, before it uses the result: a row accepts no
@@ -617,7 +668,7 @@ class VerifySteps:
         if self._may_cap:
             # The previous step's limits were never applied (no acceptance reached cap_accepts): start afresh.
             self.verify_limit.fill_(NO_VERIFY_LIMIT)
-        self._may_cap = bool(offloaded_rows)
+        self._may_cap = self._step_has_offloaded = bool(offloaded_rows)
         if offloaded_rows:
             self._batch_size.fill_(len(records))
             coordinator.ops.bind_verify_slots(

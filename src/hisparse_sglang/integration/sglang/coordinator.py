@@ -21,6 +21,7 @@ from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.errors import HiSparseMemoryError
 from hisparse_sglang.integration.sglang import build, compat
 from hisparse_sglang.integration.sglang.mooncake import HostRegions
+from hisparse_sglang.integration.sglang.runtime import PerForward
 from hisparse_sglang.memory.host_pool import HostKVPool
 from hisparse_sglang.memory.paged import DeviceCount
 
@@ -130,6 +131,8 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         self.req_to_host_pool_allocated_len = None
         self._staging: dict[int, object] = {}
         self._report_state = (time.monotonic(), 0, 0, 0, 0, 0, 0)
+        # A target-verify forward's committed lengths s, derived from its per-query lengths once per forward.
+        self._verify_committed = PerForward()
 
     # ------------------------------------------------------------------ lifecycle
     def set_decode_producer_stream(self, stream) -> None:
@@ -208,9 +211,12 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         layer = layer_id - self.start_layer
         if top_k_result.dim() == 3:
             batch, positions = top_k_result.shape[:2]
-            # s of each row: its first query's length minus one (one strided elementwise op, captured
-            # with the graph; the slice also drops any tail of a longer, graph-static length buffer).
-            committed = seq_lens[: batch * positions : positions] - 1
+            # s of each row: its first query's length minus one (one strided elementwise op per forward, at its
+            # first layer, captured with the graph; the slice also drops any tail of a longer, graph-static
+            # length buffer).
+            committed = self._verify_committed.get(
+                seq_lens, layer == 0, lambda: seq_lens[: batch * positions : positions] - 1
+            )
             return self.core.swap_in_verify(req_pool_indices, committed, top_k_result, layer, resident_rows)
         return self.core.swap_in(req_pool_indices, seq_lens, top_k_result, layer)
 
