@@ -24,19 +24,13 @@
 //   request's rows get the device page of each logical page (its pages are mapped whole), so the top-k
 //   yields device rows; an offloaded request's rows get the identity, so it yields positions for
 //   swap_in_positions.
-// * set_swap_in_needed (no host plan; one block): once per target-verify forward captured in a CUDA graph,
-//   sets the graph's conditional handles (one per layer) to whether any real row of the batch is offloaded;
-//   each layer's swap-in sits in a conditional node of its handle (swap_in_binding.cu, ConditionalBody), so a
-//   step whose requests are all resident runs none of them.
 //
 // The verify kernels read s (seq_lens) and a (accept_lens) on the device: no host synchronization, and
 // a CUDA graph may capture them.
 //
 // Reference twins: ops/reference.py::bind_rows, ::backup_newest, ::bind_verify_slots, ::commit_accepted,
-// ::cap_accepted, ::verify_page_table, ::swap_in_needed.
+// ::cap_accepted, ::verify_page_table.
 #pragma once
-
-#include <cuda_runtime.h>  // cudaGraphConditionalHandle, cudaGraphSetConditional
 
 #include <cstdint>
 
@@ -284,35 +278,6 @@ __global__ void verify_page_table_kernel(const VerifyPageTableParams p) {
                 : 0;
   }
   p.out[i * p.out_stride + w] = value;
-}
-
-// The conditional handles one set_swap_in_needed launch sets: one per conditional node, i.e. per layer of the
-// pool (a kernel's parameters hold them: 256 x 8 B).
-constexpr int kMaxSwapInConditions = 256;
-
-struct SwapInNeededParams {
-  const void* req_pool_indices;  // [B] int32 or int64
-  int req_pool_indices_is_64;
-  const int32_t* num_real_reqs;  // [1]: rows >= this are CUDA-graph padding
-  const int32_t* buffer_of_req;  // [R]: -1 = resident
-  int64_t batch;  // B
-  int count;
-  cudaGraphConditionalHandle handles[kMaxSwapInConditions];
-};
-
-// One block: every handle becomes 1 when a real row's request is offloaded (its entries are positions the
-// swap-in must serve), else 0 (every real row resident: the fused top-k's entries are its device rows). One
-// thread sets them (no two calls on a handle at once).
-__global__ void set_swap_in_needed_kernel(const SwapInNeededParams p) {
-  const int64_t rows = min(p.batch, static_cast<int64_t>(*p.num_real_reqs));
-  int offloaded = 0;
-  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
-    offloaded |= p.buffer_of_req[load_index(p.req_pool_indices, p.req_pool_indices_is_64, static_cast<int>(i))] >= 0;
-  }
-  offloaded = __syncthreads_or(offloaded);
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < p.count; ++i) cudaGraphSetConditional(p.handles[i], offloaded ? 1u : 0u);
-  }
 }
 
 }  // namespace hisparse

@@ -1,7 +1,6 @@
 // tvm-ffi entry points of the HiSparse kernels: argument checks, then one kernel launch (swap_in_positions:
 // one per group of verify positions) on the stream the caller passes (torch's current stream, also under
-// CUDA-graph capture). Under capture, swap_in_positions may put its launches in a conditional node of the graph
-// (ConditionalBody) whose handle swap_in_needed_conditions made and sets once per forward.
+// CUDA-graph capture).
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/function.h>
@@ -9,7 +8,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <optional>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -209,98 +207,6 @@ void launch_swap_in_threads(const hisparse::SwapInParams& params, int64_t thread
   }
 }
 
-// ---------------------------------------------------------------------------------------------------
-// CUDA-graph conditional nodes (CUDA 12.4+): what swap_in_positions skips in a verify forward whose requests
-// are all resident.
-
-// The capture in progress on a stream: its graph and the nodes the stream's next work depends on.
-struct StreamCapture {
-  bool active = false;
-  cudaGraph_t graph = nullptr;
-  const cudaGraphNode_t* dependencies = nullptr;
-  const cudaGraphEdgeData* edges = nullptr;
-  size_t count = 0;
-};
-
-StreamCapture capture_of(cudaStream_t stream, const char* op) {
-  StreamCapture c;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-#if CUDART_VERSION >= 13000
-  check_cuda(cudaStreamGetCaptureInfo(stream, &status, nullptr, &c.graph, &c.dependencies, &c.edges, &c.count), op,
-             "cudaStreamGetCaptureInfo");
-#else
-  check_cuda(cudaStreamGetCaptureInfo_v3(stream, &status, nullptr, &c.graph, &c.dependencies, &c.edges, &c.count), op,
-             "cudaStreamGetCaptureInfo_v3");
-#endif
-  c.active = status == cudaStreamCaptureStatusActive;
-  return c;
-}
-
-// Under capture of `stream`: an IF node of `handle` after the stream's current dependencies, each a full
-// dependency (the capture's edge data are not passed on: a kernel launched with programmatic stream serialization,
-// as SGLang's are, leaves a programmatic edge that only a kernel node may take). Work launched on
-// `body` (a stream nothing else uses) between construction and close() fills the node's body graph; close()
-// makes the node the capture's only dependency, so the stream's later work runs after it, whether the body ran
-// or not. A body left open (an exception) is ended without its node being joined: the capture then fails.
-class ConditionalBody {
- public:
-  ConditionalBody(cudaStream_t stream, cudaGraphConditionalHandle handle, cudaStream_t body, const char* op)
-      : stream_(stream), body_(body), op_(op) {
-    const StreamCapture capture = capture_of(stream, op);
-    require(capture.active, op, "a conditional swap-in needs its stream under CUDA-graph capture");
-    cudaGraphNodeParams params{};
-    params.type = cudaGraphNodeTypeConditional;
-    params.conditional.handle = handle;
-    params.conditional.type = cudaGraphCondTypeIf;
-    params.conditional.size = 1;
-    std::string what = "adding a conditional node after " + std::to_string(capture.count) + " captured node(s)";
-    for (size_t i = 0; capture.edges != nullptr && i < capture.count; ++i) {
-      what += i == 0 ? ", edge types " : " ";
-      what += std::to_string(static_cast<int>(capture.edges[i].type));
-    }
-#if CUDART_VERSION >= 13000
-    check_cuda(cudaGraphAddNode(&node_, capture.graph, capture.dependencies, nullptr, capture.count, &params), op, what);
-#else
-    check_cuda(cudaGraphAddNode_v2(&node_, capture.graph, capture.dependencies, nullptr, capture.count, &params), op,
-               what);
-#endif
-    check_cuda(cudaStreamBeginCaptureToGraph(body_, params.conditional.phGraph_out[0], nullptr, nullptr, 0,
-                                             cudaStreamCaptureModeRelaxed),
-               op, "cudaStreamBeginCaptureToGraph (conditional body)");
-    open_ = true;
-  }
-  ConditionalBody(const ConditionalBody&) = delete;
-  ConditionalBody& operator=(const ConditionalBody&) = delete;
-
-  void close() {
-    open_ = false;
-    cudaGraph_t captured = nullptr;
-    check_cuda(cudaStreamEndCapture(body_, &captured), op_, "cudaStreamEndCapture (conditional body)");
-#if CUDART_VERSION >= 13000
-    check_cuda(cudaStreamUpdateCaptureDependencies(stream_, &node_, nullptr, 1, cudaStreamSetCaptureDependencies), op_,
-               "cudaStreamUpdateCaptureDependencies");
-#else
-    check_cuda(cudaStreamUpdateCaptureDependencies_v2(stream_, &node_, nullptr, 1, cudaStreamSetCaptureDependencies),
-               op_, "cudaStreamUpdateCaptureDependencies_v2");
-#endif
-  }
-
-  ~ConditionalBody() {
-    if (open_) {
-      cudaGraph_t captured = nullptr;
-      cudaStreamEndCapture(body_, &captured);
-      clear_stale_error();
-    }
-  }
-
- private:
-  cudaStream_t stream_;
-  cudaStream_t body_;
-  const char* op_;
-  cudaGraphNode_t node_ = nullptr;
-  bool open_ = false;
-};
-
 // How a swap-in entry point's batch row reads in messages: its entries ("top_k (2048)" or
 // "num_draft_tokens x top_k (2 x 2048 = 4096)") and the Python function that plans them.
 struct SwapInRowText {
@@ -465,8 +371,7 @@ void hisparse_swap_in_positions(
     TensorView req_to_token, TensorView device_row_of_loc, TensorView buffer_of_req, TensorView slot_rows,
     TensorView slot_tokens, TensorView slot_stamps, TensorView token_slot, TensorView host_kv, TensorView device_kv, TensorView out,
     TensorView counters, TensorView verify_limit, TensorView sync, TensorView plan, int64_t positions_per_group,
-    int64_t resident_rows_given, int64_t splits, int64_t threads, int64_t stream, int64_t conditional,
-    int64_t condition, TensorView copy_to, int64_t body_stream) {
+    int64_t resident_rows_given, int64_t splits, int64_t threads, int64_t stream) {
   constexpr const char* op = "swap_in_positions";
   // A batch row's T x K entries are read as one row: each position's K entries contiguous, positions adjacent.
   require_tensor(top_k.ndim() == 3 && is_int(top_k, 32) && on_cuda(top_k) && top_k.stride(2) == 1 &&
@@ -496,25 +401,9 @@ void hisparse_swap_in_positions(
       op, text, batch, G * K, K, top_k, top_k.stride(0), seq_lens, req_pool_indices, num_real_reqs, req_to_token,
       device_row_of_loc, buffer_of_req, slot_rows, slot_tokens, slot_stamps, token_slot, host_kv, device_kv, out,
       out.stride(0), counters, sync, plan, splits, threads);
-  if (conditional) {
-    require_tensor(copy_to.ndim() == 3 && is_int(copy_to, 32) && on_cuda(copy_to) && copy_to.size(0) == batch &&
-                       copy_to.size(1) == T && copy_to.size(2) == K && copy_to.stride(2) == 1 &&
-                       copy_to.stride(1) == K && copy_to.stride(0) == T * K,
-                   op, "copy_to", "a contiguous int32 [batch, T, K] tensor on CUDA like top_k", copy_to);
-  }
   if (batch == 0) return;
   p.verify_limit = data_of<int32_t>(verify_limit);
   p.resident_rows_given = resident_rows_given != 0;
-  // conditional: the launches and the copy of out into copy_to form the body of a conditional node of
-  // `condition` (swap_in_needed_conditions'), captured on body_stream; a replay whose batch is all resident skips
-  // them.
-  std::optional<ConditionalBody> body;
-  int64_t launch_stream = stream;
-  if (conditional) {
-    body.emplace(reinterpret_cast<cudaStream_t>(stream), static_cast<cudaGraphConditionalHandle>(condition),
-                 reinterpret_cast<cudaStream_t>(body_stream), op);
-    launch_stream = body_stream;
-  }
   // Group after group in stream order: each launch finds the tables (and the workspace, reset by its
   // predecessor's last CTA) as the previous one left them.
   const int32_t* top_k_base = p.top_k_positions;
@@ -525,16 +414,9 @@ void hisparse_swap_in_positions(
     p.out = out_base + first * K;
     p.num_top_k = static_cast<int>(count * K);
     p.position_offset = static_cast<int>(first);
-    launch_swap_in_threads<true>(p, threads, launch_stream, op);
-  }
-  if (conditional) {
-    check_cuda(cudaMemcpyAsync(data_of<int32_t>(copy_to), out_base, static_cast<size_t>(batch * T * K) * sizeof(int32_t),
-                               cudaMemcpyDeviceToDevice, reinterpret_cast<cudaStream_t>(body_stream)),
-               op, "cudaMemcpyAsync (rows into copy_to)");
-    body->close();
+    launch_swap_in_threads<true>(p, threads, stream, op);
   }
 }
-
 
 namespace {
 
@@ -930,44 +812,6 @@ void hisparse_cap_accepted(TensorView verify_limit, TensorView accept_lens, Tens
                      std::to_string(batch) + " batch rows");
 }
 
-// Under CUDA-graph capture of `stream`, once per target-verify forward before its swap-ins: `handles` (int64 [n]
-// on the CPU) are filled with n new conditional handles of the graph being captured, one per conditional node (a
-// node takes its own handle), and one launch sets each of them at every replay to whether any real row's
-// request is offloaded (ops/reference.py::swap_in_needed). Each is 1 at the start of a replay until then.
-void hisparse_swap_in_needed_conditions(TensorView handles, TensorView req_pool_indices, TensorView num_real_reqs,
-                                        TensorView buffer_of_req, int64_t stream) {
-  constexpr const char* op = "swap_in_needed_conditions";
-  const std::string expected_handles = "a contiguous int64 [n] tensor on the CPU, n <= " +
-                                       std::to_string(hisparse::kMaxSwapInConditions) + " (one per layer of the pool)";
-  require_tensor(on_cpu(handles) && handles.ndim() == 1 && is_int(handles, 64) &&
-                     handles.size(0) <= hisparse::kMaxSwapInConditions && (handles.size(0) <= 1 || handles.stride(0) == 1),
-                 op, "handles", expected_handles.c_str(), handles);
-  require_tensor(on_cuda(req_pool_indices) && req_pool_indices.ndim() == 1 && is_index(req_pool_indices) &&
-                     (req_pool_indices.size(0) == 0 || req_pool_indices.stride(0) == 1),
-                 op, "req_pool_indices", "a contiguous int32/int64 [B] tensor on CUDA", req_pool_indices);
-  require_tensor(on_cuda(num_real_reqs) && is_int(num_real_reqs, 32) && num_real_reqs.numel() >= 1, op,
-                 "num_real_reqs", "int32 [1] on CUDA", num_real_reqs);
-  require_tensor(on_cuda(buffer_of_req) && buffer_of_req.ndim() == 1 && is_int(buffer_of_req, 32), op, "buffer_of_req",
-                 "int32 [R] on CUDA", buffer_of_req);
-  const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
-  const StreamCapture capture = capture_of(cuda_stream, op);
-  require(capture.active, op, "the stream is not under CUDA-graph capture");
-  hisparse::SwapInNeededParams p{};
-  p.count = static_cast<int>(handles.size(0));
-  int64_t* out = data_of<int64_t>(handles);
-  for (int i = 0; i < p.count; ++i) {
-    check_cuda(cudaGraphConditionalHandleCreate(&p.handles[i], capture.graph, 1, cudaGraphCondAssignDefault), op,
-               "cudaGraphConditionalHandleCreate");
-    out[i] = static_cast<int64_t>(p.handles[i]);
-  }
-  p.req_pool_indices = data_of<void>(req_pool_indices);
-  p.req_pool_indices_is_64 = is_int(req_pool_indices, 64);
-  p.num_real_reqs = data_of<int32_t>(num_real_reqs);
-  p.buffer_of_req = data_of<int32_t>(buffer_of_req);
-  p.batch = req_pool_indices.size(0);
-  launch_decode_rows(hisparse::set_swap_in_needed_kernel, p, 1, stream, op, std::to_string(p.batch) + " batch rows");
-}
-
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in, hisparse_swap_in);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in_occupancy, hisparse_swap_in_occupancy);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in_positions, hisparse_swap_in_positions);
@@ -979,4 +823,3 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(bind_verify_slots, hisparse_bind_verify_slots);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(commit_accepted, hisparse_commit_accepted);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cap_accepted, hisparse_cap_accepted);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(verify_page_table, hisparse_verify_page_table);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in_needed_conditions, hisparse_swap_in_needed_conditions);

@@ -681,38 +681,3 @@ def test_verify_page_table_maps_resident_positions_to_their_rows_and_offloaded_o
     logical[0, 1], logical[1, 2], logical[positions, 1] = -1, 10**6, -1
     table = reference.verify_page_table(logical, slots, positions, buffer_of_req, allocator.device_row_of_loc, page)
     assert int(table[0, 1]) == 0 and int(table[1, 2]) == 0 and int(table[positions, 1]) == 1
-
-
-# ------------------------------------------------------------------------------------ the fused top-k's skip
-def test_swap_in_is_needed_exactly_when_a_real_row_is_offloaded():
-    """swap_in_needed (the decision a captured verify forward makes on the device): request slot 0 is offloaded,
-    1 and 2 resident; padding rows (at or past num_real_reqs) do not count. Where it is False, the swap-in with
-    resident_rows gives every real row its entries unchanged: skipping it and reading the top-k is the same."""
-    case = Case()
-    buffers = case.buffer_of_req
-
-    def needed(reqs, num_real):
-        return reference.swap_in_needed(torch.tensor(reqs), torch.tensor([num_real], dtype=torch.int32), buffers)
-
-    assert needed([1, 2], 2) is False
-    assert needed([1, 0], 2) is True
-    assert needed([1, 2, 0], 2) is False  # the offloaded request only as padding
-    assert needed([0], 1) is True
-    assert needed([0, 1], 0) is False
-    assert needed([], 0) is False
-    rows = [[[300 + t for t in range(8)]] * 2, [[310 + t for t in range(8)]] * 2]  # T = 2, K = 8: device rows given
-    out = case.run(rows, reqs=(1, 2), committed=[39, 39], resident_rows=True)
-    assert torch.equal(out, torch.tensor(rows, dtype=torch.int32))
-
-
-def test_copy_to_gets_the_output_and_a_graphs_condition_is_refused():
-    case = Case()
-    top_k = torch.tensor([[[38, 39, 40, -1]] * 2], dtype=torch.int32)
-    copy_to = torch.full_like(top_k, 7)
-    args = (top_k, torch.tensor([40]), torch.tensor([1]), torch.tensor([1], dtype=torch.int32), case.tables())
-    out = reference.swap_in_positions(*args, copy_to=copy_to)
-    assert torch.equal(copy_to, out) and copy_to.data_ptr() != out.data_ptr()
-    assert reference.swap_in_needed_conditions(torch.tensor([1]), torch.tensor([1], dtype=torch.int32),
-                                               case.buffer_of_req, 3) is None
-    with pytest.raises(ValueError, match="condition is a CUDA graph's"):
-        reference.swap_in_positions(*args, condition=5)

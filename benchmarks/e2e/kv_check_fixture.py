@@ -210,16 +210,11 @@ def _wrap_swap_in(core) -> None:
         rewrites with the newest accepted token after attention has read it. With ``resident_rows`` (the fused
         top-k of SGLang 0.5.17 - 0.5.21 through the verify page table) a resident request's entries are device
         rows, not positions: they are recorded as given rows, and the check finds the position each stands for
-        (the request's location mapped to that row) before comparing, a row of no position being a mismatch.
-        The top-k is copied before the call: with the fused top-k a captured forward may write the rows into it
-        (``VerifySteps.swap_in``)."""
-        recorder = getattr(self, "_kv_check", None)
-        asked = top_k.clone() if recorder is not None else top_k
+        (the request's location mapped to that row) before comparing, a row of no position being a mismatch."""
         rows = original_swap_in_verify(self, req_pool_indices, seq_lens, top_k, layer_id, resident_rows)
+        recorder = getattr(self, "_kv_check", None)
         if recorder is not None:
             import torch
-
-            top_k = asked
 
             batch, positions, k = top_k.shape
             # A position the swap-in left out (its request's positions named more tokens than its buffer

@@ -112,21 +112,3 @@ def test_host_pool_regions_are_found_in_what_the_release_registers_with_mooncake
                           (8 << 40, 8192), (9 << 40, 1 << 20)}
     found = [compat.host_pool_regions(pointers, lengths) for pointers, lengths in calls]
     assert [regions for regions in found if regions[0]] == [(list(host), [1 << 30] * 3)]
-
-
-@pytest.mark.parametrize("keys,shared", [
-    ({}, False),
-    ({"index_topk_freq": 1, "cli_factor": 1, "index_topk_pattern": None}, False),
-    ({"index_topk_freq": 2}, True),
-    ({"cli_factor": 4}, True),
-    ({"index_topk_pattern": "FSFS"}, True),
-    ({"index_topk_pattern": "FFFF"}, False),
-    ({"indexer_types": ["full", "shared"]}, True),
-    ({"indexer_types": ["full"] * 4}, False),  # the tiny GLM-5's
-    ({"index_skip_topk_offset": 1}, True),
-])
-def test_layers_share_top_k_reads_every_key_that_turns_shared_index_layers_on(keys, shared):
-    """A model whose layers may reuse an earlier layer's top-k keeps its verify top-k unwritten (VerifySteps'
-    top_k_writable is False); DeepSeek-V3.2's config has none of the keys, GLM-5's indexer_types are all full."""
-    model_config = types.SimpleNamespace(hf_text_config=types.SimpleNamespace(index_topk=2048, **keys))
-    assert compat.layers_share_top_k(model_config) is shared

@@ -68,6 +68,7 @@ class HookedRun(SpecRun):
     def __init__(self, *args, fused: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.fused = fused
+        self.static_lengths: dict[int, torch.Tensor] = {}
 
     def fused_top_k(self, backend, graph, layer_id: int, top_k: torch.Tensor) -> torch.Tensor:
         """The layer's top-k as the indexer gets it through H5: SGLang's metadata of the verify (its logical page
@@ -145,12 +146,13 @@ class HookedRun(SpecRun):
             req_pool_indices=torch.cat([batch.req_pool_indices, torch.zeros(int(padded), dtype=torch.int64)]),
         )
         graph_s = torch.cat([s, torch.zeros(int(padded), dtype=torch.int64)])
+        # One length buffer per batch shape, written in place every step, as a CUDA graph's static input is.
+        expanded = self.static_lengths.setdefault(rows_in_graph, torch.zeros(rows_in_graph * T, dtype=torch.int32))
+        expanded.copy_((graph_s[:, None] + torch.arange(T) + 1).reshape(-1))
         backend = types.SimpleNamespace(
             hisparse_coordinator=coordinator,
             token_to_kv_pool=stack.pool,
-            forward_metadata=types.SimpleNamespace(
-                dsa_seqlens_expanded=(graph_s[:, None] + torch.arange(T) + 1).reshape(-1).to(torch.int32)
-            ),
+            forward_metadata=types.SimpleNamespace(dsa_seqlens_expanded=expanded),
         )
         coordinator.num_real_reqs.fill_(len(reqs))
         for layer in stack.layers:

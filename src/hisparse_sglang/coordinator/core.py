@@ -347,9 +347,9 @@ class Coordinator:
         self._step_kind = kind
 
     # ================================================================== speculative verify step
-    def configure_verify(self, num_draft_tokens: int, top_k_writable: bool = False) -> None:
+    def configure_verify(self, num_draft_tokens: int) -> None:
         """Fix the verify positions ``T`` at startup, checking the setup; see :meth:`VerifySteps.configure`."""
-        self.speculative.configure(num_draft_tokens, top_k_writable)
+        self.speculative.configure(num_draft_tokens)
 
     def prepare_verify(
         self,

@@ -50,8 +50,7 @@ if TYPE_CHECKING:
 __all__ = ["VerifyOps", "VerifySteps", "VERIFY_OP_NAMES"]
 
 VERIFY_OP_NAMES = (
-    "swap_in_positions", "bind_verify_slots", "verify_page_table", "commit_accepted", "cap_accepted", "copy_rows",
-    "swap_in_needed_conditions",
+    "swap_in_positions", "bind_verify_slots", "verify_page_table", "commit_accepted", "cap_accepted", "copy_rows"
 )
 """The ops a verify step calls; the coordinator's ``ops`` must have all of them."""
 
@@ -83,8 +82,6 @@ class VerifyOps(Protocol):
         resident_rows: bool = False,
         splits: int | None = None,
         threads: int | None = None,
-        condition: int | None = None,
-        copy_to: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One layer's swap-in of a target-verify forward.
 
@@ -118,21 +115,10 @@ class VerifyOps(Protocol):
                 them through :meth:`verify_page_table`'s table) and are passed through; an offloaded
                 request's are positions either way.
             splits, threads: launch parameters; they never change the result.
-            condition: under CUDA-graph capture, one of :meth:`swap_in_needed_conditions`' (each call its own):
-                the op (and the copy into ``copy_to``) runs only in replays where it holds; None: always.
-            copy_to: int32 ``[B, T, K]``, also written with ``out``.
 
         Returns:
             ``out``: the device row of every entry, -1 for padding (``reference.swap_in_positions``).
         """
-
-    def swap_in_needed_conditions(
-        self, req_pool_indices: torch.Tensor, num_real_reqs: torch.Tensor, buffer_of_req: torch.Tensor, count: int
-    ) -> list[int] | None:
-        """Under CUDA-graph capture, once per forward before its swap-ins: ``count`` conditionals of the graph
-        (one per swap-in: a conditional node takes its own), each set by every replay to
-        ``reference.swap_in_needed`` (a real row is offloaded) of its batch; None when nothing is captured (the
-        reference twin: always)."""
 
     def bind_verify_slots(
         self,
@@ -226,10 +212,6 @@ class VerifySteps:
         verify_limit: int32 ``[R]``: per batch row, the first verify position the forward's swap-ins did not
             serve (``reference.NO_VERIFY_LIMIT``: every one was), one fixed tensor; :meth:`cap_accepts`
             applies and resets it.
-        top_k_writable: with a fused top-k (:meth:`swap_in` ``resident_rows``), nothing reads a layer's top-k
-            tensor after that layer's swap-in (no later layer reuses it), so a captured forward may write the
-            rows into it and skip the swap-ins of a batch with no offloaded request. Set by the integration
-            from the model (False: a layer reuses an earlier one's top-k).
     """
 
     def __init__(self, coordinator: "Coordinator") -> None:
@@ -244,11 +226,8 @@ class VerifySteps:
         # The same, kept for the prepared step's forward (an eager forward of the prepared rows, all resident, skips
         # its swap-ins; a forward of no prepared step never does: _prepared_batch is None then).
         self._step_has_offloaded = True
-        self.top_k_writable = False
-        # Per verify forward with a fused top-k (page_table): whether a CUDA graph is being captured, and the
-        # graph's conditionals its layers' swap-ins run under (None: eager, or the top-k is not writable).
+        # Whether the verify forward with a fused top-k (page_table) is being captured into a CUDA graph.
         self._forward_captured = False
-        self._swap_in_conditions: list[int] | None = None
         # Batch size of the verify step prepared and not yet committed.
         self._prepared_batch: int | None = None
         # Rows the prepare and the commit work on: every row of their batch (no CUDA-graph padding there).
@@ -318,10 +297,9 @@ class VerifySteps:
             coordinator._fence_copies()
         coordinator.telemetry.decode_step_done(entered)
 
-    def configure(self, num_draft_tokens: int, top_k_writable: bool = False) -> None:
+    def configure(self, num_draft_tokens: int) -> None:
         """Fix ``T`` before the first verify step: a server knows it at startup, and its TARGET_VERIFY
-        CUDA graph is captured (swap-ins included) before any request is prepared. ``top_k_writable``: see
-        the attribute (the model's layers each run their own top-k).
+        CUDA graph is captured (swap-ins included) before any request is prepared.
 
         Raises what :meth:`prepare` raises for the setup, now instead of at the first verify:
         HiSparseConfigError (``T`` outside ``[1, P - 1]``),
@@ -330,7 +308,6 @@ class VerifySteps:
         """
         self._check_setup(num_draft_tokens)
         self._fix_num_draft_tokens(num_draft_tokens)
-        self.top_k_writable = top_k_writable
 
     def page_table(self, req_pool_indices: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
         """Once per target-verify forward, before its first layer's top-k: the page table through which a fused
@@ -345,20 +322,11 @@ class VerifySteps:
 
         Returns:
             A new int32 ``[B * T, W]`` tensor (under CUDA-graph capture, the graph's).
-
-        Under CUDA-graph capture with :attr:`top_k_writable`, it also sets up the forward's conditionals (one per
-        layer): each replay decides on the device whether the forward's swap-ins run (:meth:`swap_in`).
         """
         coordinator = self._coordinator
         if self.num_draft_tokens is None:
             raise HiSparseMemoryError("verify page table before any prepare_verify: prepare the verify step first.")
         self._forward_captured = coordinator.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        self._swap_in_conditions = None
-        if self._forward_captured and self.top_k_writable:
-            self._swap_in_conditions = coordinator.ops.swap_in_needed_conditions(
-                req_pool_indices, coordinator.num_real_reqs, coordinator.buffers.buffer_of_req,
-                len(coordinator.layer_tables),
-            )
         return coordinator.ops.verify_page_table(
             page_table,
             req_pool_indices,
@@ -389,14 +357,15 @@ class VerifySteps:
             resident_rows: the top-k came through :meth:`page_table`'s table.
 
         Returns:
-            int32 ``[B, T, K]``: the device row of every entry, -1 for padding. Real rows are the first
-            ``num_real_reqs[0]`` (the coordinator's tensor, set per forward like the decode swap-in's). Without
-            ``resident_rows``, a view of :attr:`rows` (the same storage on every call). With it, where no real
-            row is offloaded the swap-in would return a resident row's entries unchanged, so it is skipped:
-            an eager forward of such a step (no padding rows) returns ``top_k`` itself and launches nothing; a
-            captured forward with :attr:`top_k_writable` returns ``top_k`` too, into which the replays that have
-            an offloaded row copy the rows (a conditional node: the others run none of it; their padding rows
-            keep the top-k's entries, which attention reads and SGLang discards).
+            int32 ``[B, T, K]``, a view of :attr:`rows` (the same storage on every call): the device
+            row of every entry, -1 for padding. Real rows are the first ``num_real_reqs[0]`` (the
+            coordinator's tensor, set per forward like the decode swap-in's). One exception: with
+            ``resident_rows``, an eager forward of the prepared rows (no CUDA-graph padding), none of them
+            offloaded, gets ``top_k`` itself and launches nothing, since the swap-in would return each resident
+            row's entries unchanged. A captured forward always runs the swap-in: a conditional node that skips it
+            costs more GPU time than the one launch per layer at ``T = 2`` and, with the copy of the rows into the
+            top-k it needs, more than the launches in a batch with an offloaded request
+            (benchmarks/results/e2e_H200_2026-11-26.md, section 36).
         """
         coordinator = self._coordinator
         num_positions = self.num_draft_tokens
@@ -408,12 +377,10 @@ class VerifySteps:
                 f"verify top-k of shape {tuple(top_k.shape)}; expected [B, {expected[0]}, {expected[1]}] "
                 f"(num_draft_tokens, top_k) with B <= {self.rows.shape[0]} request slots."
             )
-        conditions = self._swap_in_conditions if resident_rows else None
-        condition = None if conditions is None else conditions[layer_id]
-        if (resident_rows and condition is None and not self._forward_captured and not self._step_has_offloaded
+        if (resident_rows and not self._forward_captured and not self._step_has_offloaded
                 and top_k.shape[0] == self._prepared_batch):
             return top_k  # an eager forward of the prepared rows only, all resident
-        rows = coordinator.ops.swap_in_positions(
+        return coordinator.ops.swap_in_positions(
             top_k,
             seq_lens,
             req_pool_indices,
@@ -424,10 +391,7 @@ class VerifySteps:
             verify_limit=self.verify_limit,
             resident_rows=resident_rows,
             threads=coordinator.config.swap_in_block_size,
-            condition=condition,
-            copy_to=None if condition is None else top_k,
         )
-        return rows if condition is None else top_k
 
     def cap_accepts(self, accept_lens: torch.Tensor, accept_index: torch.Tensor) -> None:
         """Right after SGLang's acceptance of the prepared step, before it uses the result: a row accepts no

@@ -280,8 +280,7 @@ def _newest_slot_rows(
 # ``s`` a request's committed length: positions ``[0, s)`` hold accepted KV, ``s - 1`` is the newest
 # accepted token, and the verify writes the KV of positions ``s .. s + T - 1``.
 
-__all__ += ["swap_in_positions", "swap_in_needed", "swap_in_needed_conditions", "bind_verify_slots",
-            "verify_page_table", "commit_accepted", "cap_accepted",
+__all__ += ["swap_in_positions", "bind_verify_slots", "verify_page_table", "commit_accepted", "cap_accepted",
             "VERIFY_SLOT_BASE", "NO_VERIFY_LIMIT"]
 
 VERIFY_SLOT_BASE = 1
@@ -323,8 +322,6 @@ def swap_in_positions(
     resident_rows: bool = False,
     splits: int | None = None,
     threads: int | None = None,
-    condition: int | None = None,
-    copy_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's swap-in for a target-verify forward: every request asks for ``T`` query positions.
 
@@ -401,25 +398,11 @@ def swap_in_positions(
     ``< s - 1`` is on its host row. A stamp equal to ``s`` before the call (a previous call of the same
     committed length, which a verify that accepts its root never leaves) only makes fewer slots evictable.
 
-    ``copy_to`` (int32 ``[B, T, K]``): also written with ``out``. ``condition`` is a CUDA graph's
-    (``CudaOps.swap_in_needed_conditions``, under capture only): never given here.
-
     Raises:
         ValueError: ``T`` exceeds the verify slots of a buffer, ``group`` is outside ``[1, T]``, or the first
             group's history does not fit the buffer (a precondition ``G x K <= D`` guarantees; the CUDA twin
-            refuses ``G x K > D`` before any launch); a ``condition``.
+            refuses ``G x K > D`` before any launch).
     """
-    if condition is not None:
-        raise ValueError("swap_in_positions: a condition is a CUDA graph's; the reference twin runs no graph.")
-    out = _swap_in_positions(top_k, seq_lens, req_pool_indices, num_real_reqs, tables, out, counters, verify_limit,
-                             group, resident_rows)
-    if copy_to is not None:
-        copy_to.copy_(out)
-    return out
-
-
-def _swap_in_positions(top_k, seq_lens, req_pool_indices, num_real_reqs, tables, out, counters, verify_limit, group,
-                       resident_rows) -> torch.Tensor:
     batch, num_positions, num_top_k = top_k.shape
     buffer_size = tables.slot_tokens.shape[1]
     if tables.slot_rows.shape[0]:
@@ -467,30 +450,6 @@ def _swap_in_positions(top_k, seq_lens, req_pool_indices, num_real_reqs, tables,
         verify_slots = buffer_size + VERIFY_SLOT_BASE + (tokens[:limit][verify] - committed)
         out[b, :limit][verify] = tables.slot_rows[buf, verify_slots]
     return out
-
-
-def swap_in_needed(req_pool_indices: torch.Tensor, num_real_reqs: torch.Tensor, buffer_of_req: torch.Tensor) -> bool:
-    """Whether a verify forward's swap-ins have work when its top-k is the fused one (``resident_rows``): some real
-    row's request is offloaded. With every real row resident, :func:`swap_in_positions` with ``resident_rows``
-    returns each real row's entries unchanged (the padding rows' become -1), so a forward may skip it and read
-    the top-k instead (``CudaOps.swap_in_needed_conditions``).
-
-    Args:
-        req_pool_indices: int32/int64 ``[B]`` (CUDA-graph padding rows included).
-        num_real_reqs: int32 ``[1]``: rows ``>= num_real_reqs[0]`` are padding.
-        buffer_of_req: int32 ``[R]``: -1 for a resident request.
-    """
-    num_real = min(int(num_real_reqs.reshape(-1)[0]), req_pool_indices.shape[0])
-    slots = req_pool_indices[:num_real].to(torch.int64)
-    return bool((buffer_of_req[slots] >= 0).any())
-
-
-def swap_in_needed_conditions(
-    req_pool_indices: torch.Tensor, num_real_reqs: torch.Tensor, buffer_of_req: torch.Tensor, count: int
-) -> list[int] | None:
-    """The CUDA twin's conditionals of a captured graph (``CudaOps.swap_in_needed_conditions``); no graph is
-    captured here: None."""
-    return None
 
 
 def _serve_group(

@@ -106,9 +106,7 @@ class CudaOps:
       point at them;
     * the shared-memory plan of each swap-in shape, checked once against this GPU;
     * the kernel's occupancy per shape (how many CTAs run at once: ``choose_splits`` sizes the split to it);
-    * the device tables of layer base pointers for ``copy_rows`` (on a ``LayerSet`` when given one);
-    * the stream on which a conditional swap-in's launches are captured into their node's body
-      (``swap_in_positions`` with ``condition``), made here, before any capture.
+    * the device tables of layer base pointers for ``copy_rows`` (on a ``LayerSet`` when given one).
 
     Args:
         device: the GPU (``"cuda"``: the current one, resolved now).
@@ -132,8 +130,6 @@ class CudaOps:
         self._occupancy: dict[tuple[int, int, int, int | None, int | None], int] = {}
         self._multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
         self._no_counters = torch.empty(0, dtype=torch.int64, device=device)
-        self._no_copy = torch.empty((0, 0, 0), dtype=torch.int32, device=device)
-        self._body_stream = torch.cuda.Stream(device)
         self._layer_pointers: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _stream(self) -> int:
@@ -349,8 +345,6 @@ class CudaOps:
         resident_rows: bool = False,
         splits: int | None = None,
         threads: int | None = None,
-        condition: int | None = None,
-        copy_to: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """CUDA twin of :func:`hisparse_sglang.ops.reference.swap_in_positions` (see there and
         ``coordinator.speculative.VerifyOps`` for shapes and rules): one launch per group of ``group``
@@ -365,14 +359,9 @@ class CudaOps:
         must fit the kernel's shared-memory plan (:meth:`positions_plan`; at top_k 2048 on sm_90 one
         position fits with ``device_buffer_size`` up to 14272), refused before any launch.
 
-        ``copy_to`` (int32 ``[B, T, K]``, contiguous): also written with ``out``, after every launch. Under
-        CUDA-graph capture, ``condition`` (one of :meth:`swap_in_needed_conditions`') puts the launches and that copy
-        in a conditional node: a replay runs them only when the condition holds (a real row is offloaded).
-
         Raises:
             ValueError: ``top_k`` is not ``[B, T, K]``, ``T`` exceeds a buffer's verify slots, or
-                ``group`` is outside ``[1, T]`` or too large for the buffer or a launch; a ``condition``
-                outside capture.
+                ``group`` is outside ``[1, T]`` or too large for the buffer or a launch.
             HiSparseConfigError: :meth:`positions_plan`.
         """
         if top_k.device != self.device:
@@ -392,16 +381,6 @@ class CudaOps:
             splits = self.choose_splits(batch, k, buffer_size, threads, num_positions=num_positions, group=group)
         if verify_limit is None:
             verify_limit = torch.full((batch,), NO_VERIFY_LIMIT, dtype=torch.int32, device=self.device)
-        if condition is not None and not torch.cuda.is_current_stream_capturing():
-            raise ValueError("swap_in_positions: a condition is a CUDA graph's; this stream is not capturing one.")
-        if copy_to is not None and condition is None:
-            # No graph to skip it in: the launches run, then the copy.
-            self.swap_in_positions(
-                top_k, seq_lens, req_pool_indices, num_real_reqs, tables, out, counters, verify_limit, group=group,
-                resident_rows=resident_rows, splits=splits, threads=threads,
-            )
-            copy_to.copy_(out)
-            return out
         self.module.swap_in_positions(
             top_k,
             seq_lens,
@@ -418,25 +397,8 @@ class CudaOps:
             splits,
             threads,
             self._stream(),
-            int(condition is not None),
-            condition or 0,
-            self._no_copy if copy_to is None else copy_to,
-            self._body_stream.cuda_stream,
         )
         return out
-
-    def swap_in_needed_conditions(
-        self, req_pool_indices: torch.Tensor, num_real_reqs: torch.Tensor, buffer_of_req: torch.Tensor, count: int
-    ) -> list[int] | None:
-        """Under CUDA-graph capture: ``count`` conditionals of the graph (one per :meth:`swap_in_positions` call
-        that takes one as ``condition``: a conditional node takes its own), each set at every replay (one launch,
-        here) to :func:`hisparse_sglang.ops.reference.swap_in_needed` of the replay's batch. None when the current
-        stream is not capturing. At most 256 (``csrc`` ``kMaxSwapInConditions``)."""
-        if not torch.cuda.is_current_stream_capturing():
-            return None
-        handles = torch.zeros(count, dtype=torch.int64)
-        self.module.swap_in_needed_conditions(handles, req_pool_indices, num_real_reqs, buffer_of_req, self._stream())
-        return handles.tolist()
 
     def verify_page_table(
         self,

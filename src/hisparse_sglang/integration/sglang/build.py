@@ -58,7 +58,6 @@ def agree(tp_group, flags: list[bool]) -> list[bool]:
 def build(
     config: HiSparseConfig, req_to_token_pool, allocator, pool, device, tp_group=None, dp_attention: bool = False,
     num_draft_tokens: int = 0,
-    layers_share_top_k: bool = True,
 ) -> RuntimeParts:
     """Check, then allocate and compile, everything of one scheduler process (see the module docstring).
 
@@ -72,9 +71,6 @@ def build(
         dp_attention: SGLang runs DP attention (its ranks hold other requests: no shared host pool).
         num_draft_tokens: ``T``, the positions of each speculative verify step; 0 without it. Configured
             before SGLang captures the TARGET_VERIFY graph, so a setup the verify step cannot serve stops here.
-        layers_share_top_k: some layer of the model reuses an earlier layer's top-k (``compat.layers_share_top_k``);
-            otherwise a captured verify forward may write its swap-in's rows into the top-k (``VerifySteps``'
-            ``top_k_writable``).
     """
     device = torch.device(device)
     rows = allocator.rows
@@ -116,7 +112,7 @@ def build(
         ranks_share_host_pool=shares_host_pool,
     )
     if num_draft_tokens:
-        core.configure_verify(num_draft_tokens, top_k_writable=not layers_share_top_k)
+        core.configure_verify(num_draft_tokens)
     logger.info(
         "HiSparse (hisparse-sglang): %s; host pool %.2f GiB; device pool %d rows, %d buffers of %d",
         config.to_json(), host_pool.nbytes / 2**30, rows.device_rows.capacity_rows, num_buffers,

@@ -227,23 +227,6 @@ def model_index_topk(model_config) -> int | None:
     return getattr(model_config.hf_text_config, "index_topk", None)
 
 
-def layers_share_top_k(model_config) -> bool:
-    """Whether a layer of the model may reuse an earlier layer's top-k instead of running its own indexer
-    (shared-index layers, docs/sglang-versions.md), from the text config's keys that turn it on in some release:
-    ``indexer_types`` naming any type but ``full`` (0.5.23: ``shared``), ``index_topk_pattern`` with any layer
-    but ``F`` (``S`` skips), ``cli_factor`` or ``index_topk_freq`` above 1, ``index_skip_topk_offset`` given. A
-    key this release ignores still counts. DeepSeek-V3.2's config has none of them, GLM-5's ``indexer_types``
-    are all ``full``."""
-    config = model_config.hf_text_config
-    if (getattr(config, "index_topk_freq", None) or 1) > 1 or (getattr(config, "cli_factor", None) or 1) > 1:
-        return True
-    if getattr(config, "index_skip_topk_offset", None) is not None:
-        return True
-    types = getattr(config, "indexer_types", None)
-    pattern = getattr(config, "index_topk_pattern", None)
-    return any(kind != "full" for kind in types or ()) or any(layer != "F" for layer in pattern or "")
-
-
 def model_kind(hf_config) -> dict[str, bool | int]:
     """SGLang's classification of a model, as the installed release makes it.
 

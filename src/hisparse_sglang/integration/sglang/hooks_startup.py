@@ -87,7 +87,6 @@ def _maybe_init_hisparse_coordinator(self) -> None:
     self.hisparse_coordinator = runtime.start(
         config, self.req_to_token_pool, self.device, tp_group=compat.coordinator_cpu_group(self),
         dp_attention=compat.attention_dp_size() > 1, num_draft_tokens=_speculative_num_draft_tokens(),
-        layers_share_top_k=compat.layers_share_top_k(self.model_config),
     )
 
 

@@ -128,13 +128,12 @@ class HiSparseRuntime:
 
     def start(
         self, config: HiSparseConfig, req_to_token_pool, device, tp_group=None, dp_attention: bool = False,
-        num_draft_tokens: int = 0, layers_share_top_k: bool = True,
+        num_draft_tokens: int = 0,
     ):
         """Build everything of this process (``build.build``: the host pool, private or shared by the TP ranks
         of the node, the device buffers, the ops, the streams, the coordinator core) and the SGLang-facing
         coordinator that forwards to it (what SGLang keeps as ``model_runner.hisparse_coordinator``), which
-        it returns. ``num_draft_tokens``: the verify positions of speculative decoding, 0 without it;
-        ``layers_share_top_k``: some layer of the model reuses an earlier layer's top-k (``build.build``)."""
+        it returns. ``num_draft_tokens``: the verify positions of speculative decoding, 0 without it."""
         from hisparse_sglang.integration.sglang import build
         from hisparse_sglang.integration.sglang.coordinator import SGLangHiSparseCoordinator
 
@@ -142,7 +141,7 @@ class HiSparseRuntime:
         self.quarantine.seconds = config.pd_quarantine_s
         parts = build.build(
             config, req_to_token_pool, self._allocator, self._pool, device, tp_group=tp_group,
-            dp_attention=dp_attention, num_draft_tokens=num_draft_tokens, layers_share_top_k=layers_share_top_k,
+            dp_attention=dp_attention, num_draft_tokens=num_draft_tokens,
         )
         self.coordinator = SGLangHiSparseCoordinator(
             self, config, parts, self._allocator, device, tp_group=tp_group, num_draft_tokens=num_draft_tokens
