@@ -150,6 +150,17 @@ def pin_process(pid: int, cpus: set[int]) -> dict[int, set[int]]:
     return previous
 
 
+def start_streams(port: int, prompts: list[list[int]], output_len: int) -> tuple[list[threading.Thread], list[dict]]:
+    """Every prompt streamed at once, each from a thread started here: the threads (to join) and the outputs they
+    fill (``client.generate_stream``'s, in prompt order)."""
+    outs: list[dict] = [{} for _ in prompts]
+    threads = [threading.Thread(target=lambda i=i, prompt=prompt: outs[i].update(
+        client.generate_stream(port, prompt, output_len, timeout=600))) for i, prompt in enumerate(prompts)]
+    for thread in threads:
+        thread.start()
+    return threads, outs
+
+
 def timed_requests(port: int, prompts: list[list[int]], output_len: int,
                    concurrency: int = 1) -> tuple[list[float], list]:
     """The prompts decoded ``concurrency`` at a time (consecutive ones together), one group after the other: per
@@ -157,12 +168,7 @@ def timed_requests(port: int, prompts: list[list[int]], output_len: int,
     requests that gave none."""
     tpots, errors = [], []
     for start in range(0, len(prompts), concurrency):
-        group = prompts[start:start + concurrency]
-        outs: list[dict] = [{} for _ in group]
-        threads = [threading.Thread(target=lambda i=i, prompt=prompt: outs[i].update(
-            client.generate_stream(port, prompt, output_len, timeout=600))) for i, prompt in enumerate(group)]
-        for thread in threads:
-            thread.start()
+        threads, outs = start_streams(port, prompts[start:start + concurrency], output_len)
         for thread in threads:
             thread.join()
         group_tpots = [out["tpot_s"] for out in outs if out.get("tpot_s")]
@@ -309,12 +315,8 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
         result["startup_s"] = round(server.wait_healthy(args.health_timeout), 1)
         client.generate(port, client.make_prompt(3, 4096, vocab), 16, timeout=300)
         log(f"{variant}: healthy after {result['startup_s']} s")
-        traced: list[dict] = [{} for _ in range(args.concurrency)]
-        threads = [threading.Thread(target=lambda i=i: traced[i].update(client.generate_stream(
-            port, client.make_prompt(11 + i, args.input_len, vocab), args.trace_out, timeout=600)))
-            for i in range(args.concurrency)]
-        for thread in threads:
-            thread.start()
+        threads, traced = start_streams(
+            port, [client.make_prompt(11 + i, args.input_len, vocab) for i in range(args.concurrency)], args.trace_out)
         scheduler_pid = find_scheduler_pid(server.proc.pid) if args.placement_sweep else None
         if scheduler_pid is not None:  # where the scheduler runs and what else is busy, beside the sweep
             result["scheduler_cpu"] = int(proc_stat(f"/proc/{scheduler_pid}/stat")[1][_LAST_CPU])

@@ -221,13 +221,9 @@ class VerifySteps:
         self.verify_limit = torch.full(
             (coordinator.buffers.num_req_slots,), NO_VERIFY_LIMIT, dtype=torch.int32, device=coordinator.device
         )
-        # Whether the prepared step has an offloaded row (only those can leave a position unserved).
+        # Whether the prepared step has an offloaded row (only those can leave a position unserved; until the
+        # step's acceptance, so for its forward too: an eager forward of resident rows only skips its swap-ins).
         self._may_cap = False
-        # The same, kept for the prepared step's forward (an eager forward of the prepared rows, all resident, skips
-        # its swap-ins; a forward of no prepared step never does: _prepared_batch is None then).
-        self._step_has_offloaded = True
-        # Whether the verify forward with a fused top-k (page_table) is being captured into a CUDA graph.
-        self._forward_captured = False
         # Batch size of the verify step prepared and not yet committed.
         self._prepared_batch: int | None = None
         # Rows the prepare and the commit work on: every row of their batch (no CUDA-graph padding there).
@@ -326,7 +322,6 @@ class VerifySteps:
         coordinator = self._coordinator
         if self.num_draft_tokens is None:
             raise HiSparseMemoryError("verify page table before any prepare_verify: prepare the verify step first.")
-        self._forward_captured = coordinator.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         return coordinator.ops.verify_page_table(
             page_table,
             req_pool_indices,
@@ -377,8 +372,8 @@ class VerifySteps:
                 f"verify top-k of shape {tuple(top_k.shape)}; expected [B, {expected[0]}, {expected[1]}] "
                 f"(num_draft_tokens, top_k) with B <= {self.rows.shape[0]} request slots."
             )
-        if (resident_rows and not self._forward_captured and not self._step_has_offloaded
-                and top_k.shape[0] == self._prepared_batch):
+        if (resident_rows and not self._may_cap and top_k.shape[0] == self._prepared_batch
+                and not (top_k.is_cuda and torch.cuda.is_current_stream_capturing())):
             return top_k  # an eager forward of the prepared rows only, all resident
         return coordinator.ops.swap_in_positions(
             top_k,
@@ -632,7 +627,7 @@ class VerifySteps:
         if self._may_cap:
             # The previous step's limits were never applied (no acceptance reached cap_accepts): start afresh.
             self.verify_limit.fill_(NO_VERIFY_LIMIT)
-        self._may_cap = self._step_has_offloaded = bool(offloaded_rows)
+        self._may_cap = bool(offloaded_rows)
         if offloaded_rows:
             self._batch_size.fill_(len(records))
             coordinator.ops.bind_verify_slots(
