@@ -813,9 +813,12 @@ def mock_serving(common: list[str], td: Path) -> None:
     """Run 2e: arms a and c, throughput + serving; the /metrics check agrees. Run 2f: arm c whose /metrics
     disagree with its log line (MOCK_METRICS_SKEW): the check must fail the run (exit 2)."""
     flags = own_dirs(common, td, "bs")
-    # after the common flags, whose throughput levels and lengths they replace (argparse: the last wins)
-    sv = ["--tp-levels", "1,2", "--tp-output-len", "40", "--bs-levels", "1,2", "--bs-input-len", "160",
-          "--bs-output-len", "40", "--plugin-ep", "hisparse=mockplug:register", "--plugin-env", "MOCK_HISPARSE_LOG=1"]
+    # after the common flags, whose throughput levels and lengths they replace (argparse: the last wins). The
+    # mock logs the plugin's line at its 0.2 s ticks that find a request running: 250 tokens (>= 0.5 s) per
+    # request make each phase's requests span several ticks, so each phase logs lines before the scrape that
+    # follows it (requests of 40 tokens, 85 ms, could all fall between two ticks: no line, a flaky failure)
+    sv = ["--tp-levels", "1,2", "--tp-output-len", "250", "--bs-levels", "1,2", "--bs-input-len", "160",
+          "--bs-output-len", "250", "--plugin-ep", "hisparse=mockplug:register", "--plugin-env", "MOCK_HISPARSE_LOG=1"]
     # the mock site's stand-in for bench_serving, one process per level
     res = mock_run(["--arms", "a,c", "--phases", "throughput,serving,report", "--bs-process-per-level", *flags, *sv],
                    td / "bs_out", "mock serving run")
@@ -826,7 +829,7 @@ def mock_serving(common: list[str], td: Path) -> None:
               f"arm {x}: with the serving phase the server loads its tokenizer and exports metrics")
         levels = (arm_results[x].get("serving") or {}).get("levels") or []
         check([lv["max_concurrency"] for lv in levels] == [1, 2] and all(lv["ok"] for lv in levels)
-              and [lv["summary"]["total_output_tokens"] for lv in levels] == [80, 160]
+              and [lv["summary"]["total_output_tokens"] for lv in levels] == [500, 1000]
               and all(lv["cmd"].split()[1:3] == ["-m", "sglang.bench_serving"] and "--random-range-ratio 1.0" in lv["cmd"]
                       for lv in levels), f"arm {x}: bench_serving levels {levels}")
         rows = bench_serving_phase.compare_clients(arm_results[x])
