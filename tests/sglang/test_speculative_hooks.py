@@ -285,7 +285,7 @@ def test_the_verify_top_k_is_fused_only_where_sglang_would_run_its_v2_kernel(cap
     attn = types.SimpleNamespace(
         real_page_table=torch.zeros(T, 4, dtype=torch.int32), topk_v2_plan=torch.zeros(T + 1, dtype=torch.int32),
         page_size=PAGE, dsa_seqlens_expanded=torch.full((T,), 8, dtype=torch.int32), cu_seqlens_q=None,
-        topk_indices_offset=None,
+        topk_indices_offset=None, token_to_batch_idx=None,  # a DSAMetadata field; 0.5.21's top-k reads it first
     )
     fusable = DSAIndexerMetadata(attn_metadata=attn, topk_transform_method=TopkTransformMethod.PAGED)
     ours = types.SimpleNamespace(hisparse_coordinator=run.coordinator)
