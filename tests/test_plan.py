@@ -159,8 +159,10 @@ def test_cli_help_and_exit_codes(capsys):
 
 
 def test_speculative_decoding_sizes_the_nextn_layers_and_the_verify_buffer():
-    """--speculative-num-draft-tokens T: the draft's NextN layer keeps KV of the same tokens (sized as one more
-    layer, GPU and host); the default buffer stays 2 x top_k slots, as the plugin's own config keeps it."""
+    """--speculative-num-draft-tokens T: the draft's NextN layer keeps KV row and indexer key of every logical
+    token on the GPU (host_to_device_ratio per GPU token) and no host rows; the default buffer stays 2 x top_k
+    slots, as the plugin's own config keeps it. (tests/sglang/test_plan_sglang.py checks the bytes against
+    SGLang's budget with the plugin's draft hook.)"""
     spec = plan.PlanInput(model=plan.model_shape("DeepSeek-V3.2"), gpu_mem_gib=139.8, host_mem_gib=1800, tp=8)
     plain = plan.plan(spec)
     mtp3 = plan.plan(dataclasses.replace(spec, speculative_num_draft_tokens=4))
@@ -168,8 +170,11 @@ def test_speculative_decoding_sizes_the_nextn_layers_and_the_verify_buffer():
     assert not (plain.errors or mtp3.errors or mtp1.errors)
     assert (plain.config.device_buffer_size, mtp1.config.device_buffer_size, mtp3.config.device_buffer_size) == (
         4096, 4096, 4096)
-    assert mtp3.bytes_per_token_with * 61 == plain.bytes_per_token_with * 62
-    assert mtp3.host_pool_gib / mtp3.host_rows == pytest.approx(plain.host_pool_gib / plain.host_rows * 62 / 61)
+    ratio = plain.config.host_to_device_ratio
+    assert mtp3.bytes_per_token_with == plain.bytes_per_token_with + (1152 + 132) * ratio == 88944
+    assert mtp3.bytes_per_token_without == plain.bytes_per_token_without + 1152 + 132
+    assert mtp3.device_tokens_with < plain.device_tokens_with
+    assert mtp3.host_pool_gib / mtp3.host_rows == pytest.approx(plain.host_pool_gib / plain.host_rows)
     assert '"device_buffer_size": 4096' in mtp3.hisparse_config_json
 
 

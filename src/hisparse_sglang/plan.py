@@ -53,8 +53,9 @@ class ModelShape:
     Attributes:
         layers: ``num_hidden_layers`` (layers with a KV cache; the NextN / MTP layers add theirs only with
             speculative decoding, see ``nextn_layers``).
-        nextn_layers: ``num_nextn_predict_layers``: the draft layers EAGLE / NextN MTP runs, each with a KV
-            cache of the same tokens (and, with HiSparse, host rows) as a target layer.
+        nextn_layers: ``num_nextn_predict_layers``: the draft layers EAGLE / NextN MTP runs. With HiSparse their
+            KV stays on the GPU over the whole logical space (``host_to_device_ratio`` rows per GPU token, no host
+            rows; docs/speculative.md 2.6).
         kv_lora_rank, qk_rope_head_dim: the MLA latent row (512 + 64 values).
         index_topk: the indexer's top-k (HiSparse's ``top_k``).
         index_head_dim: the indexer key width (its cache stays in GPU memory).
@@ -130,10 +131,13 @@ def index_key_bytes(shape: ModelShape) -> int:
     return shape.index_head_dim + shape.index_head_dim // INDEX_K_QUANT_BLOCK * INDEX_K_SCALE_BYTES
 
 
-def bytes_per_device_token(shape: ModelShape, kv_dtype: str, host_to_device_ratio: int) -> int:
+def bytes_per_device_token(shape: ModelShape, kv_dtype: str, host_to_device_ratio: int, draft_layers: int = 0) -> int:
     """GPU bytes SGLang budgets per token of its KV pool: the KV row of every layer and the indexer keys of
-    ``host_to_device_ratio`` logical tokens (1 without HiSparse)."""
-    return shape.layers * (kv_row_bytes(shape, kv_dtype) + index_key_bytes(shape) * host_to_device_ratio)
+    ``host_to_device_ratio`` logical tokens (1 without HiSparse); with speculative decoding also the draft's
+    ``draft_layers`` (:func:`draft_layers`), whose pool holds KV row and indexer key of every logical token
+    (SGLang's own count of the draft layers plus what the plugin's hook H8 adds to it)."""
+    row, key = kv_row_bytes(shape, kv_dtype), index_key_bytes(shape)
+    return shape.layers * (row + key * host_to_device_ratio) + draft_layers * (row + key) * host_to_device_ratio
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,10 +251,10 @@ def _concurrency(tokens_per_request: int, device_tokens: int, logical_tokens: in
     return min(bounds.values()), bounds
 
 
-def kv_shape(spec: PlanInput) -> ModelShape:
-    """The model as its KV pools are sized: with speculative decoding (``speculative_num_draft_tokens`` > 1)
-    the draft's NextN layers keep KV of the same tokens, so they count as more layers (the name says so).
-    Raises for a draft-token count the verify swap-in cannot serve or a model without a NextN layer."""
+def draft_layers(spec: PlanInput) -> int:
+    """The draft's KV layers: the model's NextN layers with speculative decoding (``speculative_num_draft_tokens``
+    > 1), else 0. Raises for a draft-token count the verify swap-in cannot serve or a model without a NextN
+    layer."""
     shape, draft_tokens = spec.model, spec.speculative_num_draft_tokens
     if not 1 <= draft_tokens <= MAX_VERIFY_POSITIONS:
         raise HiSparseConfigError(
@@ -258,23 +262,20 @@ def kv_shape(spec: PlanInput) -> ModelShape:
             f"{MAX_VERIFY_POSITIONS} positions per request (--speculative-num-steps 1-3 with topk 1)."
         )
     if draft_tokens == 1:
-        return shape
+        return 0
     if not shape.nextn_layers:
         raise HiSparseConfigError(
             f"{shape.name} has no NextN layer (num_nextn_predict_layers 0): EAGLE / NextN MTP needs one; "
             f"drop --speculative-num-draft-tokens."
         )
-    return dataclasses.replace(
-        shape, name=f"{shape.name} + {shape.nextn_layers} NextN layer(s), {draft_tokens} draft tokens",
-        layers=shape.layers + shape.nextn_layers,
-    )
+    return shape.nextn_layers
 
 
 def plan(spec: PlanInput) -> Plan:
     """Size ``spec``; never raises for a setting that cannot start (it lands in ``errors``), only for a model
     or a config that cannot be read at all."""
     errors, warnings = [], []
-    shape = kv_shape(spec)
+    shape, drafts = spec.model, draft_layers(spec)
     if spec.kv_dtype not in KV_DTYPES:
         raise HiSparseConfigError(f"kv dtype {spec.kv_dtype!r}: use one of {', '.join(KV_DTYPES)}.")
     if spec.tp < 1 or spec.dp < 1 or spec.tp % spec.dp:
@@ -305,8 +306,8 @@ def plan(spec: PlanInput) -> Plan:
             f"the weights over more GPUs (--tp)."
         )
     budget = max(budget_gib, 0) * GIB
-    per_token_without = bytes_per_device_token(shape, spec.kv_dtype, 1)
-    per_token_with = bytes_per_device_token(shape, spec.kv_dtype, ratio)
+    per_token_without = bytes_per_device_token(shape, spec.kv_dtype, 1, drafts)
+    per_token_with = bytes_per_device_token(shape, spec.kv_dtype, ratio, drafts)
     tokens_without = _device_tokens(spec, budget, per_token_without, page)
     tokens_with = _device_tokens(spec, budget, per_token_with, page)
 
@@ -372,7 +373,7 @@ def plan(spec: PlanInput) -> Plan:
             f"offloaded, so HiSparse only costs GPU memory for indexer keys ({tokens_without - tokens_with} fewer GPU "
             f"tokens) and host memory here."
         )
-    index_share = 1 - shape.layers * row / per_token_with
+    index_share = (shape.layers + drafts) * index_key_bytes(shape) * ratio / per_token_with
     if index_share > 0.3:
         warnings.append(
             f"the indexer keys of the logical pool take {index_share:.0%} of the GPU KV budget (host_to_device_ratio "
@@ -417,7 +418,7 @@ def plan(spec: PlanInput) -> Plan:
 def _concurrency_at_ratio(spec, shape, config, budget, request_pages, ratio) -> int:
     """Concurrent requests per DP group with ``host_to_device_ratio`` = ``ratio`` (everything else as given)."""
     page = config.page_size
-    tokens = _device_tokens(spec, budget, bytes_per_device_token(shape, spec.kv_dtype, ratio), page)
+    tokens = _device_tokens(spec, budget, bytes_per_device_token(shape, spec.kv_dtype, ratio, draft_layers(spec)), page)
     slots = _request_slots(tokens, spec.context_length or shape.context_length, spec.max_running_requests, spec.dp)
     buffers = min(slots, tokens // config.padded_buffer_size)
     return _concurrency(request_pages, tokens, tokens * ratio, buffers, slots, False)[0]
@@ -432,7 +433,8 @@ def _suggest_ratio(spec, shape, config, budget, request_pages, fits, pools_per_n
     memory = limits.HostMemory(int(spec.host_mem_gib * GIB), "--host-mem-gib")
     for ratio in range(1, 1025):
         page = config.page_size
-        tokens = _device_tokens(spec, budget, bytes_per_device_token(shape, spec.kv_dtype, ratio), page)
+        tokens = _device_tokens(spec, budget, bytes_per_device_token(shape, spec.kv_dtype, ratio, draft_layers(spec)),
+                                page)
         try:
             limits.check_host_pool(host_bytes_for(tokens, ratio), pools_per_node,
                                    lambda other, tokens=tokens: host_bytes_for(tokens, other), ratio, memory)
@@ -500,17 +502,21 @@ def _parser() -> argparse.ArgumentParser:
     hisparse.add_argument("--output-len", type=int, default=1024, help="output tokens per request (default 1024)")
     hisparse.add_argument("--speculative-num-draft-tokens", type=int, default=1, metavar="T",
                           help="as SGLang's, with EAGLE / NextN MTP (2-4; default 1: none): the draft's NextN layers "
-                               "are sized as KV layers (device_buffer_size keeps its 2 x top_k default)")
+                               "keep KV and indexer keys of every logical token on the GPU (device_buffer_size keeps "
+                               "its 2 x top_k default)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
 
 def _report(spec: PlanInput, result: Plan) -> str:
-    shape, ratio = kv_shape(spec), (result.config.host_to_device_ratio if result.config else None)
+    shape, drafts, ratio = spec.model, draft_layers(spec), (result.config.host_to_device_ratio if result.config else None)
     bounds = ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in result.concurrency_bounds.items())
     ranks = f"{spec.tp} rank{'s' if spec.tp > 1 else ''}" + (f", {spec.dp} DP-attention groups" if spec.dp > 1 else "")
     lines = [
-        f"{shape.name}: {shape.layers} layers, {kv_row_bytes(shape, spec.kv_dtype)} B KV + {index_key_bytes(shape)} B "
+        f"{shape.name}: {shape.layers} layers"
+        + (f" + {drafts} NextN draft layer(s) ({spec.speculative_num_draft_tokens} draft tokens; their KV on the GPU "
+           f"for every logical token)" if drafts else "")
+        + f", {kv_row_bytes(shape, spec.kv_dtype)} B KV + {index_key_bytes(shape)} B "
         f"indexer key per token and layer ({spec.kv_dtype}); {ranks}, {result.ranks_per_node} per node",
         (f"  weights {result.weights_gib:.1f} GiB per GPU; KV budget {result.kv_budget_gib:.1f} GiB per GPU "
          f"(--mem-fraction-static {spec.mem_fraction_static})" if result.weights_gib is not None else

@@ -25,8 +25,9 @@ KV_DTYPES = {
 }
 
 
-def sglang_configurator(model_dir: Path, kv_dtype: str, ratio: int | None):
-    """SGLang's pool configurator for the model, the KV dtype and (ratio not None) --enable-hisparse."""
+def sglang_configurator(model_dir: Path, kv_dtype: str, ratio: int | None, spec_algorithm=None, draft_layers=0):
+    """SGLang's pool configurator for the model, the KV dtype and (ratio not None) --enable-hisparse; with a
+    ``spec_algorithm`` (EAGLE) the target's, its draft of ``draft_layers`` NextN layers."""
     from sglang.srt import runtime_context
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
@@ -47,7 +48,9 @@ def sglang_configurator(model_dir: Path, kv_dtype: str, ratio: int | None):
         kv_cache_dtype_str=name, kv_cache_dtype=dtype, model_config=model_config, server_args=server_args,
         use_mla_backend=True,
         layer_info=types.SimpleNamespace(num_effective_layers=layers, start_layer=0, end_layer=layers),
-        spec_algorithm=SpeculativeAlgorithm.NONE, is_draft_worker=False,
+        spec_algorithm=spec_algorithm or SpeculativeAlgorithm.NONE, is_draft_worker=False,
+        spec_aux_config=types.SimpleNamespace(eagle_draft_num_layers=draft_layers),
+        fused_entry_bytes=lambda kind: None,  # 0.5.23's EAGLE budget asks it first (None: no fused pool entry)
         ps=types.SimpleNamespace(pp_size=1, attn_dp_size=1),
         mambaish_config=None, attn_dp_size=1,
     )
@@ -110,3 +113,35 @@ def test_pd_decode_longest_request_equals_the_coordinators_limit(reserved):
     assert result.longest_request_with == capacity
     assert result.logical_tokens == stack.allocator.rows.logical.capacity_rows
     assert result.host_rows == stack.allocator.rows.num_locs
+
+
+@pytest.mark.parametrize("model_dir", MODELS, ids=lambda path: path.name)
+@pytest.mark.parametrize("kv_dtype", sorted(KV_DTYPES))
+@pytest.mark.parametrize("ratio", [1, 8])
+def test_bytes_per_token_with_mtp_equal_sglangs_budget_with_the_draft_hook(model_dir, kv_dtype, ratio):
+    """With EAGLE / NextN MTP SGLang's configurator counts the draft layer beside the target's, and on 0.5.17 -
+    0.5.21 the plugin's H8 (limits.count_draft_kv_at_logical_size) adds what the draft pool over the logical
+    space needs beyond it (0.5.22+ count it themselves): the plan's bytes per device token and pool size are
+    that budget."""
+    import dataclasses
+
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from hisparse_sglang.integration.sglang import compat
+
+    configurator, kvc = sglang_configurator(model_dir, kv_dtype, ratio, SpeculativeAlgorithm.EAGLE, draft_layers=1)
+    assert compat.hisparse_enabled()
+    if compat.speculative_verify_is_hooked():  # H8 (0.5.17 - 0.5.21), as the hook runs it after __init__
+        limits.count_draft_kv_at_logical_size(configurator, kvc)
+    # the tiny models' config.json has no NextN layer; the e2e harness serves them with one (as here)
+    shape = dataclasses.replace(plan.model_shape(str(model_dir)), nextn_layers=1)
+    spec = plan.PlanInput(model=shape, gpu_mem_gib=7.3, host_mem_gib=10_000, tp=1, kv_dtype=kv_dtype,
+                          mem_fraction_static=1.0, weights_gib=0.0, speculative_num_draft_tokens=4,
+                          hisparse_config=f'{{"host_to_device_ratio": {ratio}}}')
+    result = plan.plan(spec)
+    assert result.bytes_per_token_with == configurator._cell_size
+    expected = configurator.calculate_pool_sizes(int(7.3 * 2**30), 64).max_total_num_tokens
+    assert result.device_tokens_with == expected
+    # the host pool holds the target's layers only: the draft's KV stays on the GPU (docs/speculative.md 2.6)
+    plain = plan.plan(dataclasses.replace(spec, speculative_num_draft_tokens=1))
+    assert result.host_pool_gib / result.host_rows == pytest.approx(plain.host_pool_gib / plain.host_rows)

@@ -509,11 +509,11 @@ def staged_spec_input(future_map, spec_algorithm, req_pool_indices):
 
 
 def mla_kv_row_bytes(kvc) -> int:
-    """Bytes of one token's MLA KV in one layer, as a KV-cache configurator ``kvc`` sizes it."""
+    """Bytes of one token's MLA KV in one layer, as a KV-cache configurator ``kvc`` sizes it
+    (``calculate_mla_kv_cache_dim`` takes ``server_args`` in 0.5.17 - 0.5.18, not from 0.5.19)."""
     import torch
     from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
 
-    dim = calculate_mla_kv_cache_dim(
-        model_config=kvc.model_config, kv_cache_dtype=kvc.kv_cache_dtype, server_args=kvc.server_args
-    )
+    extra = {"server_args": kvc.server_args} if _in_range(sglang_version() or "", "<0.5.19") else {}
+    dim = calculate_mla_kv_cache_dim(model_config=kvc.model_config, kv_cache_dtype=kvc.kv_cache_dtype, **extra)
     return dim * torch._utils._element_size(kvc.kv_cache_dtype)
