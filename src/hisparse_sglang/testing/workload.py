@@ -494,7 +494,8 @@ def step_overlap(top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def verify_unions(top_k: torch.Tensor, positions: int) -> torch.Tensor:
     """Distinct tokens named by ``positions`` consecutive steps, for every window of them: what a speculative
     verify of ``T = positions`` query positions asks one request's buffer to hold at once (its positions are
-    consecutive decode steps; docs/speculative.md 2.9 sizes the buffer for the worst case, ``T x top_k``).
+    consecutive decode steps; a buffer of ``T x top_k`` slots never leaves a position out, the default
+    ``2 x top_k`` does where the union is larger: docs/speculative.md 2.9).
 
     Args:
         top_k: int ``[S, K]``, one request and layer, -1 padding.
