@@ -16,6 +16,7 @@ else a comma-separated list. The wheels are kept in ``HISPARSE_WHEEL_CACHE`` (de
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -78,6 +79,8 @@ def _site(release: str) -> Path:
             f"Offline, set HISPARSE_OTHER_RELEASES=0 to skip this test."
         )
     partial = cache / f"site-{release}.partial"
+    for leftover in (partial, site):  # an extraction cut short earlier
+        shutil.rmtree(leftover, ignore_errors=True)
     with zipfile.ZipFile(found[-1]) as wheel:
         wheel.extractall(partial)
     partial.rename(site)
