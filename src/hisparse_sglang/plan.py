@@ -271,6 +271,11 @@ def draft_layers(spec: PlanInput) -> int:
     return shape.nextn_layers
 
 
+def _bytes_per_token(spec: PlanInput, host_to_device_ratio: int) -> int:
+    """:func:`bytes_per_device_token` of ``spec``'s model, KV dtype and draft layers at ``host_to_device_ratio``."""
+    return bytes_per_device_token(spec.model, spec.kv_dtype, host_to_device_ratio, draft_layers(spec))
+
+
 def plan(spec: PlanInput) -> Plan:
     """Size ``spec``; never raises for a setting that cannot start (it lands in ``errors``), only for a model
     or a config that cannot be read at all."""
@@ -306,8 +311,8 @@ def plan(spec: PlanInput) -> Plan:
             f"the weights over more GPUs (--tp)."
         )
     budget = max(budget_gib, 0) * GIB
-    per_token_without = bytes_per_device_token(shape, spec.kv_dtype, 1, drafts)
-    per_token_with = bytes_per_device_token(shape, spec.kv_dtype, ratio, drafts)
+    per_token_without = _bytes_per_token(spec, 1)
+    per_token_with = _bytes_per_token(spec, ratio)
     tokens_without = _device_tokens(spec, budget, per_token_without, page)
     tokens_with = _device_tokens(spec, budget, per_token_with, page)
 
@@ -418,7 +423,7 @@ def plan(spec: PlanInput) -> Plan:
 def _concurrency_at_ratio(spec, shape, config, budget, request_pages, ratio) -> int:
     """Concurrent requests per DP group with ``host_to_device_ratio`` = ``ratio`` (everything else as given)."""
     page = config.page_size
-    tokens = _device_tokens(spec, budget, bytes_per_device_token(shape, spec.kv_dtype, ratio, draft_layers(spec)), page)
+    tokens = _device_tokens(spec, budget, _bytes_per_token(spec, ratio), page)
     slots = _request_slots(tokens, spec.context_length or shape.context_length, spec.max_running_requests, spec.dp)
     buffers = min(slots, tokens // config.padded_buffer_size)
     return _concurrency(request_pages, tokens, tokens * ratio, buffers, slots, False)[0]
@@ -433,8 +438,7 @@ def _suggest_ratio(spec, shape, config, budget, request_pages, fits, pools_per_n
     memory = limits.HostMemory(int(spec.host_mem_gib * GIB), "--host-mem-gib")
     for ratio in range(1, 1025):
         page = config.page_size
-        tokens = _device_tokens(spec, budget, bytes_per_device_token(shape, spec.kv_dtype, ratio, draft_layers(spec)),
-                                page)
+        tokens = _device_tokens(spec, budget, _bytes_per_token(spec, ratio), page)
         try:
             limits.check_host_pool(host_bytes_for(tokens, ratio), pools_per_node,
                                    lambda other, tokens=tokens: host_bytes_for(tokens, other), ratio, memory)
