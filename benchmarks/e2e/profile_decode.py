@@ -18,6 +18,10 @@ For each variant (an arm of run_e2e.py, optionally with extra server flags, e.g.
    SMT siblings and the other busy threads of the machine, sampled from /proc during the traced request, are
    recorded beside it).
 
+With ``--pin-cpu CPU`` every thread of each server's scheduler process is pinned to that CPU once the server is
+healthy (``paired_decode.py``'s setting), so the trace, py-spy's samples and the timed repeats see the host the
+side-by-side runs see; the arms still run one after the other.
+
 A variant is an arm (``c``, ``c+mtp``: run_e2e.py's arms, its flags from ``--harness-args``) optionally followed by
 ``+--flag+value`` server flags.
 
@@ -315,6 +319,12 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
         result["startup_s"] = round(server.wait_healthy(args.health_timeout), 1)
         client.generate(port, client.make_prompt(3, 4096, vocab), 16, timeout=300)
         log(f"{variant}: healthy after {result['startup_s']} s")
+        if args.pin_cpu is not None:  # as paired_decode.py measures: every thread of the scheduler on one CPU
+            pinned_pid = find_scheduler_pid(server.proc.pid)
+            if pinned_pid is None:
+                raise RuntimeError("--pin-cpu: no scheduler process found")
+            pin_process(pinned_pid, {args.pin_cpu})
+            result["pinned_cpu"] = args.pin_cpu
         threads, traced = start_streams(
             port, [client.make_prompt(11 + i, args.input_len, vocab) for i in range(args.concurrency)], args.trace_out)
         scheduler_pid = find_scheduler_pid(server.proc.pid) if args.placement_sweep else None
@@ -387,6 +397,8 @@ def render(results: list[dict]) -> str:
                      f"{per_batch if per_batch is None else round(per_batch, 2)} |")
     for r in results:
         lines.append(f"\n### {r['variant']}\n")
+        if "pinned_cpu" in r:
+            lines.append(f"scheduler process pinned to CPU {r['pinned_cpu']} (every thread)\n")
         if "scheduler_cpu" in r:
             lines.append(f"scheduler process on CPU {r['scheduler_cpu']}; busiest threads during the traced request "
                          "(share of one CPU, CPU): " + ", ".join(
@@ -443,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--health-timeout", type=float, default=420)
     parser.add_argument("--kernel-steps", type=int, default=0,
                         help="record this many forward steps with SGLang's profiler and sum GPU time per kernel")
+    parser.add_argument("--pin-cpu", type=int, default=None,
+                        help="pin every thread of each server's scheduler process to this CPU once it is healthy "
+                             "(paired_decode.py's setting), for the trace, py-spy and the timed repeats")
     parser.add_argument("--placement-sweep", action="store_true",
                         help="time per token with the scheduler process pinned to each CPU in turn")
     parser.add_argument("--sweep-repeats", type=int, default=2)
