@@ -17,6 +17,9 @@ tokens at once (the same prompts for every arm of a round): its time per output 
 requests of (last token - first token) / (tokens - 1). With ``--steady`` it also records the time per token while
 every request of the level decodes (from the last request's first token to the first request's last), per request
 then averaged: the decode step's pace without the other requests' prefills interleaved, reported in a second table.
+Around each arm's level the measured scheduler's main thread's scheduling counters are read (``/proc``: time on a
+CPU, time waiting on a run queue, context switches), reported per output token: whether an arm's slower step is
+more work on the CPU or time kept off it.
 
     python3 benchmarks/e2e/paired_decode.py --variants a+mtp,c+mtp,d+mtp --levels 1,2,4 --rounds 14 \\
         --harness-args "--mtp-steps 3 --mtp-accept-len 3 --plugin-hisparse-config '{\\"device_buffer_size\\": 8192}'"
@@ -52,7 +55,7 @@ from arms import MTP_ARMS, arm_spec, prepare_layered_model, prepare_mtp_model, p
 from common import Log
 from environment import base_env
 from phases import run_level
-from profile_decode import find_scheduler_pid, pin_process
+from profile_decode import find_scheduler_pid, pin_process, sched_per_token, sched_totals
 from servers import Server
 
 
@@ -127,6 +130,17 @@ def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | 
                          + (f"{hit} %" if hit is not None else "none (no request offloaded)")
                          + f", host work per step {plugin['step_host_ms_median']} ms (median), mode switches up to "
                          f"{plugin['switch_work_max_ms']} ms")
+    if rounds and any(r.get("sched") for r in rounds):
+        lines += ["\nThe measured scheduler's main thread per output token, medians over the rounds (ms on a CPU, ms "
+                  "waiting on a run queue, involuntary context switches per 1,000 tokens):\n",
+                  "| concurrency | " + " | ".join(variants) + " |", "|---" * (1 + len(variants)) + "|"]
+        for level in summary:
+            cells = []
+            for v in variants:
+                got = [r["sched"][v][level] for r in rounds if level in r.get("sched", {}).get(v, {})]
+                cells.append(" / ".join(str(round(statistics.median(g[k] for g in got), 4)) if got else "-"
+                                        for k in ("cpu_ms", "runqueue_ms", "involuntary_per_1k")))
+            lines.append(f"| {level} | " + " | ".join(cells) + " |")
     if rounds:
         levels = list(summary)
         lines += ["\nEvery round (TPOT ms per arm at each concurrency, in the order the arms ran):\n",
@@ -284,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             round_started = time.monotonic()
             cpu = sweep[r % len(sweep)]
             order = variants[r % len(variants):] + variants[:r % len(variants)]
-            entry = {"round": r, "cpu": cpu, "order": order, "tpot_ms": {v: {} for v in variants}}
+            entry = {"round": r, "cpu": cpu, "order": order, "tpot_ms": {v: {} for v in variants},
+                     "sched": {v: {} for v in variants}}
             if args.steady:
                 entry["steady_ms"] = {v: {} for v in variants}
             for level in levels:
@@ -292,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
                 for variant in order:
                     for other, pid in schedulers.items():
                         pin_process(pid, {cpu} if other == variant else {park_cpu})
+                    before = sched_totals(schedulers[variant])
                     out = decode_level(servers[variant], prompts, args.output_len, args.steady)
+                    # the measured scheduler's main thread, per output token: was it slower, or kept off its CPU?
+                    entry["sched"][variant][str(level)] = sched_per_token(
+                        before, sched_totals(schedulers[variant]), level * args.output_len)["main"]
                     entry["tpot_ms"][variant][str(level)] = out.get("tpot_ms", out.get("error"))
                     if args.steady:
                         entry["steady_ms"][variant][str(level)] = out.get("steady_ms", out.get("error"))

@@ -21,6 +21,9 @@ For each variant (an arm of run_e2e.py, optionally with extra server flags, e.g.
 With ``--pin-cpu CPU`` every thread of each server's scheduler process is pinned to that CPU once the server is
 healthy (``paired_decode.py``'s setting), so the trace, py-spy's samples and the timed repeats see the host the
 side-by-side runs see; the arms still run one after the other.
+Over the timed repeats the scheduler's scheduling counters are recorded per output token (``/proc``: time on a
+CPU and waiting on a run queue, context switches; main thread and all threads), and with ``--pin-cpu`` what the
+pinned CPU did meanwhile (``/proc/stat`` ticks): whether a slower host step is more work or less CPU.
 
 A variant is an arm (``c``, ``c+mtp``: run_e2e.py's arms, its flags from ``--harness-args``) optionally followed by
 ``+--flag+value`` server flags.
@@ -139,6 +142,48 @@ def busy_threads(seconds: float, top: int = 12) -> list[dict]:
             rows.append({"pid": key[0], "tid": key[1], "name": name, "cpu": cpu,
                          "busy": round(used / hz / seconds, 2)})
     return sorted(rows, key=lambda r: -r["busy"])[:top]
+
+
+def sched_totals(pid: int) -> dict:
+    """The kernel's scheduling counters of process ``pid``, its main thread apart and all its threads summed:
+    time on a CPU and waiting on a run queue (ns, ``/proc/<pid>/task/<tid>/schedstat``), voluntary and
+    involuntary context switches (``status``)."""
+    fields = ("cpu_ns", "runqueue_ns", "voluntary", "involuntary")
+    main, every = dict.fromkeys(fields, 0), dict.fromkeys(fields, 0)
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            cpu_ns, wait_ns = (int(v) for v in (task / "schedstat").read_text().split()[:2])
+            status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
+        except (OSError, ValueError):  # the thread ended
+            continue
+        values = (cpu_ns, wait_ns, int(status["voluntary_ctxt_switches"]), int(status["nonvoluntary_ctxt_switches"]))
+        for key, value in zip(fields, values):
+            every[key] += value
+            if int(task.name) == pid:
+                main[key] += value
+    return {"main": main, "all": every}
+
+
+def cpu_ticks(cpu: int) -> dict:
+    """Clock ticks of one CPU by kind (``/proc/stat``): user, nice, system, idle, iowait, irq, softirq."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith(f"cpu{cpu} "):
+            values = [int(v) for v in line.split()[1:8]]
+            return dict(zip(("user", "nice", "system", "idle", "iowait", "irq", "softirq"), values))
+    return {}
+
+
+def sched_per_token(before: dict, after: dict, tokens: int) -> dict:
+    """The counters' growth between two :func:`sched_totals` per output token (ms for times, counts x 1000 for
+    switches, so the two read on one scale)."""
+    out = {}
+    for scope in ("main", "all"):
+        delta = {k: after[scope][k] - before[scope][k] for k in after[scope]}
+        out[scope] = {"cpu_ms": round(delta["cpu_ns"] / 1e6 / tokens, 4),
+                      "runqueue_ms": round(delta["runqueue_ns"] / 1e6 / tokens, 4),
+                      "voluntary_per_1k": round(1e3 * delta["voluntary"] / tokens, 1),
+                      "involuntary_per_1k": round(1e3 * delta["involuntary"] / tokens, 1)}
+    return out
 
 
 def pin_process(pid: int, cpus: set[int]) -> dict[int, set[int]]:
@@ -366,9 +411,18 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
         for thread in threads:
             thread.join()
         result["traced_requests"] = [{k: t.get(k) for k in ("tokens", "tpot_s", "error")} for t in traced]
+        counted_pid = find_scheduler_pid(server.proc.pid)
+        sched_before = sched_totals(counted_pid) if counted_pid else None
+        ticks_before = cpu_ticks(args.pin_cpu) if args.pin_cpu is not None else None
         tpots, errors = timed_requests(
             port, [client.make_prompt(100 + i, args.input_len, vocab) for i in range(args.repeats * args.concurrency)],
             args.output_len, args.concurrency)
+        if sched_before is not None:  # the scheduler's share of the CPU over the timed repeats, per output token
+            tokens = max(args.repeats * args.concurrency * args.output_len, 1)
+            result["scheduler_sched"] = sched_per_token(sched_before, sched_totals(counted_pid), tokens)
+        if ticks_before is not None:  # what else ran on the pinned CPU meanwhile
+            ticks_after = cpu_ticks(args.pin_cpu)
+            result["pinned_cpu_ticks"] = {k: ticks_after[k] - ticks_before.get(k, 0) for k in ticks_after}
         if errors:
             result["errors"] = errors
         result["tpot_ms"] = tpots
@@ -399,6 +453,14 @@ def render(results: list[dict]) -> str:
         lines.append(f"\n### {r['variant']}\n")
         if "pinned_cpu" in r:
             lines.append(f"scheduler process pinned to CPU {r['pinned_cpu']} (every thread)\n")
+        sched = r.get("scheduler_sched")
+        if sched:
+            lines.append("scheduler over the timed repeats, per output token (ms on a CPU, ms waiting on a run queue, "
+                         "voluntary / involuntary context switches per 1,000 tokens): main thread "
+                         + ", ".join(str(v) for v in sched["main"].values()) + "; all threads "
+                         + ", ".join(str(v) for v in sched["all"].values())
+                         + (f"; the pinned CPU's clock ticks meanwhile {r['pinned_cpu_ticks']}"
+                            if "pinned_cpu_ticks" in r else "") + "\n")
         if "scheduler_cpu" in r:
             lines.append(f"scheduler process on CPU {r['scheduler_cpu']}; busiest threads during the traced request "
                          "(share of one CPU, CPU): " + ", ".join(
