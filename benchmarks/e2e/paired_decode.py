@@ -310,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                     before = sched_totals(schedulers[variant])
                     out = decode_level(servers[variant], prompts, args.output_len, args.steady)
                     # the measured scheduler's main thread, per output token: was it slower, or kept off its CPU?
-                    entry["sched"][variant][str(level)] = sched_per_token(
-                        before, sched_totals(schedulers[variant]), level * args.output_len)["main"]
+                    counters = sched_per_token(before, sched_totals(schedulers[variant]), level * args.output_len)
+                    if counters is not None:
+                        entry["sched"][variant][str(level)] = counters["main"]
                     entry["tpot_ms"][variant][str(level)] = out.get("tpot_ms", out.get("error"))
                     if args.steady:
                         entry["steady_ms"][variant][str(level)] = out.get("steady_ms", out.get("error"))

@@ -144,13 +144,17 @@ def busy_threads(seconds: float, top: int = 12) -> list[dict]:
     return sorted(rows, key=lambda r: -r["busy"])[:top]
 
 
-def sched_totals(pid: int) -> dict:
+def sched_totals(pid: int) -> dict | None:
     """The kernel's scheduling counters of process ``pid``, its main thread apart and all its threads summed:
     time on a CPU and waiting on a run queue (ns, ``/proc/<pid>/task/<tid>/schedstat``), voluntary and
-    involuntary context switches (``status``)."""
+    involuntary context switches (``status``); None once the process is gone."""
     fields = ("cpu_ns", "runqueue_ns", "voluntary", "involuntary")
     main, every = dict.fromkeys(fields, 0), dict.fromkeys(fields, 0)
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    for task in tasks:
         try:
             cpu_ns, wait_ns = (int(v) for v in (task / "schedstat").read_text().split()[:2])
             status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
@@ -173,9 +177,11 @@ def cpu_ticks(cpu: int) -> dict:
     return {}
 
 
-def sched_per_token(before: dict, after: dict, tokens: int) -> dict:
-    """The counters' growth between two :func:`sched_totals` per output token (ms for times, counts x 1000 for
-    switches, so the two read on one scale)."""
+def sched_per_token(before: dict | None, after: dict | None, tokens: int) -> dict | None:
+    """The counters' growth between two :func:`sched_totals` per output token (ms for times, switches per 1,000
+    tokens); None if either is missing (the process ended)."""
+    if before is None or after is None:
+        return None
     out = {}
     for scope in ("main", "all"):
         delta = {k: after[scope][k] - before[scope][k] for k in after[scope]}
@@ -417,7 +423,7 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
         tpots, errors = timed_requests(
             port, [client.make_prompt(100 + i, args.input_len, vocab) for i in range(args.repeats * args.concurrency)],
             args.output_len, args.concurrency)
-        if sched_before is not None:  # the scheduler's share of the CPU over the timed repeats, per output token
+        if counted_pid:  # the scheduler's share of the CPU over the timed repeats, per output token
             tokens = max(args.repeats * args.concurrency * args.output_len, 1)
             result["scheduler_sched"] = sched_per_token(sched_before, sched_totals(counted_pid), tokens)
         if ticks_before is not None:  # what else ran on the pinned CPU meanwhile
