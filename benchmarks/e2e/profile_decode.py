@@ -370,15 +370,15 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
         result["startup_s"] = round(server.wait_healthy(args.health_timeout), 1)
         client.generate(port, client.make_prompt(3, 4096, vocab), 16, timeout=300)
         log(f"{variant}: healthy after {result['startup_s']} s")
+        scheduler = find_scheduler_pid(server.proc.pid)  # one process for the server's life
         if args.pin_cpu is not None:  # as paired_decode.py measures: every thread of the scheduler on one CPU
-            pinned_pid = find_scheduler_pid(server.proc.pid)
-            if pinned_pid is None:
+            if scheduler is None:
                 raise RuntimeError("--pin-cpu: no scheduler process found")
-            pin_process(pinned_pid, {args.pin_cpu})
+            pin_process(scheduler, {args.pin_cpu})
             result["pinned_cpu"] = args.pin_cpu
         threads, traced = start_streams(
             port, [client.make_prompt(11 + i, args.input_len, vocab) for i in range(args.concurrency)], args.trace_out)
-        scheduler_pid = find_scheduler_pid(server.proc.pid) if args.placement_sweep else None
+        scheduler_pid = scheduler if args.placement_sweep else None
         if scheduler_pid is not None:  # where the scheduler runs and what else is busy, beside the sweep
             result["scheduler_cpu"] = int(proc_stat(f"/proc/{scheduler_pid}/stat")[1][_LAST_CPU])
             result["busy_threads"] = busy_threads(1.0)
@@ -399,7 +399,7 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
             result["kernels"] = summarize_kernels(trace_dir, args.kernel_steps)
         if spy is not None:
             time.sleep(args.spy_delay)
-            pid = find_scheduler_pid(server.proc.pid)
+            pid = scheduler
             if pid is None:
                 result["spy_error"] = "no scheduler process found"
             else:
@@ -417,15 +417,14 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
         for thread in threads:
             thread.join()
         result["traced_requests"] = [{k: t.get(k) for k in ("tokens", "tpot_s", "error")} for t in traced]
-        counted_pid = find_scheduler_pid(server.proc.pid)
-        sched_before = sched_totals(counted_pid) if counted_pid else None
+        sched_before = sched_totals(scheduler) if scheduler else None
         ticks_before = cpu_ticks(args.pin_cpu) if args.pin_cpu is not None else None
         tpots, errors = timed_requests(
             port, [client.make_prompt(100 + i, args.input_len, vocab) for i in range(args.repeats * args.concurrency)],
             args.output_len, args.concurrency)
-        if counted_pid:  # the scheduler's share of the CPU over the timed repeats, per output token
+        if scheduler:  # the scheduler's share of the CPU over the timed repeats, per output token
             tokens = max(args.repeats * args.concurrency * args.output_len, 1)
-            result["scheduler_sched"] = sched_per_token(sched_before, sched_totals(counted_pid), tokens)
+            result["scheduler_sched"] = sched_per_token(sched_before, sched_totals(scheduler), tokens)
         if ticks_before is not None:  # what else ran on the pinned CPU meanwhile
             ticks_after = cpu_ticks(args.pin_cpu)
             result["pinned_cpu_ticks"] = {k: ticks_after[k] - ticks_before.get(k, 0) for k in ticks_after}
