@@ -364,3 +364,33 @@ def test_an_eager_fused_verify_of_resident_requests_only_skips_its_swap_in(resid
     # After the commit, a forward of no prepared step (CUDA-graph warm-up, capture) never skips.
     again = sim.coordinator.swap_in_verify(torch.tensor(slots), torch.tensor([30, 22]), top_k, 0, resident_rows=True)
     assert again is not top_k
+
+
+def test_the_all_resident_graph_is_captured_without_swap_ins_and_only_all_resident_steps_may_replay_it():
+    """Under ``capturing_all_resident_verify`` (SGLang capturing the verify graph of all-resident steps, hook H11)
+    a fused verify top-k is its own rows, padded or not, and no swap-in launches; positions still swap in. Only a
+    prepared, uncommitted step whose rows are all resident may replay that graph (``verify_all_resident``)."""
+    sim = server()
+    sim.coordinator.ops = ops = CountingOps()
+    slots = [admitted(sim, 30), admitted(sim, 22)]
+    assert not sim.coordinator.verify_all_resident  # nothing prepared
+    top_k, rows = fused_step(sim, slots, [30, 22], padding=1)  # a padded forward outside it swaps in
+    assert sim.coordinator.verify_all_resident and ops.swap_ins == 1
+    indices, lengths = torch.tensor(slots + slots[:1]), torch.tensor([30, 22, 30])
+    with sim.coordinator.capturing_all_resident_verify():
+        assert sim.coordinator.swap_in_verify(indices, lengths, top_k, 0, resident_rows=True) is top_k
+        assert ops.swap_ins == 1
+        sim.coordinator.swap_in_verify(indices, lengths, top_k, 0, resident_rows=False)  # positions: swapped in
+        assert ops.swap_ins == 2
+        with pytest.raises(HiSparseMemoryError, match="entered twice"):
+            with sim.coordinator.capturing_all_resident_verify():
+                pass
+    assert sim.coordinator.swap_in_verify(indices, lengths, top_k, 0, resident_rows=True) is not top_k
+    sim.coordinator.commit_verify(torch.tensor(slots), torch.tensor([30, 22]), torch.tensor([1, 1]))
+    assert not sim.coordinator.verify_all_resident  # committed
+
+    offloading = server(resident_first=False)
+    slots = [admitted(offloading, 30), admitted(offloading, 22)]
+    fused_step(offloading, slots, [30, 22])
+    assert {offloading.coordinator.requests[slot].mode for slot in slots} == {"offloaded"}
+    assert not offloading.coordinator.verify_all_resident

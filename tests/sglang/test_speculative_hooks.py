@@ -11,6 +11,7 @@ same checks follow every step: each row holds the right KV, every committed toke
 row holds a rejected draft's KV.
 """
 
+import contextlib
 import logging
 import types
 
@@ -65,10 +66,30 @@ class HookedRun(SpecRun):
     :func:`fused_v2_top_k` stand-in (the test monkeypatches it in); else H4 gets the positions (the unfused top-k).
     """
 
-    def __init__(self, *args, fused: bool = False, **kwargs):
+    def __init__(self, *args, fused: bool = False, graphs: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.fused = fused
+        self.graphs = graphs
+        self.labels: list = []  # per step with ``graphs``: H12's label of the graph the step replays
         self.static_lengths: dict[int, torch.Tensor] = {}
+
+    def top_k(self, graph_s: torch.Tensor, real: int) -> torch.Tensor:
+        """SpecRun's, except that with ``graphs`` a padding row selects what SGLang's indexer selects for it: its
+        length is the graph's fill value 1, so query position j picks among positions [0, j + 1]."""
+        top_k = super().top_k(graph_s, real)
+        if self.graphs:
+            top_k[real:] = -1
+            for j in range(T):
+                top_k[real:, j, : j + 2] = torch.arange(j + 2, dtype=torch.int32)
+        return top_k
+
+    def check_rows(self, reqs, s, accept, top_k, rows, layer_id: int) -> None:
+        """SpecRun's; in H11's graph a padding row is not cleared (no swap-in runs) but reads rows of the pool."""
+        if self.labels and self.labels[-1]:
+            padding = rows[len(reqs) :]
+            assert bool(((padding >= -1) & (padding < self.stack.kv_rows(layer_id).shape[0])).all())
+            rows = torch.cat([rows[: len(reqs)], torch.full_like(padding, -1)])
+        super().check_rows(reqs, s, accept, top_k, rows, layer_id)
 
     def fused_top_k(self, backend, graph, layer_id: int, top_k: torch.Tensor) -> torch.Tensor:
         """The layer's top-k as the indexer gets it through H5: SGLang's metadata of the verify (its logical page
@@ -155,22 +176,29 @@ class HookedRun(SpecRun):
             forward_metadata=types.SimpleNamespace(dsa_seqlens_expanded=expanded),
         )
         coordinator.num_real_reqs.fill_(len(reqs))
-        for layer in stack.layers:
-            top_k = self.top_k(graph_s, len(reqs))
-            if self.fused:
-                topk_indices = self.fused_top_k(backend, graph, layer.layer_id, top_k)
-            else:
-                topk_indices = top_k.view(rows_in_graph * T, -1)
+        # With ``graphs`` the forward is the graph H12 picks: H11's all-resident one runs the layers as they were
+        # captured, in ``capturing_all_resident_verify`` (what a replay then does), the other as captured with
+        # the swap-ins (eagerly here: the padded forward always swaps in).
+        label = hooks._resolve_lora_variant_after(None, graph_runner(coordinator), graph) if self.graphs else None
+        if self.graphs:
+            self.labels.append(label)
+        with coordinator.capturing_all_resident_verify() if label else contextlib.nullcontext():
+            for layer in stack.layers:
+                top_k = self.top_k(graph_s, len(reqs))
+                if self.fused:
+                    topk_indices = self.fused_top_k(backend, graph, layer.layer_id, top_k)
+                else:
+                    topk_indices = top_k.view(rows_in_graph * T, -1)
 
-            def forward_extend(self_, q, k, v, layer_, forward_batch, **kwargs):
-                # What SGLang's does with its page table of the verify: translate it once through the pool.
-                page_table = kwargs["topk_indices"].view(rows_in_graph * T, -1)
-                return self_.token_to_kv_pool.translate_loc_to_hisparse_device(page_table)
+                def forward_extend(self_, q, k, v, layer_, forward_batch, **kwargs):
+                    # What SGLang's does with its page table of the verify: translate it once through the pool.
+                    page_table = kwargs["topk_indices"].view(rows_in_graph * T, -1)
+                    return self_.token_to_kv_pool.translate_loc_to_hisparse_device(page_table)
 
-            rows = hooks._forward_extend(
-                forward_extend, backend, None, None, None, layer, graph, topk_indices=topk_indices
-            )
-            self.check_rows(reqs, s, accept, top_k, rows.view(rows_in_graph, T, -1), layer.layer_id)
+                rows = hooks._forward_extend(
+                    forward_extend, backend, None, None, None, layer, graph, topk_indices=topk_indices
+                )
+                self.check_rows(reqs, s, accept, top_k, rows.view(rows_in_graph, T, -1), layer.layer_id)
 
         accept, _ = self.sample(batch, accept)
         result = types.SimpleNamespace(accept_lens=torch.tensor(accept, dtype=torch.int32))
@@ -181,20 +209,83 @@ class HookedRun(SpecRun):
 @pytest.mark.parametrize("kv_dtype", sorted(KV_DTYPES))
 @pytest.mark.parametrize("host_lag", [False, True])
 @pytest.mark.parametrize("resident_first", [True, False])
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused-top-k", "fused-top-k"])
+@pytest.mark.parametrize("fused,graphs", [(False, False), (True, False), (True, True)],
+                         ids=["unfused-top-k", "fused-top-k", "fused-top-k-graphs"])
 def test_verify_steps_through_the_hooks_serve_the_right_kv_and_commit_only_accepted_tokens(
-    fused, resident_first, host_lag, kv_dtype, monkeypatch
+    fused, graphs, resident_first, host_lag, kv_dtype, monkeypatch
 ):
     from sglang.srt.layers.attention.dsa import dsa_topk_backend
 
     monkeypatch.setattr(dsa_topk_backend, "_topk_transform_v2_paged", fused_v2_top_k)
-    run = HookedRun(host_lag=host_lag, resident_first=resident_first, kv_dtype=kv_dtype, fused=fused)
+    run = HookedRun(host_lag=host_lag, resident_first=resident_first, kv_dtype=kv_dtype, fused=fused, graphs=graphs)
     reqs = [run.admit("a", 3 * PAGE + 5), run.admit("b", 2 * PAGE - 1)]
     for step, accept in enumerate(random_accepts(run, 8)):
         run.step(reqs, [accept, max(1, T - accept)], padded=step % 2 == 1)
+    # Resident first, both requests stay resident: every step replays H11's graph (no swap-in), padded or not.
+    assert run.labels == ([compat.ALL_RESIDENT_VERIFY if resident_first else None] * 8 if graphs else [])
     for req, how in zip(reqs, ("finish", "retract")):
         run.end(req, how)
     assert run.stack.allocator.rows.stats().device_rows_used == 0
+
+
+def graph_runner(coordinator, draft: bool = False, mode: str = "TARGET_VERIFY"):
+    """SGLang's ``DecodeCudaGraphRunner`` with only what H11 / H12 read: its capture mode and its model runner."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    runner = object.__new__(DecodeCudaGraphRunner)
+    runner.capture_forward_mode = getattr(ForwardMode, mode)
+    runner.model_runner = types.SimpleNamespace(is_draft_worker=draft, hisparse_coordinator=coordinator)
+    return runner
+
+
+def test_beside_each_verify_graph_one_without_swap_ins_is_captured_for_all_resident_steps():
+    """H11 around SGLang's capture of one shape: the target runner's TARGET_VERIFY shapes are captured twice, the
+    second time under the coordinator's all-resident capture and with a label of its own (SGLang's LoRA label
+    kept, the later releases' extra argument passed on); nothing else is captured twice. H12 gives that label
+    to a verify batch whose prepared requests are all resident, and SGLang's key for it is another graph's."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    run = HookedRun(host_lag=False)
+    coordinator = run.coordinator
+    captured = []
+
+    def capture_one_shape(self, size, forward, stream_idx=None, variant_label=None, *args):
+        captured.append((size, variant_label, args, coordinator.core.speculative._capturing_all_resident))
+
+    for label, extra in ((None, ()), ("nolora", ("sparse",))):
+        captured.clear()
+        hooks._capture_one_shape(capture_one_shape, graph_runner(coordinator), 4, None, None, label, *extra)
+        ours = compat.all_resident_verify_variant(label)
+        assert captured == [(4, label, extra, False), (4, ours, extra, True)]
+        assert not coordinator.core.speculative._capturing_all_resident
+    assert compat.all_resident_verify_variant("nolora") == f"nolora+{compat.ALL_RESIDENT_VERIFY}"
+    # Captured once: the draft runner, a decode graph, a coordinator that never keeps requests resident, none.
+    always_offload = HookedRun(host_lag=False, resident_first=False).coordinator
+    for runner in (graph_runner(coordinator, draft=True), graph_runner(coordinator, mode="DECODE"),
+                   graph_runner(always_offload), graph_runner(None)):
+        captured.clear()
+        hooks._capture_one_shape(capture_one_shape, runner, 2, None)
+        assert [entry[1:] for entry in captured] == [(None, (), False)]
+
+    runner = graph_runner(coordinator)
+    verify = types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY)
+    assert hooks._resolve_lora_variant_after(None, runner, verify) is None  # nothing prepared
+    req = run.admit("a", PAGE + 2)
+    batch = run.batch([req])
+    batch.hisparse_coordinator = coordinator
+    run.reserve(batch)
+    batch.forward_mode = ForwardMode.TARGET_VERIFY
+    hooks._eagle_prepare_for_verify_after(None, None, run.stack.req_to_token_pool, batch, None)
+    assert coordinator.verify_all_resident()
+    label = hooks._resolve_lora_variant_after(None, runner, verify)
+    assert label == compat.ALL_RESIDENT_VERIFY
+    decode = types.SimpleNamespace(forward_mode=ForwardMode.DECODE)
+    assert hooks._resolve_lora_variant_after("nolora", runner, decode) is None
+    assert hooks._resolve_lora_variant_after(None, graph_runner(coordinator, draft=True), verify) is None
+    keys = {DecodeCudaGraphRunner._make_graph_key(runner, 4, None, variant) for variant in (None, label)}
+    assert len(keys) == 2
 
 
 @pytest.mark.parametrize("host_lag", [False, True])

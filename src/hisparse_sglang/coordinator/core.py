@@ -380,6 +380,16 @@ class Coordinator:
         :meth:`VerifySteps.swap_in`."""
         return self.speculative.swap_in(req_pool_indices, seq_lens, top_k, layer_id, resident_rows)
 
+    def capturing_all_resident_verify(self):
+        """Context for capturing the target-verify CUDA graph of all-resident steps (no swap-in in it); see
+        :meth:`VerifySteps.capturing_all_resident`."""
+        return self.speculative.capturing_all_resident()
+
+    @property
+    def verify_all_resident(self) -> bool:
+        """The prepared verify step has rows and every one is resident (:attr:`VerifySteps.prepared_all_resident`)."""
+        return self.speculative.prepared_all_resident
+
     def cap_verify(self, accept_lens: torch.Tensor, accept_index: torch.Tensor) -> None:
         """Right after acceptance: accept no verify position the swap-ins left out; see
         :meth:`VerifySteps.cap_accepts`."""

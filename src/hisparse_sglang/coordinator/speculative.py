@@ -33,6 +33,7 @@ over the logical locations (docs/speculative.md, 2.6 (A)); nothing here binds, c
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING, Protocol, Sequence
 
@@ -212,6 +213,9 @@ class VerifySteps:
         verify_limit: int32 ``[R]``: per batch row, the first verify position the forward's swap-ins did not
             serve (``reference.NO_VERIFY_LIMIT``: every one was), one fixed tensor; :meth:`cap_accepts`
             applies and resets it.
+        prepared_all_resident: the verify step prepared and not yet committed has rows and none of them is
+            offloaded: a forward of it with the fused top-k (every entry a device row) may run the all-resident
+            CUDA graph, captured under :meth:`capturing_all_resident`, in which no swap-in runs.
     """
 
     def __init__(self, coordinator: "Coordinator") -> None:
@@ -226,6 +230,9 @@ class VerifySteps:
         self._may_cap = False
         # Batch size of the verify step prepared and not yet committed.
         self._prepared_batch: int | None = None
+        self.prepared_all_resident = False
+        # A CUDA graph of the all-resident verify forward is being captured (capturing_all_resident).
+        self._capturing_all_resident = False
         # Rows the prepare and the commit work on: every row of their batch (no CUDA-graph padding there).
         self._batch_size = DeviceCount(torch.zeros(1, dtype=torch.int32, device=coordinator.device))
 
@@ -266,6 +273,7 @@ class VerifySteps:
         """
         coordinator = self._coordinator
         entered = time.perf_counter()
+        self.prepared_all_resident = False
         records = self._check_prepare(slots, committed_lens, allocated_lens, req_pool_indices, seq_lens, num_draft_tokens)
         coordinator._enter_step_kind(VERIFY_STEPS)
         self._fix_num_draft_tokens(num_draft_tokens)
@@ -288,6 +296,7 @@ class VerifySteps:
             )
         self._bind(records, req_pool_indices, seq_lens)
         self._prepared_batch = len(records)
+        self.prepared_all_resident = bool(records) and not self._may_cap
         if switched:
             # Rows freed this step may still be read by copies in flight (Coordinator.prepare_decode).
             coordinator._fence_copies()
@@ -357,10 +366,12 @@ class VerifySteps:
             coordinator's tensor, set per forward like the decode swap-in's). One exception: with
             ``resident_rows``, an eager forward of the prepared rows (no CUDA-graph padding), none of them
             offloaded, gets ``top_k`` itself and launches nothing, since the swap-in would return each resident
-            row's entries unchanged. A captured forward always runs the swap-in: a conditional node that skips it
-            costs more GPU time than the one launch per layer at ``T = 2`` and, with the copy of the rows into the
-            top-k it needs, more than the launches in a batch with an offloaded request
-            (benchmarks/results/e2e_H200_2026-11-26.md, section 36).
+            row's entries unchanged. A captured forward runs the swap-in, except in the graph captured under
+            :meth:`capturing_all_resident` (with ``resident_rows``: ``top_k`` itself, nothing launched), which the
+            adapter replays only for a step whose rows are all resident (:attr:`prepared_all_resident`). A
+            conditional node in one graph instead costs more GPU time than the one launch per layer at ``T = 2``
+            and, with the copy of the rows into the top-k it needs, more than the launches in a batch with an
+            offloaded request (benchmarks/results/e2e_H200_2026-11-26.md, section 36).
         """
         coordinator = self._coordinator
         num_positions = self.num_draft_tokens
@@ -372,6 +383,8 @@ class VerifySteps:
                 f"verify top-k of shape {tuple(top_k.shape)}; expected [B, {expected[0]}, {expected[1]}] "
                 f"(num_draft_tokens, top_k) with B <= {self.rows.shape[0]} request slots."
             )
+        if resident_rows and self._capturing_all_resident:
+            return top_k  # the all-resident graph: each resident row's entries are its device rows
         if (resident_rows and not self._may_cap and top_k.shape[0] == self._prepared_batch
                 and not (top_k.is_cuda and torch.cuda.is_current_stream_capturing())):
             return top_k  # an eager forward of the prepared rows only, all resident
@@ -433,6 +446,7 @@ class VerifySteps:
                 f"has {prepared}: commit each prepared batch once, with one value of each per row."
             )
         self._prepared_batch = None
+        self.prepared_all_resident = False
         self._batch_size.fill_(batch)
         coordinator.ops.commit_accepted(
             req_pool_indices,
@@ -448,6 +462,21 @@ class VerifySteps:
             coordinator.device_layers,
             coordinator.host_layers,
         )
+
+    @contextlib.contextmanager
+    def capturing_all_resident(self):
+        """While a CUDA graph of the target-verify forward is captured for steps whose rows are all resident:
+        :meth:`swap_in` with ``resident_rows`` returns the fused top-k itself (a resident row's entries are its
+        device rows), so the graph holds no swap-in. Only a step with :attr:`prepared_all_resident` may replay
+        it. Its padding rows read what the fused top-k gave them through :meth:`page_table`'s table (device
+        rows, or positions below the padding's sequence length): rows inside the pool, outputs discarded."""
+        if self._capturing_all_resident:
+            raise HiSparseMemoryError("capturing_all_resident entered twice: capture one graph at a time.")
+        self._capturing_all_resident = True
+        try:
+            yield
+        finally:
+            self._capturing_all_resident = False
 
     # ================================================================== capacity
     def can_verify(self, slots: Sequence[int], allocated_lens: Sequence[int]) -> bool:

@@ -456,6 +456,20 @@ def fused_verify_indexer_metadata(indexer_metadata, page_table):
     return cls(**fields, verify_page_table=page_table)
 
 
+ALL_RESIDENT_VERIFY = "hisparse-all-resident"
+
+
+def all_resident_verify_variant(variant_label: str | None) -> str:
+    """The ``ShapeKey.variant_label`` of the target-verify graph without swap-ins, beside SGLang's own label of the
+    same shape (None, or its LoRA variant "lora" / "nolora")."""
+    return ALL_RESIDENT_VERIFY if variant_label is None else f"{variant_label}+{ALL_RESIDENT_VERIFY}"
+
+
+def target_verify_graph_runner(runner) -> bool:
+    """``runner`` (a ``DecodeCudaGraphRunner``) captures the target model's TARGET_VERIFY graphs."""
+    return runner.capture_forward_mode.is_target_verify() and not runner.model_runner.is_draft_worker
+
+
 def hisparse_enabled() -> bool:
     """``--enable-hisparse`` as this process published it."""
     from sglang.srt.runtime_context import get_memory

@@ -252,6 +252,15 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
             self.num_draft_tokens,
         )
 
+    def capturing_all_resident_verify(self):
+        """While SGLang captures the target-verify CUDA graph replayed for steps whose requests are all resident
+        (hook H11 on 0.5.17 - 0.5.21): that graph runs no swap-in."""
+        return self.core.capturing_all_resident_verify()
+
+    def verify_all_resident(self) -> bool:
+        """The prepared verify step's requests are all resident: its forward may replay that graph (hook H12)."""
+        return self.core.verify_all_resident
+
     def cap_spec_accepts(self, batch, accept_lens, accept_index) -> None:
         """Right after ``eagle_sample`` (every release; hook H10): ``accept_lens`` (``[B]``, the root
         included) and ``accept_index`` (int32 ``[B, S + 1]``) are capped in place, on the device, where an

@@ -39,12 +39,14 @@ from hisparse_sglang.integration.sglang.hooks_speculative import (
     _alloc_for_spec_decode,
     _build_dsa_kv_pool,
     _build_hisparse_decode_batch,
+    _capture_one_shape,
     _default_pool_configurator_init_after,
     _derive_pool_sizes_after,
     _eagle_prepare_for_verify_after,
     _eagle_sample_after,
     _forward_extend,
     _get_indexer_metadata_after,
+    _resolve_lora_variant_after,
     _run_eagle_verify_after,
 )
 from hisparse_sglang.integration.sglang.hooks_startup import (
@@ -65,6 +67,7 @@ from hisparse_sglang.integration.sglang.hooks_startup import (
 _HOOKED = compat.SPECULATIVE_HOOKED_SGLANG
 _ATTENTION = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
 
 # Every hook, in registry order: the core ones, then the speculative verify step of 0.5.17 - 0.5.21
 # (hooks_speculative.py, docs/speculative.md 2.7).
@@ -262,6 +265,20 @@ HOOKS: tuple[HookSpec, ...] = (
         why="H9: a request leaving staging would enter decode without its draft state, and its bonus-only "
             "stash fails in FutureMap.stash under speculation",
         upstream="0.5.22 future_map.make_staged_spec_input", versions=_HOOKED,
+        written_against="0.5.17",
+    ),
+    HookSpec(
+        f"{_GRAPH_RUNNER}.capture_one_shape", "AROUND", lambda: _capture_one_shape,
+        why="H11: every verify graph holds the swap-in's launches, which a step of resident requests only (the "
+            "fused top-k gives their device rows) does not need; a second graph per shape leaves them out",
+        upstream="none: 0.5.22+ runs the unfused top-k in TARGET_VERIFY, whose positions every request's swap-in "
+            "translates", versions=_HOOKED,
+        written_against="0.5.17",
+    ),
+    HookSpec(
+        f"{_GRAPH_RUNNER}._resolve_lora_variant", "AFTER", lambda: _resolve_lora_variant_after,
+        why="H12: a verify step whose requests are all resident replays H11's graph",
+        upstream="none (H11's)", versions=_HOOKED,
         written_against="0.5.17",
     ),
 )

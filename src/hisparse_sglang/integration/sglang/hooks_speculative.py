@@ -9,8 +9,8 @@ the 3-D ``swap_in_selected_pages``, ``commit_spec_accept_lens``), the hand-overs
 are the runtime's (``HiSparseRuntime.logical_only_reserve``, ``verify_rows_for_translation``), and
 what reads or builds SGLang objects is in ``compat`` / ``limits``. Every hook is a no-op unless the
 object it receives belongs to hisparse-sglang (our allocator, or a coordinator started with ``T``).
-Their specs (H1 - H9, ``versions=compat.SPECULATIVE_HOOKED_SGLANG``; H10 every supported release: no release
-calls the coordinator between sampling and the use of the accept lengths) are in ``hooks.HOOKS``.
+Their specs (H1 - H9, H11 - H12: ``versions=compat.SPECULATIVE_HOOKED_SGLANG``; H10 every supported release: no
+release calls the coordinator between sampling and the use of the accept lengths) are in ``hooks.HOOKS``.
 """
 
 from __future__ import annotations
@@ -105,6 +105,42 @@ def _get_indexer_metadata_after(result, self, layer_id, forward_batch):
         forward_batch.req_pool_indices, result.attn_metadata.real_page_table, layer_id
     )
     return compat.fused_verify_indexer_metadata(result, table)
+
+
+def _all_resident_graph_coordinator(runner):
+    """The coordinator of a target runner capturing TARGET_VERIFY graphs, if it is ours, started with speculative
+    decoding, and puts requests resident first (only then can a step's requests all be resident); else None."""
+    if not compat.target_verify_graph_runner(runner):
+        return None
+    coordinator = _verify_coordinator(runner.model_runner.hisparse_coordinator)
+    return coordinator if coordinator is not None and coordinator.config.resident_first else None
+
+
+def _capture_one_shape(original, self, size, forward, stream_idx=None, variant_label=None, *args, **kwargs):
+    """H11 AROUND DecodeCudaGraphRunner.capture_one_shape: beside each TARGET_VERIFY graph SGLang captures, one of
+    the same shape for steps whose requests are all resident, in which H4 runs no swap-in (a resident request's
+    fused top-k entries are its device rows already): its ``T / G`` launches per layer are left out of such steps
+    (docs/speculative.md 2.7). Both graphs read the same attention metadata: the DSA backend builds a shape's
+    metadata at its first capture and refreshes it in place at the second, as for SGLang's LoRA variants."""
+    original(self, size, forward, stream_idx, variant_label, *args, **kwargs)
+    coordinator = _all_resident_graph_coordinator(self)
+    if coordinator is None:
+        return
+    with coordinator.capturing_all_resident_verify():
+        original(self, size, forward, stream_idx, compat.all_resident_verify_variant(variant_label), *args, **kwargs)
+
+
+def _resolve_lora_variant_after(result, self, forward_batch):
+    """H12 AFTER DecodeCudaGraphRunner._resolve_lora_variant (the label of the graph a batch replays): a verify
+    step whose prepared requests are all resident replays H11's graph. The label is resolved again when the
+    forward runs (``execute`` -> ``load_batch``), after H2 prepared the step; the earlier resolutions (can the
+    batch run a graph, the plan stream's ``load_batch``) find both graphs captured for every size."""
+    if not forward_batch.forward_mode.is_target_verify():
+        return None
+    coordinator = _all_resident_graph_coordinator(self)
+    if coordinator is None or not coordinator.verify_all_resident():
+        return None
+    return compat.all_resident_verify_variant(result)
 
 
 def _build_dsa_kv_pool(original, self, *, max_total_num_tokens):
