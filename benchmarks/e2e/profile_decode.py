@@ -44,6 +44,7 @@ import gzip
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -294,6 +295,19 @@ def summarize_spy(raw: str, top: int = 60, within: str = "Scheduler.event_loop")
     return {"samples": total, "inclusive": share(inclusive), "self": share(self_time)}
 
 
+def wait_for_trace(trace_dir: Path, timeout: float = 90.0) -> None:
+    """Until the trace SGLang writes once the profiled steps are done has appeared and its size held for 2 s (a
+    large trace is still being compressed when it first shows: reading it then ended in EOFError on an H200)."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        sizes = sorted((str(path), path.stat().st_size) for path in trace_dir.rglob("*.json*"))
+        if sizes and sizes == last:
+            return
+        last = sizes
+        time.sleep(2)
+
+
 def summarize_kernels(trace_dir: Path, steps: int, top: int = 25) -> dict:
     """GPU kernel time of a torch-profiler trace SGLang wrote under ``trace_dir``: total and per step, the ``top``
     kernels by total time (name, calls, microseconds per step), and the GPU's idle time: the span from the first
@@ -385,17 +399,14 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
         if args.kernel_steps:
             time.sleep(args.spy_delay)
             trace_dir = args.state_dir / f"torch-{name}"
+            shutil.rmtree(trace_dir, ignore_errors=True)  # an earlier call's trace is not this one's
             try:
                 client.http_json("POST", port, "/start_profile", {"output_dir": str(trace_dir),
                                                                  "num_steps": args.kernel_steps, "activities": ["GPU"]},
                                  timeout=120)
             except ValueError:  # a reply that is not JSON: the profile still runs
                 pass
-            for _ in range(60):  # the trace is written once the steps are done
-                if list(trace_dir.rglob("*.json*")):
-                    time.sleep(2)
-                    break
-                time.sleep(1)
+            wait_for_trace(trace_dir)
             result["kernels"] = summarize_kernels(trace_dir, args.kernel_steps)
         if spy is not None:
             time.sleep(args.spy_delay)
