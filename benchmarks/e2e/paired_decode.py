@@ -248,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted({v.partition("@")[2] for v in variants if "@" in v} - set(sources))
     if unknown:
         parser.error(f"variants name sources {unknown} that no --source LABEL=DIR gives")
+    for label, directory in sources.items():
+        # The plugin compiles its kernels from csrc/ beside src/: without it that server died at its start (H200).
+        if not (Path(directory) / "hisparse_sglang").is_dir() or not (Path(directory).parent / "csrc").is_dir():
+            parser.error(f"--source {label}={directory}: needs {directory}/hisparse_sglang and "
+                         f"{Path(directory).parent / 'csrc'} (git archive REV src csrc | tar -x -C DIR/..)")
     levels = [int(x) for x in args.levels.split(",")]
     ratios = parse_ratios(args.ratios, variants)
     cpus = sorted(os.sched_getaffinity(0))
