@@ -389,8 +389,10 @@ def test_the_all_resident_graph_is_captured_without_swap_ins_and_only_all_reside
     sim.coordinator.commit_verify(torch.tensor(slots), torch.tensor([30, 22]), torch.tensor([1, 1]))
     assert not sim.coordinator.verify_all_resident  # committed
 
-    offloading = server(resident_first=False)
-    slots = [admitted(offloading, 30), admitted(offloading, 22)]
-    fused_step(offloading, slots, [30, 22])
-    assert {offloading.coordinator.requests[slot].mode for slot in slots} == {"offloaded"}
-    assert not offloading.coordinator.verify_all_resident
+    # A step with an offloaded row: resident first with too few device pages for both (the verify demotes the
+    # first), and always-offload.
+    for sim in (server(device_pages=16), server(resident_first=False)):
+        slots = [admitted(sim, 30), admitted(sim, 22)]
+        fused_step(sim, slots, [30, 22])
+        assert "offloaded" in {sim.coordinator.requests[slot].mode for slot in slots}
+        assert not sim.coordinator.verify_all_resident
