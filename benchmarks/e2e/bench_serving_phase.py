@@ -42,6 +42,7 @@ from pathlib import Path
 
 import scrape
 from arms import PLUGIN_ARMS
+from logs import log_since_start
 
 REPO = Path(__file__).resolve().parents[2]
 LEVELS_DRIVER = Path(__file__).resolve().parent / "bench_serving_levels.py"
@@ -362,13 +363,6 @@ def phase_serving(target, run, keep) -> dict:
     return res
 
 
-def server_log_since_start(log_path: Path) -> str:
-    """The server's log since its last start (servers.Server.start writes a marker line; logs append)."""
-    text = log_path.read_text(errors="replace") if log_path.exists() else ""
-    start = text.rfind("===== run_e2e.py arm ")
-    return text[start:] if start >= 0 else text
-
-
 def metrics_check(port: int, log_path: Path, attempts: int = 3) -> dict:
     """Scrape /metrics of an idle server and compare with its log since start (scrape.compare_with_log).
 
@@ -377,13 +371,13 @@ def metrics_check(port: int, log_path: Path, attempts: int = 3) -> dict:
     ``attempts`` times) while the count of plugin lines changed. Returns ``ok``, ``mismatches``, ``lines``,
     ``metrics`` (the scraped values), ``log`` (the last line's figures) or ``error``."""
     for attempt in range(attempts):  # noqa: B007 (reported after the loop)
-        before = len(scrape.parse_log_lines(server_log_since_start(log_path)))
+        before = len(scrape.parse_log_lines(log_since_start(log_path)))
         try:
             values = scrape.plugin_values(scrape.fetch_metrics(port))
         except Exception as exc:
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                     "mismatches": [f"/metrics: {type(exc).__name__}: {exc}"]}
-        text = server_log_since_start(log_path)
+        text = log_since_start(log_path)
         if len(scrape.parse_log_lines(text)) == before:
             break
         time.sleep(1.0)

@@ -46,7 +46,7 @@ from client import HTTPStatusError, PDPair, finish_type, generate_body, http_jso
 from client import loads as loads_of
 from common import HOST, Run, atomic_write
 from hostpool import live_pids
-from logs import file_size, read_from
+from logs import file_size, log_since_start, read_from
 from servers import Server, ServerDied, port_free
 
 FAULTS = ("disconnect", "abort_all", "oversize_prompt", "max_new_tokens", "prefill_kill", "decode_kill")
@@ -60,7 +60,6 @@ FAULT_WHAT = {
     "decode_kill": "SIGKILL of the server that decodes while requests decode, then a restart",
 }
 LOADS_KEYS = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "token_usage")
-SERVER_START_MARK = "===== run_e2e.py arm "  # servers.Server.start writes it before every start
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -383,9 +382,7 @@ class Chaos:
             values = scrape.plugin_values(scrape.fetch_metrics(self.decoder.port))
         except Exception as e:
             return {"unavailable": f"{type(e).__name__}: {e}"[:200]}
-        text = read_from(self.decoder.log_path, 0)
-        start = text.rfind(SERVER_START_MARK)
-        cmp = scrape.compare_with_log(values, text[start:] if start >= 0 else text)
+        cmp = scrape.compare_with_log(values, log_since_start(self.decoder.log_path))
         keys = ("num_resident_reqs", "num_offloaded_reqs", "host_used_tokens", "device_used_tokens",
                 "host_quarantined_tokens")
         from_key = {"resident": "num_resident_reqs", "offloaded": "num_offloaded_reqs",

@@ -208,6 +208,18 @@ def read_from(path: Path, offset: int, end: int | None = None) -> str:
         return ""
 
 
+# servers.Server.start writes this line before every start of a server: a state directory's logs append, so a
+# log may hold several server lives, of which only the last is the running or just-stopped server's.
+START_MARK = "===== run_e2e.py arm "
+
+
+def log_since_start(path: Path) -> str:
+    """The log of the server's last life: from the last start mark on (all of it when it has none)."""
+    text = read_from(path, 0)
+    start = text.rfind(START_MARK)
+    return text[start:] if start >= 0 else text
+
+
 def file_size(path: Path) -> int:
     try:
         return path.stat().st_size

@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for variant, server in servers.items():
             server.stop()
-            text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
+            text = logs.log_since_start(server.log_path)
             result.setdefault("hisparse_log", {})[variant] = logs.summarize_hisparse(text)
         (args.out / "paired.json").write_text(json.dumps(result, indent=1))
     text = render(variants, result.get("summary", {}), meta | {"rounds": len(result["rounds"])}, result["rounds"],

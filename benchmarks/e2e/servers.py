@@ -16,7 +16,7 @@ from pathlib import Path
 
 from client import Colocated, http_status
 from common import HOST, REPO, Log
-from logs import log_tail
+from logs import START_MARK, log_tail
 
 
 class ServerDied(RuntimeError):
@@ -85,7 +85,7 @@ class Server:
             raise RuntimeError(f"port {self.port} is busy before starting arm {self.name}")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.logf = open(self.log_path, "ab")
-        self.logf.write(f"\n===== run_e2e.py arm {self.name} start {_dt.datetime.now().isoformat()} =====\n"
+        self.logf.write(f"\n{START_MARK}{self.name} start {_dt.datetime.now().isoformat()} =====\n"
                         f"$ {shlex.join(self.cmd)}\n".encode())
         self.logf.flush()
         # own process group (killpg kills scheduler + detokenizer too), but the same session, so
