@@ -28,6 +28,11 @@ A variant ``ARM@LABEL`` runs the arm with the plugin source given by ``--source 
 directory, e.g. the previous commit's: ``git archive HEAD src csrc | tar -x -C DIR/..``): a change and the code
 before it timed side by side, against the same baseline.
 
+With ``--host-steps N`` every round also records N steps of each arm's scheduler host work with Python stacks
+(``host_trace.py``), one arm after the other on the round's CPU, and reports whether an arm's process runs the calls
+both arms make slower than the first arm's (``host_trace.cost_index``; on the lent H200s it swung 0.87-1.63 between
+rounds: the guest CPU's speed changes within seconds).
+
 Under a time limit (a lent GPU's call), ``--max-seconds`` starts no round that would end past it (the longest
 round so far as the estimate), so the servers stop and the tables are written in time.
 
@@ -49,13 +54,14 @@ import time
 from pathlib import Path
 
 import client
+import host_trace
 import logs
 import options
 from arms import MTP_ARMS, arm_spec, prepare_layered_model, prepare_mtp_model, prepare_pyext
 from common import Log
 from environment import base_env
 from phases import run_level
-from profile_decode import find_scheduler_pid, pin_process, sched_per_token, sched_totals
+from profile_decode import find_scheduler_pid, pin_process, record_host, sched_per_token, sched_totals, start_streams
 from servers import Server
 
 
@@ -72,6 +78,49 @@ def decode_level(server: Server, prompts: list[list[int]], output_len: int, stea
         window = row.get("steady_tpot_ms_per_request") or []
         out["steady_ms"] = round(statistics.mean(window), 4) if len(window) == len(prompts) else (
             "no window in which every request decoded")
+    return out
+
+
+def host_round(servers: dict, schedulers: dict, order: list[str], base: str, cpu: int, park_cpu: int, args,
+               vocab: int, round_index: int) -> dict:
+    """One round's host traces (``--host-steps``): each variant in ``order``, its scheduler on ``cpu``, decodes one
+    request of ``--host-out`` tokens while SGLang's profiler records ``--host-steps`` steps with Python stacks; per
+    variant its Python calls per step, self time by origin and host_trace.cost_index against ``base``."""
+    summaries, out = {}, {}
+    prompt = client.make_prompt(900_000 + round_index, args.input_len, vocab)
+    for variant in order:
+        for other, pid in schedulers.items():
+            pin_process(pid, {cpu} if other == variant else {park_cpu})
+        name = variant.replace("+", "-").replace("@", "-")
+        threads, _ = start_streams(servers[variant].port, [prompt], args.host_out)
+        time.sleep(args.host_delay)
+        summary = record_host(servers[variant].port, args.state_dir / f"torch-host-paired-{name}", args.host_steps)
+        for thread in threads:
+            thread.join()
+        if "functions" not in summary:
+            out[variant] = {"error": summary.get("error")}
+            continue
+        summaries[variant] = summary
+        out[variant] = {"python_calls_per_step": summary["python_calls_per_step"],
+                        "self_us_by_origin": summary["self_us_by_origin"]}
+    if base in summaries:
+        for variant, summary in summaries.items():
+            if variant != base:
+                out[variant]["cost_index"] = host_trace.cost_index(summaries[base], summary)
+    return out
+
+
+def host_indices(variants: list[str], rounds: list[dict]) -> dict:
+    """Per variant after the first: the spread over the rounds of host_trace.cost_index (ops, python)."""
+    out = {}
+    for variant in variants[1:]:
+        per_kind = {}
+        for kind in ("ops", "python"):
+            values = [r["host"][variant]["cost_index"][kind]["index"] for r in rounds
+                      if r.get("host", {}).get(variant, {}).get("cost_index", {}).get(kind, {}).get("index")]
+            if values:
+                per_kind[kind] = spread(values)
+        out[variant] = per_kind
     return out
 
 
@@ -220,6 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--harness-args", default="", help="run_e2e.py flags of the servers (shell-quoted string)")
     parser.add_argument("--steady", action="store_true",
                         help="also time each level while every one of its requests decodes (a second table)")
+    parser.add_argument("--host-steps", type=int, default=0,
+                        help="every round, after the levels: each arm decodes one request of --host-out tokens while "
+                             "SGLang's profiler records this many steps of its scheduler's host work (Python stacks); "
+                             "reported: whether an arm's process runs the calls both arms make slower than the first "
+                             "arm's (host_trace.cost_index) within the same seconds")
+    parser.add_argument("--host-out", type=int, default=2000)
+    parser.add_argument("--host-delay", type=float, default=1.5, help="seconds after the traced request starts")
     parser.add_argument("--max-seconds", type=float, default=0,
                         help="start no round that would end later than this many seconds after the start (servers' "
                         "start included; 0: run every round): under a time limit, leave ~30 s for stopping the "
@@ -322,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                     if args.steady:
                         entry["steady_ms"][variant][str(level)] = out.get("steady_ms", out.get("error"))
                     servers[variant].check()
+            if args.host_steps:
+                entry["host"] = host_round(servers, schedulers, order, variants[0], cpu, park_cpu, args, vocab, r)
             result["rounds"].append(entry)
             round_s.append(time.monotonic() - round_started)
             log(f"round {r} (CPU {cpu}, {round_s[-1]:.0f} s): {entry['tpot_ms']}")
@@ -329,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.steady:
                 result["summary_steady"] = summarize(variants, levels, result["rounds"], args.within, ratios,
                                                      "steady_ms")
+            if args.host_steps:
+                result["host_indices"] = host_indices(variants, result["rounds"])
             (args.out / "paired.json").write_text(json.dumps(result, indent=1))
     finally:
         for variant, server in servers.items():
@@ -338,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "paired.json").write_text(json.dumps(result, indent=1))
     text = render(variants, result.get("summary", {}), meta | {"rounds": len(result["rounds"])}, result["rounds"],
                   result.get("hisparse_log"), result.get("summary_steady"))
+    if result.get("host_indices"):
+        text += "".join(
+            f"\nHost cost index of {variant} against {variants[0]} (the calls both make, time per call; per round, "
+            f"median [q1-q3] (n)): " + "; ".join(f"{kind} {v['median']} [{v['q1']}-{v['q3']}] ({v['n']})"
+                                                for kind, v in kinds.items()) + "\n"
+            for variant, kinds in result["host_indices"].items())
     (args.out / "paired.md").write_text(text)
     log(text)
     return 0

@@ -11,6 +11,9 @@ For each variant (an arm of run_e2e.py, optionally with extra server flags, e.g.
    * py-spy samples the scheduler process (``--idle``: waits count) for ``--spy-seconds``;
    * with ``--kernel-steps N``, SGLang's own profiler (``/start_profile``, torch profiler, GPU activity) records N
      forward steps, and the trace is summed per kernel name: GPU time per step and the kernels that take it;
+   * with ``--host-steps N``, the same profiler with CPU activity and Python stacks records N steps of the
+     scheduler's host work: every Python call, aten op and CUDA runtime call per step (``host_trace.py``), and
+     each variant's calls are compared with the first variant's (``host_compare.json``, ``profile.md``);
 2. decodes ``--repeats`` more requests without any instrumentation: time per output token;
 3. with ``--placement-sweep``, pins every thread of the scheduler process to one CPU at a time (each CPU it may
    run on) and decodes ``--sweep-repeats`` requests of ``--sweep-output-len`` tokens per CPU, then restores its
@@ -54,6 +57,7 @@ import zipfile
 from pathlib import Path
 
 import client
+import host_trace
 import logs
 import options
 from arms import MTP_ARMS, arm_spec, prepare_layered_model, prepare_mtp_model, prepare_pyext
@@ -361,6 +365,23 @@ def gpu_idle(spans: list[tuple[float, float, str]], steps: int, top: int) -> dic
                      for (b, a), t in gaps.most_common(top)]}
 
 
+def record_host(port: int, trace_dir: Path, steps: int) -> dict:
+    """``steps`` forward steps of the scheduler's host work (SGLang's profiler, CPU activity, Python stacks),
+    summarized by host_trace.summarize."""
+    shutil.rmtree(trace_dir, ignore_errors=True)  # an earlier call's trace is not this one's
+    try:
+        client.http_json("POST", port, "/start_profile", {"output_dir": str(trace_dir), "num_steps": steps,
+                                                         "activities": ["CPU"], "with_stack": True}, timeout=120)
+    except ValueError:  # a reply that is not JSON: the profile still runs
+        pass
+    wait_for_trace(trace_dir)
+    try:
+        name, events = host_trace.load_events(trace_dir)
+    except FileNotFoundError as exc:
+        return {"error": str(exc)}
+    return {"trace": name} | host_trace.summarize(events, steps)
+
+
 def sync_traces(log_text: str) -> list[dict]:
     traces = []
     for line in log_text.splitlines():
@@ -408,6 +429,9 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
                 pass
             wait_for_trace(trace_dir)
             result["kernels"] = summarize_kernels(trace_dir, args.kernel_steps)
+        if args.host_steps:
+            time.sleep(args.spy_delay)
+            result["host"] = record_host(port, args.state_dir / f"torch-host-{name}", args.host_steps)
         if spy is not None:
             time.sleep(args.spy_delay)
             pid = scheduler
@@ -533,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--health-timeout", type=float, default=420)
     parser.add_argument("--kernel-steps", type=int, default=0,
                         help="record this many forward steps with SGLang's profiler and sum GPU time per kernel")
+    parser.add_argument("--host-steps", type=int, default=0,
+                        help="record this many forward steps of the scheduler's host work (CPU activity, Python "
+                             "stacks) and compare every variant's calls per step with the first's (host_trace.py)")
     parser.add_argument("--pin-cpu", type=int, default=None,
                         help="pin every thread of each server's scheduler process to this CPU once it is healthy "
                              "(paired_decode.py's setting), for the trace, py-spy and the timed repeats")
@@ -567,6 +594,16 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_variant(variant, args, env0, common, plugin_dir, vocab, spy, log))
         (args.out / "profile.json").write_text(json.dumps(results, indent=1))
         (args.out / "profile.md").write_text(render(results))
+    hosts = [r for r in results if "functions" in (r.get("host") or {})]
+    if len(hosts) > 1:
+        comparisons = {r["variant"]: host_trace.compare(hosts[0]["host"], r["host"]) for r in hosts[1:]}
+        (args.out / "host_compare.json").write_text(json.dumps(comparisons, indent=1))
+        text = "".join(f"\n### Host work: {variant} against {hosts[0]['variant']}\n\n"
+                       + host_trace.render_comparison((hosts[0]["variant"], variant), diff)
+                       for variant, diff in comparisons.items())
+        with (args.out / "profile.md").open("a") as f:
+            f.write(text)
+        log(text)
     log(render(results))
     return 0
 
