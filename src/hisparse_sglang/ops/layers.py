@@ -6,7 +6,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["LayerSet"]
+__all__ = ["LayerSet", "row_bytes"]
 
 
 class LayerSet(tuple):
@@ -15,6 +15,11 @@ class LayerSet(tuple):
     It is a tuple (the reference ops index it like a list). The CUDA row-copy op builds the
     device table of the layers' base pointers once per device and keeps it here, instead of
     reading every layer's pointer on each call (61 layers for DeepSeek-V3.2, every decode step).
+
+    Attributes:
+        pointer_tables: the uint64 table of base pointers per device, built by the CUDA ops.
+        row_bytes: bytes of one row of the first layer (the layers of a pool share one layout); None
+            without layers.
     """
 
     def __new__(cls, layers: Iterable[torch.Tensor]) -> "LayerSet":
@@ -22,3 +27,9 @@ class LayerSet(tuple):
 
     def __init__(self, layers: Iterable[torch.Tensor]) -> None:
         self.pointer_tables: dict[torch.device, torch.Tensor] = {}
+        self.row_bytes = row_bytes(self[0]) if self else None
+
+
+def row_bytes(layer: torch.Tensor) -> int:
+    """Bytes of one row (first dimension) of ``layer``."""
+    return layer.numel() // max(layer.shape[0], 1) * layer.element_size()

@@ -24,6 +24,7 @@ import torch
 from hisparse_sglang.config import DEFAULT_PAGE_SIZE
 from hisparse_sglang.errors import HiSparseError
 from hisparse_sglang.ops.jit import load_module
+from hisparse_sglang.ops.layers import row_bytes as layer_row_bytes
 from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT, NO_VERIFY_LIMIT, _check_verify_positions
 from hisparse_sglang.ops.swap_in_plan import (
     DEFAULT_THREADS,
@@ -84,10 +85,9 @@ def commit_row_bytes(
         raise ValueError(f"{len(device_layers)} device layers but {len(host_layers)} host layers.")
     if not len(device_layers):
         return None
-    # The layers of a LayerSet share one row layout: the first of each side stands for all.
-    device, host = device_layers[0], host_layers[0]
-    row_bytes = device.numel() // max(device.shape[0], 1) * device.element_size()
-    host_row_bytes = host.numel() // max(host.shape[0], 1) * host.element_size()
+    # The layers of a LayerSet share one row layout: the first of each side stands for all (a LayerSet keeps it).
+    row_bytes = getattr(device_layers, "row_bytes", None) or layer_row_bytes(device_layers[0])
+    host_row_bytes = getattr(host_layers, "row_bytes", None) or layer_row_bytes(host_layers[0])
     if row_bytes != host_row_bytes or row_bytes % 16:
         raise ValueError(
             f"commit_accepted: device rows of {row_bytes} B but host rows of {host_row_bytes} B; both must be the "

@@ -306,10 +306,9 @@ class CoordinatorCalls:
         """No speculative scratch to allocate (see the class)."""
 
 
-def next_spec_allocated_lens(reqs, page_size: int) -> list[int]:
-    """Each request's ``kv_allocated_len`` once the next speculative decode step has allocated its reserve:
-    what ``eagle_prepare_for_decode`` computes (0.5.22+: ``page_aligned_decode_alloc_lens`` with the
-    reserve of ``get_alloc_reserve_per_decode``, both reading the published speculative settings).
+def spec_alloc_reserve() -> int:
+    """The KV length SGLang reserves beyond a request's committed length at each speculative decode step
+    (``get_alloc_reserve_per_decode``): fixed by the server's speculative settings.
 
     Raises:
         UnsupportedSetupError: the installed release does not serve speculative decoding with
@@ -321,7 +320,25 @@ def next_spec_allocated_lens(reqs, page_size: int) -> list[int]:
         )
     from sglang.srt.mem_cache import allocation_sizing
 
-    reserve = allocation_sizing.get_alloc_reserve_per_decode()
+    return allocation_sizing.get_alloc_reserve_per_decode()
+
+
+def next_spec_allocated_lens(reqs, page_size: int, reserve: int | None = None) -> list[int]:
+    """Each request's ``kv_allocated_len`` once the next speculative decode step has allocated its reserve:
+    what ``eagle_prepare_for_decode`` computes (0.5.22+: ``page_aligned_decode_alloc_lens`` with the
+    reserve of ``get_alloc_reserve_per_decode``, both reading the published speculative settings).
+
+    Args:
+        reserve: :func:`spec_alloc_reserve`, if the caller keeps it (a server's is fixed); None: read now.
+
+    Raises:
+        UnsupportedSetupError: the installed release does not serve speculative decoding with
+            hisparse-sglang (:func:`serves_speculative_decoding`).
+    """
+    if reserve is None:
+        reserve = spec_alloc_reserve()
+    from sglang.srt.mem_cache import allocation_sizing
+
     if hasattr(allocation_sizing, "page_aligned_decode_alloc_lens"):  # 0.5.22+
         _, allocated, _ = allocation_sizing.page_aligned_decode_alloc_lens(reqs, reserve=reserve, page_size=page_size)
         return [int(length) for length in allocated]

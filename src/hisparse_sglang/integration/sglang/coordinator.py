@@ -133,6 +133,8 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         self._report_state = (time.monotonic(), 0, 0, 0, 0, 0, 0)
         # A target-verify forward's committed lengths s, derived from its per-query lengths once per forward.
         self._verify_committed = PerForward()
+        # SGLang's reserve per speculative decode step (compat.spec_alloc_reserve), read at the first can_verify.
+        self._spec_reserve: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def set_decode_producer_stream(self, stream) -> None:
@@ -310,7 +312,9 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
         """Whether the next speculative decode step of ``reqs`` can bind the reserve SGLang will allocate
         them (``check_decode_mem`` under speculation; the scheduler retracts requests while False)."""
         self._check_speculative("check_decode_mem")
-        lengths = compat.next_spec_allocated_lens(reqs, self.config.page_size)
+        if self._spec_reserve is None:  # fixed by the server's speculative settings: read once
+            self._spec_reserve = compat.spec_alloc_reserve()
+        lengths = compat.next_spec_allocated_lens(reqs, self.config.page_size, self._spec_reserve)
         return self.core.can_verify([compat.req_slot(req) for req in reqs], lengths)
 
     def _check_speculative(self, call: str) -> None:

@@ -262,6 +262,7 @@ def host_pages_for(device_tokens: int, host_to_device_ratio: int, page_size: int
 # this order: the first one the object has decides (a batch whose ``hisparse_coordinator`` is None has
 # no runtime, whatever its allocator).
 _HOLDERS = ("hisparse_coordinator", "token_to_kv_pool_allocator")
+_ABSENT = object()
 
 
 def runtime_of(sglang_object) -> HiSparseRuntime | None:
@@ -276,7 +277,11 @@ def runtime_of(sglang_object) -> HiSparseRuntime | None:
     None for SGLang's own objects (the in-tree HiSparse's, or HiSparse off) and for None.
     """
     runtime = getattr(sglang_object, "runtime", None)
-    if not isinstance(runtime, HiSparseRuntime):
-        holder = next((name for name in _HOLDERS if hasattr(sglang_object, name)), None)
-        runtime = getattr(getattr(sglang_object, holder), "runtime", None) if holder else None
-    return runtime if isinstance(runtime, HiSparseRuntime) else None
+    if isinstance(runtime, HiSparseRuntime):
+        return runtime
+    for name in _HOLDERS:
+        holder = getattr(sglang_object, name, _ABSENT)
+        if holder is not _ABSENT:
+            runtime = getattr(holder, "runtime", None)
+            return runtime if isinstance(runtime, HiSparseRuntime) else None
+    return None
