@@ -4,8 +4,8 @@ SGLang's ``/start_profile`` with ``"activities": ["CPU"]`` (``with_stack`` on, S
 Python call of the scheduler process (``python_function`` events), every aten op (``cpu_op``) and every CUDA
 runtime call (``cuda_runtime``, ``cuda_driver``) over ``num_steps`` forward steps. Unlike py-spy's samples these
 are counts and durations of each call, so two servers' steps can be compared call by call: which functions one
-calls more often, or spends more time in, per step. The tracer's own cost inflates every Python call about
-equally (roughly a microsecond each), so durations rank the work, they do not time the untraced step.
+calls more often, or spends more time in, per step. The tracer's own cost is added to every Python call, so
+durations rank the work; they do not time the untraced step.
 
 :func:`summarize` reads one trace (the busiest thread holding the scheduler's event loop), :func:`compare` ranks
 the differences of two summaries, :func:`render_comparison` prints them as a Markdown table, and :func:`cost_index`
