@@ -21,7 +21,7 @@ import json
 import re
 from pathlib import Path
 
-__all__ = ["load_events", "summarize", "compare", "cost_index", "render_comparison", "origin"]
+__all__ = ["read_trace", "load_events", "summarize", "compare", "cost_index", "render_comparison", "origin"]
 
 _CATEGORIES = ("python_function", "cpu_op", "cuda_runtime", "cuda_driver")
 EVENT_LOOP = "event_loop"
@@ -29,15 +29,21 @@ EVENT_LOOP = "event_loop"
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def load_events(trace_dir: Path) -> tuple[str, list[dict]]:
-    """The complete (``ph == "X"``) events of the first trace file under ``trace_dir`` and its name."""
+def read_trace(trace_dir: Path) -> tuple[str, list[dict]]:
+    """The name and every event of the first torch-profiler trace file SGLang wrote under ``trace_dir``
+    (``*.json.gz`` before ``*.json``). Raises FileNotFoundError when there is none."""
     files = sorted(trace_dir.rglob("*.json.gz")) + sorted(trace_dir.rglob("*.json"))
     if not files:
         raise FileNotFoundError(f"no trace under {trace_dir}")
     opener = gzip.open if files[0].suffix == ".gz" else open
     with opener(files[0], "rt") as f:
-        events = json.load(f).get("traceEvents", [])
-    return files[0].name, [e for e in events if e.get("ph") == "X" and e.get("cat") in _CATEGORIES]
+        return files[0].name, json.load(f).get("traceEvents", [])
+
+
+def load_events(trace_dir: Path) -> tuple[str, list[dict]]:
+    """The complete (``ph == "X"``) host events of the first trace file under ``trace_dir`` and its name."""
+    name, events = read_trace(trace_dir)
+    return name, [e for e in events if e.get("ph") == "X" and e.get("cat") in _CATEGORIES]
 
 
 def origin(name: str) -> str:

@@ -81,6 +81,11 @@ def decode_level(server: Server, prompts: list[list[int]], output_len: int, stea
     return out
 
 
+def file_name(variant: str) -> str:
+    """A variant as it names its server's log and trace files ("c+mtp@before" -> "c-mtp-before")."""
+    return variant.replace("+", "-").replace("@", "-")
+
+
 def host_round(servers: dict, schedulers: dict, order: list[str], base: str, cpu: int, park_cpu: int, args,
                vocab: int, round_index: int) -> dict:
     """One round's host traces (``--host-steps``): each variant in ``order``, its scheduler on ``cpu``, decodes one
@@ -91,7 +96,7 @@ def host_round(servers: dict, schedulers: dict, order: list[str], base: str, cpu
     for variant in order:
         for other, pid in schedulers.items():
             pin_process(pid, {cpu} if other == variant else {park_cpu})
-        name = variant.replace("+", "-").replace("@", "-")
+        name = file_name(variant)
         threads, _ = start_streams(servers[variant].port, [prompt], args.host_out)
         time.sleep(args.host_delay)
         summary = record_host(servers[variant].port, args.state_dir / f"torch-host-paired-{name}", args.host_steps)
@@ -337,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             arm_args = argparse.Namespace(**{**vars(args), "plugin_src": Path(sources[label])}) if label else args
             cmd, env = arm_spec(arm, arm_args, env0, common, plugin_dir, port,
                                 mem_fraction_static=args.server_mem_fraction)
-            name = variant.replace("+", "-").replace("@", "-")
+            name = file_name(variant)
             server = Server(f"paired-{name}", cmd, env, args.state_dir / f"server-paired-{name}.log", port,
                             args.state_dir, log)
             server.start()

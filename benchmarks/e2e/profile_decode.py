@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import os
 import shlex
@@ -317,12 +316,10 @@ def summarize_kernels(trace_dir: Path, steps: int, top: int = 25) -> dict:
     kernels by total time (name, calls, microseconds per step), and the GPU's idle time: the span from the first
     kernel's start to the last one's end less the time some kernel ran, per step, with the ``top`` kinds of gap
     (the kernel before and the kernel after) by their total."""
-    files = sorted(trace_dir.rglob("*.json.gz")) + sorted(trace_dir.rglob("*.json"))
-    if not files:
-        return {"error": f"no trace under {trace_dir}"}
-    opener = gzip.open if files[0].suffix == ".gz" else open
-    with opener(files[0], "rt") as f:
-        events = json.load(f).get("traceEvents", [])
+    try:
+        trace, events = host_trace.read_trace(trace_dir)
+    except FileNotFoundError as exc:
+        return {"error": str(exc)}
     total: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
     spans = []
@@ -333,7 +330,7 @@ def summarize_kernels(trace_dir: Path, steps: int, top: int = 25) -> dict:
             calls[name] += 1
             spans.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), name))
     us = sum(total.values())
-    out = {"trace": files[0].name, "steps": steps, "gpu_us": round(us, 1), "gpu_us_per_step": round(us / steps, 1),
+    out = {"trace": trace, "steps": steps, "gpu_us": round(us, 1), "gpu_us_per_step": round(us / steps, 1),
            "kernels": [{"name": n, "calls": calls[n], "us_per_step": round(t / steps, 1)}
                        for n, t in total.most_common(top)]}
     if spans:
@@ -365,16 +362,22 @@ def gpu_idle(spans: list[tuple[float, float, str]], steps: int, top: int) -> dic
                      for (b, a), t in gaps.most_common(top)]}
 
 
-def record_host(port: int, trace_dir: Path, steps: int) -> dict:
-    """``steps`` forward steps of the scheduler's host work (SGLang's profiler, CPU activity, Python stacks),
-    summarized by host_trace.summarize."""
+def profile_steps(port: int, trace_dir: Path, steps: int, **request) -> None:
+    """SGLang's profiler (``/start_profile`` with ``request``'s activities and options) over ``steps`` forward
+    steps, into ``trace_dir`` (emptied first), until the trace is written."""
     shutil.rmtree(trace_dir, ignore_errors=True)  # an earlier call's trace is not this one's
     try:
-        client.http_json("POST", port, "/start_profile", {"output_dir": str(trace_dir), "num_steps": steps,
-                                                         "activities": ["CPU"], "with_stack": True}, timeout=120)
+        client.http_json("POST", port, "/start_profile", {"output_dir": str(trace_dir), "num_steps": steps, **request},
+                         timeout=120)
     except ValueError:  # a reply that is not JSON: the profile still runs
         pass
     wait_for_trace(trace_dir)
+
+
+def record_host(port: int, trace_dir: Path, steps: int) -> dict:
+    """``steps`` forward steps of the scheduler's host work (SGLang's profiler, CPU activity, Python stacks),
+    summarized by host_trace.summarize."""
+    profile_steps(port, trace_dir, steps, activities=["CPU"], with_stack=True)
     try:
         name, events = host_trace.load_events(trace_dir)
         return {"trace": name} | host_trace.summarize(events, steps)
@@ -420,14 +423,7 @@ def run_variant(variant: str, args, env0, common, plugin_dir, vocab: int, spy: P
         if args.kernel_steps:
             time.sleep(args.spy_delay)
             trace_dir = args.state_dir / f"torch-{name}"
-            shutil.rmtree(trace_dir, ignore_errors=True)  # an earlier call's trace is not this one's
-            try:
-                client.http_json("POST", port, "/start_profile", {"output_dir": str(trace_dir),
-                                                                 "num_steps": args.kernel_steps, "activities": ["GPU"]},
-                                 timeout=120)
-            except ValueError:  # a reply that is not JSON: the profile still runs
-                pass
-            wait_for_trace(trace_dir)
+            profile_steps(port, trace_dir, args.kernel_steps, activities=["GPU"])
             result["kernels"] = summarize_kernels(trace_dir, args.kernel_steps)
         if args.host_steps:
             time.sleep(args.spy_delay)
