@@ -16,7 +16,10 @@ For each level N of ``--levels`` the arm being measured gets N requests of ``--i
 tokens at once (the same prompts for every arm of a round): its time per output token is the mean over those
 requests of (last token - first token) / (tokens - 1). With ``--steady`` it also records the time per token while
 every request of the level decodes (from the last request's first token to the first request's last), per request
-then averaged: the decode step's pace without the other requests' prefills interleaved, reported in a second table.
+then averaged: the decode step's pace without the other requests' prefills interleaved, reported in a second table;
+and the same window per streamed chunk, which a speculative server sends once per verify step, with the tokens per
+chunk and SGLang's accept length beside it: whether an arm's time per token differs by its step's pace or by the
+tokens its steps accept (simulated acceptance draws them at random).
 Around each arm's level the measured scheduler's main thread's scheduling counters are read (``/proc``: time on a
 CPU, time waiting on a run queue, context switches), reported per output token: whether an arm's slower step is
 more work on the CPU or time kept off it.
@@ -66,18 +69,26 @@ from servers import Server
 
 
 def decode_level(server: Server, prompts: list[list[int]], output_len: int, steady: bool = False) -> dict:
-    """Every prompt at once (phases.run_level): the mean time per output token over the requests (ms), with
-    ``steady`` also the mean over the requests of their time per token while all of them decode
-    (``steady_ms``), or the first error when a request gave no time per token."""
+    """Every prompt at once (phases.run_level): the mean time per output token over the requests (ms) and, under
+    speculative decoding, SGLang's accept length of the level (``accept_length``); with ``steady`` also the means
+    over the requests, while all of them decode, of their time per token (``steady_ms``), per streamed chunk
+    (``chunk_ms``: one verify step) and of their tokens per chunk (``tokens_per_chunk``); or the first error when a
+    request gave no time per token."""
     row = run_level(server, prompts, output_len, timeout=600, steady=steady)
     tpots = row["tpot_ms_per_request"]
     if len(tpots) < len(prompts):
         return {"error": str(row["errors"][0] if row["errors"] else "a request without a time per token")}
     out = {"tpot_ms": round(statistics.mean(tpots), 4)}
+    if row.get("speculative"):
+        out["accept_length"] = row["speculative"]["accept_length"]
     if steady:
         window = row.get("steady_tpot_ms_per_request") or []
         out["steady_ms"] = round(statistics.mean(window), 4) if len(window) == len(prompts) else (
             "no window in which every request decoded")
+        chunk_ms, per_chunk = row.get("steady_chunk_ms_per_request"), row.get("steady_tokens_per_chunk_per_request")
+        if chunk_ms and len(chunk_ms) == len(prompts):
+            out["chunk_ms"] = round(statistics.mean(chunk_ms), 4)
+            out["tokens_per_chunk"] = round(statistics.mean(per_chunk), 4)
     return out
 
 
@@ -158,10 +169,11 @@ def summarize(variants: list[str], levels: list[int], rounds: list[dict], within
 
 
 def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | None = None,
-           hisparse_log: dict | None = None, steady: dict | None = None) -> str:
+           hisparse_log: dict | None = None, steady: dict | None = None, chunks: dict | None = None) -> str:
     """The table of every level (arms' time per token, the ratios per round), with ``steady`` (the summary of
-    ``steady_ms``) the same table while every request of a level decodes, what the plugin's log lines say per arm
-    (modes, hit rate, host work), then every round's figures."""
+    ``steady_ms``) the same table while every request of a level decodes, with ``chunks`` (the summary of
+    ``chunk_ms``) the same per streamed chunk with the tokens per chunk and accept lengths, what the plugin's log
+    lines say per arm (modes, hit rate, host work), then every round's figures."""
     names = list(next(iter(summary.values()))["ratio"]) if summary else []
     lines = [f"Arms side by side ({meta['rounds']} rounds, scheduler of the measured arm pinned to one CPU per round: "
              f"{meta['cpus']}; parking CPU {meta['park_cpu']}, client CPU {meta['client_cpu']}; "
@@ -176,6 +188,17 @@ def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | 
         lines += ["\nWhile every request of the level decodes (from the last request's first token to the first "
                   "request's last; the other requests' prefills not interleaved):\n", *header,
                   *_level_rows(variants, names, steady)]
+    if chunks:
+        lines += ["\nThe same window per streamed chunk (one chunk per verify step: the step's pace apart from the tokens "
+                  "it accepts), ms:\n", *[h.replace("TPOT ms", "ms per chunk") for h in header],
+                  *_level_rows(variants, names, chunks)]
+        if rounds:
+            lines += ["\nTokens per chunk in that window / SGLang's accept length of the level, medians over the "
+                      "rounds:\n", "| concurrency | " + " | ".join(variants) + " |", "|---" * (1 + len(variants)) + "|"]
+            for level in chunks:
+                cells = [" / ".join(_median_of(rounds, key, v, level) for key in ("tokens_per_chunk", "accept_length"))
+                         for v in variants]
+                lines.append(f"| {level} | " + " | ".join(cells) + " |")
     for variant, plugin in (hisparse_log or {}).items():
         if plugin:
             hit = plugin["hit_rate_pct_min"]
@@ -204,6 +227,11 @@ def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | 
             cells = ["/".join(str(r["tpot_ms"][v].get(level, "–")) for level in levels) for v in variants]
             lines.append(f"| {r['round']} | {r['cpu']} | {', '.join(r['order'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _median_of(rounds: list[dict], key: str, variant: str, level: str) -> str:
+    values = [r[key][variant][level] for r in rounds if isinstance(r.get(key, {}).get(variant, {}).get(level), float)]
+    return str(round(statistics.median(values), 3)) if values else "-"
 
 
 def _level_rows(variants: list[str], names: list[str], summary: dict) -> list[str]:
@@ -259,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=16384)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--within", type=float, default=0.05, help="count the rounds whose ratio is within this of 1")
-    parser.add_argument("--server-mem-fraction", type=float, default=0.25,
-                        help="--mem-fraction-static of each server (they share the GPU)")
+    parser.add_argument("--server-mem-fraction", default="0.25",
+                        help="--mem-fraction-static of each server (they share the GPU; SGLang takes it of the memory "
+                        "free when that server starts, so a later server may need more): one value, or one per "
+                        "variant in order")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/hisparse_paired")))
     parser.add_argument("--port-base", type=int, default=31300)
     parser.add_argument("--health-timeout", type=float, default=420)
@@ -295,10 +325,11 @@ def main(argv: list[str] | None = None) -> int:
                                        "output_len": args.output_len, "within": args.within}
         picked = parse_ratios(args.ratios, variants)
         summary = summarize(variants, earlier["levels"], earlier["rounds"], meta["within"], picked)
-        steady = (summarize(variants, earlier["levels"], earlier["rounds"], meta["within"], picked, "steady_ms")
-                  if all("steady_ms" in r for r in earlier["rounds"]) else None)
+        steady, chunks = (summarize(variants, earlier["levels"], earlier["rounds"], meta["within"], picked, metric)
+                          if all(metric in r for r in earlier["rounds"]) else None
+                          for metric in ("steady_ms", "chunk_ms"))
         print(render(variants, summary, meta | {"rounds": len(earlier["rounds"])}, earlier["rounds"],
-                     earlier.get("hisparse_log"), steady), end="")
+                     earlier.get("hisparse_log"), steady, chunks), end="")
         return 0
     harness_args = options.parse_args(shlex.split(args.harness_args))
     for key, value in vars(harness_args).items():
@@ -314,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         if not (Path(directory) / "hisparse_sglang").is_dir() or not (Path(directory).parent / "csrc").is_dir():
             parser.error(f"--source {label}={directory}: needs {directory}/hisparse_sglang and "
                          f"{Path(directory).parent / 'csrc'} (git archive REV src csrc | tar -x -C DIR/..)")
+    fractions = [float(x) for x in args.server_mem_fraction.split(",")]
+    if len(fractions) not in (1, len(variants)):
+        parser.error(f"--server-mem-fraction {args.server_mem_fraction}: one value, or one per variant ({len(variants)})")
+    fractions *= len(variants) // len(fractions)
     levels = [int(x) for x in args.levels.split(",")]
     ratios = parse_ratios(args.ratios, variants)
     cpus = sorted(os.sched_getaffinity(0))
@@ -341,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             arm, _, label = variant.partition("@")
             arm_args = argparse.Namespace(**{**vars(args), "plugin_src": Path(sources[label])}) if label else args
             cmd, env = arm_spec(arm, arm_args, env0, common, plugin_dir, port,
-                                mem_fraction_static=args.server_mem_fraction)
+                                mem_fraction_static=fractions[i])
             name = file_name(variant)
             server = Server(f"paired-{name}", cmd, env, args.state_dir / f"server-paired-{name}.log", port,
                             args.state_dir, log)
@@ -366,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             entry = {"round": r, "cpu": cpu, "order": order, "tpot_ms": {v: {} for v in variants},
                      "sched": {v: {} for v in variants}}
-            if args.steady:
-                entry["steady_ms"] = {v: {} for v in variants}
+            recorded = ("accept_length", "steady_ms", "chunk_ms", "tokens_per_chunk") if args.steady else ("accept_length",)
+            for key in recorded:
+                entry[key] = {v: {} for v in variants}
             for level in levels:
                 prompts = [client.make_prompt(10_000 * r + 100 * level + j, args.input_len, vocab) for j in range(level)]
                 for variant in order:
@@ -382,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                     entry["tpot_ms"][variant][str(level)] = out.get("tpot_ms", out.get("error"))
                     if args.steady:
                         entry["steady_ms"][variant][str(level)] = out.get("steady_ms", out.get("error"))
+                    for key in ("accept_length", "chunk_ms", "tokens_per_chunk"):
+                        if key in out:
+                            entry[key][variant][str(level)] = out[key]
                     servers[variant].check()
             if args.host_steps:
                 entry["host"] = host_round(servers, schedulers, order, variants[0], cpu, park_cpu, args, vocab, r)
@@ -392,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.steady:
                 result["summary_steady"] = summarize(variants, levels, result["rounds"], args.within, ratios,
                                                      "steady_ms")
+                result["summary_chunk"] = summarize(variants, levels, result["rounds"], args.within, ratios,
+                                                    "chunk_ms")
             if args.host_steps:
                 result["host_indices"] = host_indices(variants, result["rounds"])
             (args.out / "paired.json").write_text(json.dumps(result, indent=1))
@@ -402,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             result.setdefault("hisparse_log", {})[variant] = logs.summarize_hisparse(text)
         (args.out / "paired.json").write_text(json.dumps(result, indent=1))
     text = render(variants, result.get("summary", {}), meta | {"rounds": len(result["rounds"])}, result["rounds"],
-                  result.get("hisparse_log"), result.get("summary_steady"))
+                  result.get("hisparse_log"), result.get("summary_steady"), result.get("summary_chunk"))
     if result.get("host_indices"):
         text += "".join(
             f"\nHost cost index of {variant} against {variants[0]} (the calls both make, time per call; per round, "

@@ -179,3 +179,14 @@ def window_tpot(arrivals: list, window: tuple[float, float]) -> float | None:
     if len(inside) < 2 or inside[-1][1] <= inside[0][1]:
         return None
     return (inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1])
+
+
+def window_chunks(arrivals: list, window: tuple[float, float]) -> tuple[float, float] | None:
+    """Seconds per streamed chunk and output tokens per chunk of one request over the chunks that arrived
+    within `window` (a speculative server streams one chunk per verify step: the step's pace, and its accepted
+    tokens, apart); None with fewer than two such chunks."""
+    inside = [(t, n) for t, n in arrivals if window[0] <= t <= window[1]]
+    if len(inside) < 2 or inside[-1][1] <= inside[0][1]:
+        return None
+    chunks = len(inside) - 1
+    return (inside[-1][0] - inside[0][0]) / chunks, (inside[-1][1] - inside[0][1]) / chunks

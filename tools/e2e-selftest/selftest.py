@@ -289,14 +289,14 @@ def paired_checks() -> None:
           f"paired: a level's mean time per token and its error: {level} {failed}")
     # --steady: the window in which both requests decode is [1.0, 2.0] s (the second's first token, the first's
     # last); inside it request 0 brought 4 -> 14 tokens (0.1 s each), request 1 2 -> 7 (0.2 s each), where their
-    # whole requests took 0.3 and 0.5 s per token
+    # whole requests took 0.3 and 0.5 s per token; each in one chunk of 1 s (10 and 5 tokens)
     steady_outs = [{"tpot_s": 0.3, "tokens": 20, "e2e_s": 3.0, "arrivals": [(0.5, 1), (1.0, 4), (2.0, 14)]},
                    {"tpot_s": 0.5, "tokens": 20, "e2e_s": 3.0, "arrivals": [(1.0, 2), (2.0, 7), (3.0, 20)]}]
     target.endpoint = Endpoint(steady_outs)
     steady = paired_decode.decode_level(target, [[1], [2]], 20, steady=True)
     target.endpoint = Endpoint([dict(steady_outs[0], arrivals=[(0.5, 1), (0.9, 4)]), steady_outs[1]])
     apart = paired_decode.decode_level(target, [[1], [2]], 20, steady=True)
-    check(steady == {"tpot_ms": 400.0, "steady_ms": 150.0}
+    check(steady == {"tpot_ms": 400.0, "steady_ms": 150.0, "chunk_ms": 1000.0, "tokens_per_chunk": 7.5}
           and apart["steady_ms"] == "no window in which every request decoded",
           f"paired --steady: the mean per-request time per token inside the common window: {steady} {apart}")
     steady_rounds = [dict(r, steady_ms={"a": {"1": 1.0}, "c": {"1": 1.02}}) for r in rounds]
