@@ -19,7 +19,7 @@ every request of the level decodes (from the last request's first token to the f
 then averaged: the decode step's pace without the other requests' prefills interleaved, reported in a second table;
 and the same window per streamed chunk, which a speculative server sends once per verify step, with the tokens per
 chunk and SGLang's accept length beside it: whether an arm's time per token differs by its step's pace or by the
-tokens its steps accept (simulated acceptance draws them at random).
+tokens its steps accept.
 Around each arm's level the measured scheduler's main thread's scheduling counters are read (``/proc``: time on a
 CPU, time waiting on a run queue, context switches), reported per output token: whether an arm's slower step is
 more work on the CPU or time kept off it.
