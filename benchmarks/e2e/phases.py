@@ -18,7 +18,7 @@ from common import HERE, REPO, Run
 from environment import mooncake_env
 from logs import file_size, read_from, summarize_log
 from servers import ServerDied
-from stats import compare_outputs, detect_cycle, pct, steady_window, window_chunks, window_tpot
+from stats import compare_outputs, detect_cycle, pct, steady_window, window_chunks
 
 PREFLIGHT_CODE = r"""
 import importlib, importlib.metadata as md, json, platform, sys, time
@@ -315,8 +315,8 @@ def run_level(target, prompts: list[list[int]], out_len: int, timeout: float, *,
                           round(o["e2e_s"], 3), o["tokens"]] for o in ok]}
     if steady:
         window = steady_window([o.get("arrivals") or [] for o in outs]) if len(ok) == len(outs) else None
-        per_request = [w for w in (window_tpot(o["arrivals"], window) for o in ok) if w] if window else []
         chunks = [c for c in (window_chunks(o["arrivals"], window) for o in ok) if c] if window else []
+        per_request = [seconds / tokens for seconds, tokens in chunks]  # stats.window_tpot of each
         row.update({"steady_window_s": round(window[1] - window[0], 3) if window else None,
                     "steady_tpot_ms_median": round(1000 * statistics.median(per_request), 3) if per_request else None,
                     "steady_tpot_ms_per_request": [round(1000 * t, 3) for t in per_request],

@@ -175,10 +175,8 @@ def steady_window(arrivals_per_request: list[list]) -> tuple[float, float] | Non
 def window_tpot(arrivals: list, window: tuple[float, float]) -> float | None:
     """Seconds per output token of one request over the chunks that arrived within `window`
     (arrivals: [(time, cumulative tokens), ...]); None with fewer than two such chunks."""
-    inside = [(t, n) for t, n in arrivals if window[0] <= t <= window[1]]
-    if len(inside) < 2 or inside[-1][1] <= inside[0][1]:
-        return None
-    return (inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1])
+    chunks = window_chunks(arrivals, window)
+    return chunks[0] / chunks[1] if chunks else None
 
 
 def window_chunks(arrivals: list, window: tuple[float, float]) -> tuple[float, float] | None:
