@@ -66,13 +66,15 @@ from environment import base_env
 from phases import run_level
 from profile_decode import find_scheduler_pid, pin_process, record_host, sched_per_token, sched_totals, start_streams
 from servers import Server
+from stats import window_pace
 
 
 def decode_level(server: Server, prompts: list[list[int]], output_len: int, steady: bool = False) -> dict:
     """Every prompt at once (phases.run_level): the mean time per output token over the requests (ms) and, under
     speculative decoding, SGLang's accept length of the level (``accept_length``); with ``steady`` also the means
     over the requests, while all of them decode, of their time per token (``steady_ms``), per streamed chunk
-    (``chunk_ms``: one verify step) and of their tokens per chunk (``tokens_per_chunk``); or the first error when a
+    (``chunk_ms``: one verify step) and of their tokens per chunk (``tokens_per_chunk``), and every request's
+    chunk arrivals with the window (``arrivals``: where in a request its steps slowed); or the first error when a
     request gave no time per token."""
     row = run_level(server, prompts, output_len, timeout=600, steady=steady)
     tpots = row["tpot_ms_per_request"]
@@ -89,6 +91,7 @@ def decode_level(server: Server, prompts: list[list[int]], output_len: int, stea
         if chunk_ms and len(chunk_ms) == len(prompts):
             out["chunk_ms"] = round(statistics.mean(chunk_ms), 4)
             out["tokens_per_chunk"] = round(statistics.mean(per_chunk), 4)
+        out["arrivals"] = {"requests": row.get("arrivals"), "steady_window": row.get("steady_window")}
     return out
 
 
@@ -169,7 +172,8 @@ def summarize(variants: list[str], levels: list[int], rounds: list[dict], within
 
 
 def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | None = None,
-           hisparse_log: dict | None = None, steady: dict | None = None, chunks: dict | None = None) -> str:
+           hisparse_log: dict | None = None, steady: dict | None = None, chunks: dict | None = None,
+           pace: dict | None = None) -> str:
     """The table of every level (arms' time per token, the ratios per round), with ``steady`` (the summary of
     ``steady_ms``) the same table while every request of a level decodes, with ``chunks`` (the summary of
     ``chunk_ms``) the same per streamed chunk with the tokens per chunk and accept lengths, what the plugin's log
@@ -199,6 +203,16 @@ def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | 
                 cells = [" / ".join(_median_of(rounds, key, v, level) for key in ("tokens_per_chunk", "accept_length"))
                          for v in variants]
                 lines.append(f"| {level} | " + " | ".join(cells) + " |")
+    if pace:
+        lines += ["\nThe same window's usual verify step (the median interval between two chunks, which a single "
+                  "held-up step does not move), ms:\n", *[h.replace("TPOT ms", "ms per step") for h in header],
+                  *_level_rows(variants, names, pace)]
+        if rounds:
+            lines += ["\nWhat the held-up steps (intervals over twice that median) added per request, ms, medians "
+                      "over the rounds:\n", "| concurrency | " + " | ".join(variants) + " |",
+                      "|---" * (1 + len(variants)) + "|"]
+            lines += [f"| {level} | " + " | ".join(_median_of(rounds, "stall_ms", v, level) for v in variants) + " |"
+                      for level in pace]
     for variant, plugin in (hisparse_log or {}).items():
         if plugin:
             hit = plugin["hit_rate_pct_min"]
@@ -232,6 +246,24 @@ def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | 
 def _median_of(rounds: list[dict], key: str, variant: str, level: str) -> str:
     values = [r[key][variant][level] for r in rounds if isinstance(r.get(key, {}).get(variant, {}).get(level), float)]
     return str(round(statistics.median(values), 3)) if values else "-"
+
+
+def add_pace(rounds: list[dict]) -> None:
+    """Per round, arm and level with recorded arrivals: ``pace_ms``, the median interval between two chunks of
+    the window (a verify step's usual time), and ``stall_ms``, what the longer steps added per request
+    (stats.window_pace): a steady cost per step and a one-off hold-up apart."""
+    for r in rounds:
+        if "arrivals" not in r:
+            continue
+        r["pace_ms"], r["stall_ms"] = {}, {}
+        for variant, per_level in r["arrivals"].items():
+            r["pace_ms"][variant], r["stall_ms"][variant] = {}, {}
+            for level, got in per_level.items():
+                window = got.get("steady_window") if isinstance(got, dict) else None
+                pace = window_pace([[tuple(x) for x in a] for a in got["requests"]], tuple(window)) if window else None
+                if pace is not None:
+                    r["pace_ms"][variant][level] = round(1000 * pace[0], 4)
+                    r["stall_ms"][variant][level] = round(1000 * pace[1], 3)
 
 
 def _level_rows(variants: list[str], names: list[str], summary: dict) -> list[str]:
@@ -325,11 +357,13 @@ def main(argv: list[str] | None = None) -> int:
                                        "output_len": args.output_len, "within": args.within}
         picked = parse_ratios(args.ratios, variants)
         summary = summarize(variants, earlier["levels"], earlier["rounds"], meta["within"], picked)
-        steady, chunks = (summarize(variants, earlier["levels"], earlier["rounds"], meta["within"], picked, metric)
-                          if all(metric in r for r in earlier["rounds"]) else None
-                          for metric in ("steady_ms", "chunk_ms"))
+        add_pace(earlier["rounds"])
+        steady, chunks, pace = (
+            summarize(variants, earlier["levels"], earlier["rounds"], meta["within"], picked, metric)
+            if all(metric in r for r in earlier["rounds"]) else None
+            for metric in ("steady_ms", "chunk_ms", "pace_ms"))
         print(render(variants, summary, meta | {"rounds": len(earlier["rounds"])}, earlier["rounds"],
-                     earlier.get("hisparse_log"), steady, chunks), end="")
+                     earlier.get("hisparse_log"), steady, chunks, pace), end="")
         return 0
     harness_args = options.parse_args(shlex.split(args.harness_args))
     for key, value in vars(harness_args).items():
@@ -401,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             entry = {"round": r, "cpu": cpu, "order": order, "tpot_ms": {v: {} for v in variants},
                      "sched": {v: {} for v in variants}}
-            recorded = ("accept_length", "steady_ms", "chunk_ms", "tokens_per_chunk") if args.steady else ("accept_length",)
+            recorded = ("accept_length", "steady_ms", "chunk_ms", "tokens_per_chunk", "arrivals") if args.steady \
+                else ("accept_length",)
             for key in recorded:
                 entry[key] = {v: {} for v in variants}
             for level in levels:
@@ -418,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                     entry["tpot_ms"][variant][str(level)] = out.get("tpot_ms", out.get("error"))
                     if args.steady:
                         entry["steady_ms"][variant][str(level)] = out.get("steady_ms", out.get("error"))
-                    for key in ("accept_length", "chunk_ms", "tokens_per_chunk"):
+                    for key in ("accept_length", "chunk_ms", "tokens_per_chunk", "arrivals"):
                         if key in out:
                             entry[key][variant][str(level)] = out[key]
                     servers[variant].check()
@@ -433,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                                                      "steady_ms")
                 result["summary_chunk"] = summarize(variants, levels, result["rounds"], args.within, ratios,
                                                     "chunk_ms")
+                add_pace(result["rounds"])
+                result["summary_pace"] = summarize(variants, levels, result["rounds"], args.within, ratios, "pace_ms")
             if args.host_steps:
                 result["host_indices"] = host_indices(variants, result["rounds"])
             (args.out / "paired.json").write_text(json.dumps(result, indent=1))
@@ -443,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
             result.setdefault("hisparse_log", {})[variant] = logs.summarize_hisparse(text)
         (args.out / "paired.json").write_text(json.dumps(result, indent=1))
     text = render(variants, result.get("summary", {}), meta | {"rounds": len(result["rounds"])}, result["rounds"],
-                  result.get("hisparse_log"), result.get("summary_steady"), result.get("summary_chunk"))
+                  result.get("hisparse_log"), result.get("summary_steady"), result.get("summary_chunk"),
+                  result.get("summary_pace"))
     if result.get("host_indices"):
         text += "".join(
             f"\nHost cost index of {variant} against {variants[0]} (the calls both make, time per call; per round, "

@@ -321,7 +321,11 @@ def run_level(target, prompts: list[list[int]], out_len: int, timeout: float, *,
                     "steady_tpot_ms_median": round(1000 * statistics.median(per_request), 3) if per_request else None,
                     "steady_tpot_ms_per_request": [round(1000 * t, 3) for t in per_request],
                     "steady_chunk_ms_per_request": [round(1000 * c[0], 4) for c in chunks],
-                    "steady_tokens_per_chunk_per_request": [round(c[1], 4) for c in chunks]})
+                    "steady_tokens_per_chunk_per_request": [round(c[1], 4) for c in chunks],
+                    # per request, in send order: [seconds since the level started, cumulative tokens] per chunk,
+                    # the window's bounds on the same clock: where in a request its steps slowed
+                    "arrivals": [[[round(t - t0, 5), n] for t, n in o.get("arrivals") or []] for o in outs],
+                    "steady_window": [round(w - t0, 5) for w in window] if window else None})
     return row
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -177,6 +178,23 @@ def window_tpot(arrivals: list, window: tuple[float, float]) -> float | None:
     (arrivals: [(time, cumulative tokens), ...]); None with fewer than two such chunks."""
     chunks = window_chunks(arrivals, window)
     return chunks[0] / chunks[1] if chunks else None
+
+
+def window_pace(arrivals_per_request: list[list], window: tuple[float, float],
+                stall_factor: float = 2.0) -> tuple[float, float] | None:
+    """(median seconds between two chunks, stall seconds per request) of a level over `window`: the median of
+    every request's chunk intervals inside it (the steps' usual pace, which a single long step does not move),
+    and, per request on average, what the intervals longer than `stall_factor` times that median took beyond
+    it (a step held up once, e.g. by a copy beside the forward); None with no interval in the window."""
+    intervals = []
+    for arrivals in arrivals_per_request:
+        inside = [t for t, _ in arrivals if window[0] <= t <= window[1]]
+        intervals += [b - a for a, b in zip(inside, inside[1:])]
+    if not intervals:
+        return None
+    median = statistics.median(intervals)
+    stall = sum(i - median for i in intervals if i > stall_factor * median)
+    return median, stall / len(arrivals_per_request)
 
 
 def window_chunks(arrivals: list, window: tuple[float, float]) -> tuple[float, float] | None:

@@ -296,8 +296,15 @@ def paired_checks() -> None:
     steady = paired_decode.decode_level(target, [[1], [2]], 20, steady=True)
     target.endpoint = Endpoint([dict(steady_outs[0], arrivals=[(0.5, 1), (0.9, 4)]), steady_outs[1]])
     apart = paired_decode.decode_level(target, [[1], [2]], 20, steady=True)
+    # every chunk's arrival and the window are kept on the level's clock (run_level's start: the times shift alike)
+    kept = steady.pop("arrivals", None) or {}
+    shift = kept.get("steady_window", [0.0])[0] - 1.0
+    got = [x for request in kept.get("requests") or [] for x in request]
+    want = [(t + shift, n) for o in steady_outs for t, n in o["arrivals"]]
+    on_level_clock = len(got) == len(want) and all(abs(g[0] - w[0]) < 1e-4 and g[1] == w[1] for g, w in zip(got, want))
     check(steady == {"tpot_ms": 400.0, "steady_ms": 150.0, "chunk_ms": 1000.0, "tokens_per_chunk": 7.5}
-          and apart["steady_ms"] == "no window in which every request decoded",
+          and on_level_clock and abs(kept["steady_window"][1] - (2.0 + shift)) < 1e-4
+          and apart["steady_ms"] == "no window in which every request decoded" and apart["arrivals"]["steady_window"] is None,
           f"paired --steady: the mean per-request time per token inside the common window: {steady} {apart}")
     steady_rounds = [dict(r, steady_ms={"a": {"1": 1.0}, "c": {"1": 1.02}}) for r in rounds]
     steady_summary = paired_decode.summarize(["a", "c"], [1], steady_rounds, 0.05, metric="steady_ms")["1"]
