@@ -259,8 +259,8 @@ def add_pace(rounds: list[dict]) -> None:
         for variant, per_level in r["arrivals"].items():
             r["pace_ms"][variant], r["stall_ms"][variant] = {}, {}
             for level, got in per_level.items():
-                window = got.get("steady_window") if isinstance(got, dict) else None
-                pace = window_pace([[tuple(x) for x in a] for a in got["requests"]], tuple(window)) if window else None
+                window = got.get("steady_window")
+                pace = window_pace(got["requests"], window) if window else None
                 if pace is not None:
                     r["pace_ms"][variant][level] = round(1000 * pace[0], 4)
                     r["stall_ms"][variant][level] = round(1000 * pace[1], 3)
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      "steady_ms")
                 result["summary_chunk"] = summarize(variants, levels, result["rounds"], args.within, ratios,
                                                     "chunk_ms")
-                add_pace(result["rounds"])
+                add_pace([entry])  # the rounds before have theirs
                 result["summary_pace"] = summarize(variants, levels, result["rounds"], args.within, ratios, "pace_ms")
             if args.host_steps:
                 result["host_indices"] = host_indices(variants, result["rounds"])

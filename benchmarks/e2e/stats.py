@@ -188,7 +188,7 @@ def window_pace(arrivals_per_request: list[list], window: tuple[float, float],
     it (a step held up once, e.g. by a copy beside the forward); None with no interval in the window."""
     intervals = []
     for arrivals in arrivals_per_request:
-        inside = [t for t, _ in arrivals if window[0] <= t <= window[1]]
+        inside = [t for t, _ in _in_window(arrivals, window)]
         intervals += [b - a for a, b in zip(inside, inside[1:])]
     if not intervals:
         return None
@@ -197,11 +197,16 @@ def window_pace(arrivals_per_request: list[list], window: tuple[float, float],
     return median, stall / len(arrivals_per_request)
 
 
+def _in_window(arrivals: list, window: tuple[float, float]) -> list:
+    """The (time, cumulative tokens) arrivals of one request that fall within `window`, bounds included."""
+    return [(t, n) for t, n in arrivals if window[0] <= t <= window[1]]
+
+
 def window_chunks(arrivals: list, window: tuple[float, float]) -> tuple[float, float] | None:
     """Seconds per streamed chunk and output tokens per chunk of one request over the chunks that arrived
     within `window` (a speculative server streams one chunk per verify step: the step's pace, and its accepted
     tokens, apart); None with fewer than two such chunks."""
-    inside = [(t, n) for t, n in arrivals if window[0] <= t <= window[1]]
+    inside = _in_window(arrivals, window)
     if len(inside) < 2 or inside[-1][1] <= inside[0][1]:
         return None
     chunks = len(inside) - 1
