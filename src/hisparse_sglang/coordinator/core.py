@@ -23,6 +23,7 @@ import torch
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.coordinator.policy import ModePolicy
 from hisparse_sglang.coordinator.speculative import VerifySteps
+from hisparse_sglang.coordinator.staging import PrefillStaging
 from hisparse_sglang.coordinator.state import (
     DECODE_STEPS,
     OFFLOADED,
@@ -146,20 +147,19 @@ class Coordinator:
         # either plain decode steps or verify steps, whichever comes first.
         self.speculative = VerifySteps(self)
         self._step_kind: str | None = None
+        # Prefills' KV on its way to the host by the copy engines (coordinator/staging.py).
+        self.prefill_staging = PrefillStaging(self)
 
     # ================================================================== admission
     def admit_prefilled(self, slot: int, prefill_len: int) -> None:
-        """A request finished prefill: its ``prefill_len`` tokens are resident; stage them to host."""
+        """A request finished prefill: its ``prefill_len`` tokens are resident; stage them to host (by the
+        copy engines once its rows reached the host: :class:`~hisparse_sglang.coordinator.staging.PrefillStaging`)."""
         self._check_new(slot)
         self._check_length(slot, prefill_len, "prefill_len")
-        locs = self.req_to_token[slot, :prefill_len].to(torch.int64)
-        rows = self.allocator.translate(locs)
-        with self.streams.on(self.streams.staging):
-            if self._writes_host:  # a reader's staging event completes at once; see _order_after_staging
-                self.ops.copy_rows(self.device_layers, self.host_layers, rows, locs)
+        if self._writes_host:
+            staging = self.prefill_staging.stage(slot, prefill_len)
+        else:  # a reader's staging event completes at once; see _order_after_staging
             staging = self.streams.record(self.streams.staging)
-            self.streams.keep_alive(locs, self.streams.staging)
-            self.streams.keep_alive(rows, self.streams.staging)
         self.requests[slot] = RequestRecord(
             self.slots, slot, prefill_len, decoding=False, staging=staging, mode_step=self.streams.step
         )
@@ -172,6 +172,7 @@ class Coordinator:
         its KV streams to the host). Otherwise a request that must be demoted at its first decode
         step waits until its staging copy is done.
         """
+        self.prefill_staging.issue_ready()
         if not self.pending:
             return []
         flags = []
@@ -240,6 +241,7 @@ class Coordinator:
             self._enter_step_kind(DECODE_STEPS)
         bound = self._check_decode_batch(slots, seq_lens, new_locs)
         self.streams.step += 1
+        self.prefill_staging.issue_ready()
         switched = False
         if self._promoting or self.slots.num_offloaded or not self.config.resident_first or (
             len(bound) > self.allocator.device_rows.free_pages
@@ -423,6 +425,8 @@ class Coordinator:
             return
         self.streams.wait_for_producer()
         self._fence_copies()
+        if self.prefill_staging.drop(slot):
+            record.staging = None  # never enqueued: the host rows of an ending request are not needed
         if record.staging is not None:
             record.staging.wait_on_current_stream()
         if record.promotion is not None:
@@ -537,6 +541,8 @@ class Coordinator:
             bytes_swapped_in=counters[1] * self.host_pool.item_bytes,
             verify_rows_capped=counters[2],
             verify_drafts_dropped=counters[3],
+            prefills_staged_by_dma=self.prefill_staging.by_dma,
+            prefills_staged_by_kernel=self.prefill_staging.by_kernel,
         )
 
     # ================================================================== internals: decode step

@@ -285,6 +285,7 @@ class VerifySteps:
             record.seq_len = committed
             record.spec.wanted_len = allocated
         coordinator.streams.step += 1
+        coordinator.prefill_staging.issue_ready()
         switched = False
         if coordinator._promoting or coordinator.slots.num_offloaded or not coordinator.config.resident_first or (
             coordinator.policy.pages_needed_for_new_tokens(records) > coordinator.allocator.device_rows.free_pages

@@ -1,0 +1,113 @@
+"""Prefill staging by the copy engines (coordinator/staging.py): the runs of rows, the two phases, the
+fallback to ``copy_rows``, and a request that ends or is demoted before its copy was enqueued."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse_sglang.config import HiSparseConfig
+from hisparse_sglang.coordinator import staging
+from hisparse_sglang.coordinator.staging import copy_row_runs, row_runs
+from hisparse_sglang.testing.sim import SimulatedServer, token_rows
+
+
+def test_runs_are_where_both_rows_advance_by_one():
+    src = torch.tensor([8, 9, 10, 11, 40, 41, 3, 4], dtype=torch.int64)
+    dst = torch.tensor([0, 1, 2, 3, 4, 5, 6, 9], dtype=torch.int64)
+    assert row_runs(src, dst).tolist() == [[8, 0, 4], [40, 4, 2], [3, 6, 1], [4, 9, 1]]
+    assert row_runs(torch.tensor([5]), torch.tensor([7])).tolist() == [[5, 7, 1]]
+    same = torch.arange(100, 164, dtype=torch.int64)
+    assert row_runs(same, same - 100).tolist() == [[100, 0, 64]]
+
+
+def test_each_run_is_copied_in_every_layer_and_nothing_else():
+    src = [torch.arange(64, dtype=torch.int32).reshape(16, 4) + 1000 * layer for layer in range(3)]
+    dst = [torch.zeros(16, 4, dtype=torch.int32) for _ in range(3)]
+    copy_row_runs(src, dst, torch.tensor([[2, 10, 3], [0, 0, 1]]))
+    for layer in range(3):
+        want = torch.zeros(16, 4, dtype=torch.int32)
+        want[10:13] = src[layer][2:5]
+        want[0] = src[layer][0]
+        assert torch.equal(dst[layer], want)
+
+
+def server(delay: int) -> SimulatedServer:
+    config = HiSparseConfig(top_k=8, device_buffer_size=16, page_size=4)
+    return SimulatedServer(config, layer_num=3, device_pages=64, cpu_event_delay_steps=delay)
+
+
+def host_rows_hold_the_prompt(sim: SimulatedServer, uid: int, prompt_len: int) -> bool:
+    slot = sim.requests[uid].slot
+    locs = sim.req_to_token[slot, :prompt_len].to(torch.int64)
+    return all(
+        torch.equal(layer[locs], token_rows(uid, torch.arange(prompt_len), layer_id, sim.item_bytes))
+        for layer_id, layer in enumerate(sim.host_pool.layers)
+    )
+
+
+def test_the_copy_is_enqueued_once_the_rows_reached_the_host_and_only_then_reports_done():
+    sim = server(delay=2)
+    uid = sim.add_request(40, 8)
+    record = sim.coordinator.requests[sim.requests[uid].slot]
+    plans = sim.coordinator.prefill_staging
+    assert plans.unstaged_len(record.slot) == 40 and not host_rows_hold_the_prompt(sim, uid, 40)
+    assert not record.staging.query()
+    sim.step()
+    sim.step()  # the rows arrived two steps after the prefill: enqueued in this step's prepare
+    assert plans.unstaged_len(record.slot) == 0 and host_rows_hold_the_prompt(sim, uid, 40)
+    assert (plans.by_dma, plans.by_kernel) == (1, 0)
+    assert not record.staging.query()  # enqueued, not yet done (a CPU copy reports done two steps later)
+    sim.step()
+    sim.step()
+    assert record.staging.query()
+    sim.check_invariants()
+
+
+def test_a_request_of_too_many_runs_is_copied_by_copy_rows(monkeypatch):
+    monkeypatch.setattr(staging, "DMA_MAX_RUNS", 0)
+    sim = server(delay=0)
+    uid = sim.add_request(40, 8)
+    plans = sim.coordinator.prefill_staging
+    assert (plans.by_dma, plans.by_kernel) == (0, 1) and host_rows_hold_the_prompt(sim, uid, 40)
+
+
+def test_a_request_that_ends_before_its_copy_was_enqueued_is_never_copied():
+    sim = server(delay=2)
+    uid = sim.add_request(40, 8)
+    slot = sim.requests[uid].slot
+    sim.abort(uid)
+    assert sim.coordinator.prefill_staging.unstaged_len(slot) == 0
+    for _ in range(4):
+        sim.step()
+    assert sim.coordinator.prefill_staging.by_dma == 0 and sim.coordinator.prefill_staging.by_kernel == 0
+    sim.check_all_free()
+
+
+@pytest.mark.parametrize("wait", ["wait_on_current_stream", "synchronize"])
+def test_waiting_for_a_copy_not_yet_enqueued_enqueues_it(wait):
+    sim = server(delay=2)
+    uid = sim.add_request(40, 8)
+    record = sim.coordinator.requests[sim.requests[uid].slot]
+    getattr(record.staging, wait)()  # as a demotion of the fresh request orders itself after the copy
+    assert host_rows_hold_the_prompt(sim, uid, 40)
+    assert sim.coordinator.prefill_staging.unstaged_len(record.slot) == 0
+
+
+def test_the_counts_reach_the_stats_and_the_harness_reads_them_from_the_log_line():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "e2e"))
+    import logs
+
+    sim = server(delay=0)
+    sim.add_request(40, 8)
+    stats = sim.coordinator.stats()
+    assert (stats.prefills_staged_by_dma, stats.prefills_staged_by_kernel) == (1, 0)
+    text = ("HiSparse: hit rate n/a, moved 0.0 MiB, resident 1, offloaded 0 (promoting 0), step host work 0.011 ms "
+            "(max 0.14), prefills staged by DMA 1, by kernel 0\n"
+            "HiSparse: hit rate n/a, moved 0.0 MiB, resident 2, offloaded 0 (promoting 0), step host work 0.011 ms "
+            "(max 0.14), prefills staged by DMA 3, by kernel 2\n")
+    summary = logs.summarize_hisparse(text)
+    assert (summary["staged_by_dma"], summary["staged_by_kernel"]) == (3, 2)
