@@ -258,7 +258,8 @@ def test_graph_replays_many_times_with_changing_inputs():
 
 @pytest.mark.parametrize("row_bytes", [1152, 656, 64])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_copy_rows_every_layer_both_directions(row_bytes, index_dtype):
+@pytest.mark.parametrize("max_blocks", [0, 1, 16])  # 0: the whole grid; the coordinator's background copies: 16
+def test_copy_rows_every_layer_both_directions(row_bytes, index_dtype, max_blocks):
     ops = cuda_ops()
     layers = 5
     host = [torch.arange(300 * row_bytes, dtype=torch.int64).add(layer * 7).remainder(251).to(torch.uint8)
@@ -266,9 +267,9 @@ def test_copy_rows_every_layer_both_directions(row_bytes, index_dtype):
     device = [torch.full((200, row_bytes), POISON, dtype=torch.uint8, device="cuda") for _ in range(layers)]
     src = torch.randperm(300)[:97]
     dst = torch.randperm(200)[:97]
-    ops.copy_rows(host, device, src.to("cuda", index_dtype), dst.to("cuda", index_dtype))
+    ops.copy_rows(host, device, src.to("cuda", index_dtype), dst.to("cuda", index_dtype), max_blocks=max_blocks)
     back = [torch.zeros((300, row_bytes), dtype=torch.uint8).pin_memory() for _ in range(layers)]
-    ops.copy_rows(device, back, dst.to("cuda", index_dtype), src.to("cuda", index_dtype))
+    ops.copy_rows(device, back, dst.to("cuda", index_dtype), src.to("cuda", index_dtype), max_blocks=max_blocks)
     torch.cuda.synchronize()
     for layer in range(layers):
         expected = torch.full((200, row_bytes), POISON, dtype=torch.uint8)

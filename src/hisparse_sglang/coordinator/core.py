@@ -23,7 +23,7 @@ import torch
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.coordinator.policy import ModePolicy
 from hisparse_sglang.coordinator.speculative import VerifySteps
-from hisparse_sglang.coordinator.staging import PrefillStaging
+from hisparse_sglang.coordinator.staging import BACKGROUND_COPY_BLOCKS, PrefillStaging
 from hisparse_sglang.coordinator.state import (
     DECODE_STEPS,
     OFFLOADED,
@@ -46,7 +46,7 @@ from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT
 from hisparse_sglang.ops.tables import SwapInTables
 from hisparse_sglang.streams import CopyEvent, StreamSet
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "BACKGROUND_COPY_BLOCKS"]
 
 
 class Coordinator:
@@ -730,7 +730,7 @@ class Coordinator:
             # Positions up to the newest are on the host once the forward in flight (the producer,
             # which backs its new tokens up) is done: streams.on orders the copy after it.
             with self.streams.on(self.streams.promotion):
-                self.ops.copy_rows(self.host_layers, self.device_layers, locs, rows)
+                self.ops.copy_rows(self.host_layers, self.device_layers, locs, rows, max_blocks=BACKGROUND_COPY_BLOCKS)
                 event = self.streams.record(self.streams.promotion)
                 self.streams.keep_alive(locs, self.streams.promotion)
                 self.streams.keep_alive(rows, self.streams.promotion)

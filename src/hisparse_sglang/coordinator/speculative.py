@@ -195,9 +195,11 @@ class VerifyOps(Protocol):
         dst_layers: Sequence[torch.Tensor],
         src_rows: torch.Tensor,
         dst_rows: torch.Tensor,
+        *,
+        max_blocks: int = 0,
     ) -> None:
         """Every layer: ``dst[dst_rows[i]] = src[src_rows[i]]`` (int64 row tensors on the GPU; the op
-        both twins already have)."""
+        both twins already have; ``max_blocks`` caps the CUDA twin's grid)."""
 
 
 class VerifySteps:

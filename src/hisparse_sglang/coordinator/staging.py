@@ -30,7 +30,14 @@ from hisparse_sglang.streams import CopyEvent
 if TYPE_CHECKING:
     from hisparse_sglang.coordinator.core import Coordinator
 
-__all__ = ["DMA_MAX_RUNS", "PrefillStaging", "StagedCopy", "copy_row_runs", "row_runs"]
+__all__ = ["BACKGROUND_COPY_BLOCKS", "DMA_MAX_RUNS", "PrefillStaging", "StagedCopy", "copy_row_runs", "row_runs"]
+
+BACKGROUND_COPY_BLOCKS = 16
+"""CTAs a copy kernel beside the forward may take (a prefill staged by ``copy_rows``, a promotion to device pages;
+each on its own stream, ``copy_rows``'s ``max_blocks``). Uncapped it takes every SM for its whole length (4 CTAs of
+512 threads per SM), so the forward's kernels launched meanwhile wait for it. On an H200 a 16K-token prompt of 61
+bf16 layers delayed a decode-like loop by 22.5 ms (staging) / 23.3 ms (promotion) uncapped, by 17.4 / 5.8 ms at 16
+CTAs (``benchmarks/bench_background_copy.py``)."""
 
 DMA_MAX_RUNS = 4
 """Most runs of contiguous rows a request's staging copies by the copy engines (one copy per run and layer
@@ -157,7 +164,8 @@ class PrefillStaging:
                 copy_row_runs(coordinator.device_layers, coordinator.host_layers, runs)
                 self.by_dma += 1
             else:
-                coordinator.ops.copy_rows(coordinator.device_layers, coordinator.host_layers, plan.rows, plan.locs)
+                coordinator.ops.copy_rows(coordinator.device_layers, coordinator.host_layers, plan.rows, plan.locs,
+                                          max_blocks=BACKGROUND_COPY_BLOCKS)
                 self.by_kernel += 1
             plan.copy.enqueued = streams.record(streams.staging)
             streams.keep_alive(plan.locs, streams.staging)

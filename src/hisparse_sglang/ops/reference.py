@@ -151,6 +151,8 @@ def copy_rows(
     dst_layers: Sequence[torch.Tensor],
     src_rows: torch.Tensor,
     dst_rows: torch.Tensor,
+    *,
+    max_blocks: int = 0,
 ) -> None:
     """For every layer ``l``: ``dst_layers[l][dst_rows[i]] = src_layers[l][src_rows[i]]``.
 
@@ -158,6 +160,8 @@ def copy_rows(
         src_layers, dst_layers: one tensor per layer, rows along dim 0, identical row layout
             (host tensors pinned, device tensors on the GPU; any direction).
         src_rows, dst_rows: integer ``[n]``; ``dst_rows`` distinct.
+        max_blocks: the CUDA twin's cap on its grid (how much of the GPU the copy may occupy, 0: no cap);
+            the result does not depend on it.
     """
     if len(src_layers) != len(dst_layers):
         raise ValueError(f"{len(src_layers)} source layers but {len(dst_layers)} destination layers.")
