@@ -6,7 +6,8 @@ loop of kernels runs on the main stream, for several grid caps (``max_blocks``; 
 For each cap it prints the copy's time and bandwidth, the loop's time per step alone and while the copy runs, and
 the loop's total delay over the copy (its steps during the copy, each minus the time alone): what an admitted
 request costs the requests decoding beside it. ``--blocks`` lists the caps (the coordinator's background copies
-take ``coordinator.core.BACKGROUND_COPY_BLOCKS``).
+take ``coordinator.core.BACKGROUND_COPY_BLOCKS``); ``dma`` among them copies each layer's rows as one contiguous
+``Tensor.copy_`` instead (the copy engines, no SM: the best case of a copy by DMA, whose rows would come in pages).
 
     PYTHONPATH=src python3 benchmarks/bench_background_copy.py                      # 16K tokens x 61 layers, bf16
     PYTHONPATH=src python3 benchmarks/bench_background_copy.py --tokens 8192 --layers 16 --direction h2d
@@ -30,16 +31,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=61)
     parser.add_argument("--row-bytes", type=int, default=1152, help="1152: bf16 MLA KV; 656: fp8")
     parser.add_argument("--direction", choices=("d2h", "h2d"), default="d2h", help="d2h: staging; h2d: promotion")
-    parser.add_argument("--blocks", default="0,64,32,16,8", help="grid caps, comma-separated (0: the whole GPU)")
+    parser.add_argument("--blocks", default="0,64,32,16,8,dma",
+                        help="grid caps, comma-separated (0: the whole GPU; dma: one contiguous copy per layer)")
     parser.add_argument("--gemms", type=int, default=8, help="GEMMs per loop step")
     parser.add_argument("--m", type=int, default=16, help="rows of each GEMM's activation (tokens of a batch)")
     parser.add_argument("--repeats", type=int, default=3, help="copies per cap (the median is printed)")
     args = parser.parse_args(argv)
     try:
-        args.blocks = [int(b) for b in args.blocks.split(",")]
+        args.blocks = [b if b == "dma" else int(b) for b in args.blocks.split(",")]
     except ValueError:
-        parser.error(f"--blocks {args.blocks!r}: comma-separated integers")
-    if any(b < 0 for b in args.blocks) or min(args.tokens, args.layers, args.gemms, args.m, args.repeats) < 1:
+        parser.error(f"--blocks {args.blocks!r}: comma-separated integers or dma")
+    if any(b != "dma" and b < 0 for b in args.blocks) or min(args.tokens, args.layers, args.gemms, args.m, args.repeats) < 1:
         parser.error("--blocks must be >= 0; --tokens, --layers, --gemms, --m, --repeats >= 1")
     if args.row_bytes <= 0 or args.row_bytes % 16:
         parser.error(f"--row-bytes {args.row_bytes}: a positive multiple of 16 (the copy moves 16-byte pieces)")
@@ -116,12 +118,18 @@ def main(argv: list[str] | None = None) -> int:
           "loop delay over the copy, ms |")
     print("|---|---|---|---|---|---|---|")
     for blocks in args.blocks:
-        ops.copy_rows(src, dst, rows, rows, max_blocks=blocks)  # warm-up
+        if blocks == "dma":
+            def copy():
+                for s_layer, d_layer in zip(src, dst):
+                    d_layer.copy_(s_layer, non_blocking=True)
+        else:
+            def copy():
+                ops.copy_rows(src, dst, rows, rows, max_blocks=blocks)
+        copy()  # warm-up
         runs = []
         for _ in range(args.repeats):
             alone = loop.time_alone()
-            copy_s, beside, steps = run_beside(loop, lambda: ops.copy_rows(src, dst, rows, rows, max_blocks=blocks),
-                                               side)
+            copy_s, beside, steps = run_beside(loop, copy, side)
             runs.append((copy_s, alone, beside, steps))
         copy_s, alone, beside, steps = sorted(runs)[len(runs) // 2]
         delay_ms = max(beside - alone, 0.0) * steps * 1e3

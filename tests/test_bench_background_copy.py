@@ -13,10 +13,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_background_copy  # noqa: E402
 
 
-def test_the_defaults_copy_one_16k_prompt_of_61_bf16_layers_at_several_caps():
+def test_the_defaults_copy_one_16k_prompt_of_61_bf16_layers_at_several_caps_and_by_dma():
     args = bench_background_copy.parse_args([])
     assert (args.tokens, args.layers, args.row_bytes, args.direction) == (16384, 61, 1152, "d2h")
-    assert args.blocks == [0, 64, 32, 16, 8]
+    assert args.blocks == [0, 64, 32, 16, 8, "dma"]
+    assert bench_background_copy.parse_args(["--blocks", "dma,4"]).blocks == ["dma", 4]
 
 
 @pytest.mark.parametrize("bad", [["--blocks", "16,x"], ["--blocks", "-1"], ["--row-bytes", "100"], ["--layers", "0"]])
