@@ -160,7 +160,8 @@ def copy_rows(
         src_layers, dst_layers: one tensor per layer, rows along dim 0, identical row layout
             (host tensors pinned, device tensors on the GPU; any direction).
         src_rows, dst_rows: integer ``[n]``; ``dst_rows`` distinct.
-        max_blocks: the CUDA twin's cap on its grid (how much of the GPU the copy may occupy, 0: no cap);
+        max_blocks: the CUDA twin's cap on its grid (how much of the GPU the copy may occupy; 0: its default,
+            four CTAs per SM);
             the result does not depend on it.
     """
     if len(src_layers) != len(dst_layers):
