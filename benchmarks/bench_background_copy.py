@@ -7,7 +7,10 @@ For each cap it prints the copy's time and bandwidth, the loop's time per step a
 the loop's total delay over the copy (its steps during the copy, each minus the time alone): what an admitted
 request costs the requests decoding beside it. ``--blocks`` lists the caps (the coordinator's background copies
 take ``coordinator.core.BACKGROUND_COPY_BLOCKS``); ``dma`` among them copies each layer's rows as one contiguous
-``Tensor.copy_`` instead (the copy engines, no SM: the best case of a copy by DMA, whose rows would come in pages).
+``Tensor.copy_`` instead (the copy engines, no SM: the best case of a copy by DMA, whose rows would come in pages),
+``dma/PAGES`` one ``copy_`` per run of PAGES pages of 64 rows (a request's pages in runs of that length). The host's
+time to enqueue each copy is printed too: one ``copy_`` per page from Python is bound by it, and such a row gives
+no delay (the loop starts once the copy is enqueued).
 
     PYTHONPATH=src python3 benchmarks/bench_background_copy.py                      # 16K tokens x 61 layers, bf16
     PYTHONPATH=src python3 benchmarks/bench_background_copy.py --tokens 8192 --layers 16 --direction h2d
@@ -24,6 +27,10 @@ import time
 
 import torch
 
+# A copy whose enqueue takes more than this fraction of its time is bound by the host issuing it (one copy_ per run
+# from Python): the loop, which starts after the enqueue, overlaps too little of it to measure a delay.
+ENQUEUE_BOUND = 0.25
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,10 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="copies per cap (the median is printed)")
     args = parser.parse_args(argv)
     try:
-        args.blocks = [b if b == "dma" else int(b) for b in args.blocks.split(",")]
+        args.blocks = [b if b.startswith("dma") else int(b) for b in args.blocks.split(",")]
+        for b in args.blocks:
+            if isinstance(b, str) and b != "dma" and not (b.startswith("dma/") and b[4:].isdigit() and int(b[4:]) > 0):
+                raise ValueError(b)
     except ValueError:
-        parser.error(f"--blocks {args.blocks!r}: comma-separated integers or dma")
-    if any(b != "dma" and b < 0 for b in args.blocks) or min(args.tokens, args.layers, args.gemms, args.m, args.repeats) < 1:
+        parser.error(f"--blocks {args.blocks!r}: comma-separated integers, dma or dma/PAGES")
+    if any(isinstance(b, int) and b < 0 for b in args.blocks) or min(args.tokens, args.layers, args.gemms, args.m, args.repeats) < 1:
         parser.error("--blocks must be >= 0; --tokens, --layers, --gemms, --m, --repeats >= 1")
     if args.row_bytes <= 0 or args.row_bytes % 16:
         parser.error(f"--row-bytes {args.row_bytes}: a positive multiple of 16 (the copy moves 16-byte pieces)")
@@ -114,27 +124,43 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name} ({sms} SMs), torch {torch.__version__}; copy {args.direction} of {args.tokens} rows x "
           f"{args.layers} layers x {args.row_bytes} B = {total_bytes / 2**20:.0f} MiB; loop step: {args.gemms} "
           f"GEMMs [{args.m}, 4096] x [4096, 4096] bf16 + one 64-MiB elementwise pass")
-    print("| max_blocks | copy ms | copy GB/s | loop us/step alone | loop us/step beside the copy | slowdown | "
-          "loop delay over the copy, ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| max_blocks | copy ms | copy GB/s | host ms to enqueue it | loop us/step alone | "
+          "loop us/step beside the copy | slowdown | loop delay over the copy, ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for blocks in args.blocks:
         if blocks == "dma":
             def copy():
                 for s_layer, d_layer in zip(src, dst):
                     d_layer.copy_(s_layer, non_blocking=True)
+        elif isinstance(blocks, str):  # dma/PAGES: one copy_ per run of PAGES pages of 64 rows, as pages would come
+            run = 64 * int(blocks[4:])
+            def copy():
+                for s_layer, d_layer in zip(src, dst):
+                    for start in range(0, args.tokens, run):
+                        d_layer[start:start + run].copy_(s_layer[start:start + run], non_blocking=True)
         else:
             def copy():
                 ops.copy_rows(src, dst, rows, rows, max_blocks=blocks)
         copy()  # warm-up
+        torch.cuda.synchronize()
+        issued = time.perf_counter()
+        with torch.cuda.stream(side):
+            copy()
+        issue_ms = (time.perf_counter() - issued) * 1e3  # host time to enqueue the copy
+        torch.cuda.synchronize()
         runs = []
         for _ in range(args.repeats):
             alone = loop.time_alone()
             copy_s, beside, steps = run_beside(loop, copy, side)
             runs.append((copy_s, alone, beside, steps))
         copy_s, alone, beside, steps = sorted(runs)[len(runs) // 2]
+        label = f"| {blocks or f'0 ({4 * sms})'} | {copy_s * 1e3:.2f} | {total_bytes / copy_s / 1e9:.1f} | {issue_ms:.2f} | "
+        if issue_ms > ENQUEUE_BOUND * copy_s * 1e3:
+            # The loop starts once the copy is enqueued: it ran beside only the copy's tail, no delay to tell.
+            print(label + f"{alone * 1e6:.1f} | – | – | – (bound by its enqueue) |")
+            continue
         delay_ms = max(beside - alone, 0.0) * steps * 1e3
-        print(f"| {blocks or f'0 ({4 * sms})'} | {copy_s * 1e3:.2f} | {total_bytes / copy_s / 1e9:.1f} | "
-              f"{alone * 1e6:.1f} | {beside * 1e6:.1f} | {beside / alone:.2f}x | {delay_ms:.2f} |")
+        print(label + f"{alone * 1e6:.1f} | {beside * 1e6:.1f} | {beside / alone:.2f}x | {delay_ms:.2f} |")
     print(f"(median of {args.repeats} copies per cap, by copy time; each row's loop alone measured just before)")
     return 0
 

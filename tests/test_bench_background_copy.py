@@ -18,6 +18,10 @@ def test_the_defaults_copy_one_16k_prompt_of_61_bf16_layers_at_several_caps_and_
     assert (args.tokens, args.layers, args.row_bytes, args.direction) == (16384, 61, 1152, "d2h")
     assert args.blocks == [0, 64, 32, 16, 8, "dma"]
     assert bench_background_copy.parse_args(["--blocks", "dma,4"]).blocks == ["dma", 4]
+    assert bench_background_copy.parse_args(["--blocks", "dma/16,0"]).blocks == ["dma/16", 0]
+    for bad in ("dma/0", "dma/x", "dma16", "-1"):
+        with pytest.raises(SystemExit):
+            bench_background_copy.parse_args(["--blocks", bad])
 
 
 @pytest.mark.parametrize("bad", [["--blocks", "16,x"], ["--blocks", "-1"], ["--row-bytes", "100"], ["--layers", "0"]])
