@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """What a copy beside the forward costs the forward: ``copy_rows`` of one prompt's KV (device -> pinned host, as
-the coordinator stages a prefill; or host -> device, as it promotes a request) on a side stream while a decode-like
-loop of kernels runs on the main stream, for several grid caps (``max_blocks``; 0: four CTAs per SM, the whole GPU).
+the coordinator stages a prefill of too many runs of rows for the copy engines; or host -> device, as it promotes a
+request) on a side stream while a decode-like loop of kernels runs on the main stream, for several grid caps
+(``max_blocks``; 0: four CTAs per SM, the whole GPU).
 
 For each cap it prints the copy's time and bandwidth, the loop's time per step alone and while the copy runs, and
 the loop's total delay over the copy (its steps during the copy, each minus the time alone): what an admitted
 request costs the requests decoding beside it. ``--blocks`` lists the caps (the coordinator's background copies
-take ``coordinator.core.BACKGROUND_COPY_BLOCKS``); ``dma`` among them copies each layer's rows as one contiguous
+take ``coordinator.staging.BACKGROUND_COPY_BLOCKS``); ``dma`` among them copies each layer's rows as one contiguous
 ``Tensor.copy_`` instead (the copy engines, no SM: the best case of a copy by DMA, whose rows would come in pages),
 ``dma/PAGES`` one ``copy_`` per run of PAGES pages of 64 rows (a request's pages in runs of that length). The host's
 time to enqueue each copy is printed too: one ``copy_`` per page from Python is bound by it, and such a row gives
