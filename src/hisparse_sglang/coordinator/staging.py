@@ -125,8 +125,10 @@ class PrefillStaging:
         locs = coordinator.req_to_token[slot, :prefill_len].to(torch.int64)
         rows = coordinator.allocator.translate(locs)
         with streams.on(streams.staging):
-            host_locs = torch.empty(prefill_len, dtype=torch.int64, pin_memory=streams.is_cuda)
-            host_rows = torch.empty(prefill_len, dtype=torch.int64, pin_memory=streams.is_cuda)
+            # Of the device tensors' dtypes (the device rows are int32): a copy between devices that also
+            # converted would go through a temporary.
+            host_locs = torch.empty(prefill_len, dtype=locs.dtype, pin_memory=streams.is_cuda)
+            host_rows = torch.empty(prefill_len, dtype=rows.dtype, pin_memory=streams.is_cuda)
             host_locs.copy_(locs, non_blocking=True)
             host_rows.copy_(rows, non_blocking=True)
             # The CPU rank tests of a shared pool check the writer's rows after every step, in a lock-step
@@ -156,7 +158,7 @@ class PrefillStaging:
             plan.arrived.synchronize()
         coordinator = self._coordinator
         streams = coordinator.streams
-        runs = row_runs(plan.host_rows, plan.host_locs)
+        runs = row_runs(plan.host_rows.to(torch.int64), plan.host_locs.to(torch.int64))
         with streams.on(streams.staging):
             # A row <= 0 is not on the GPU (never for a request just prefilled): copy_rows handles it as
             # every other copy does.
