@@ -18,11 +18,10 @@ __all__ = ["CopyEvent", "StreamSet"]
 class CopyEvent:
     """Completion of copies enqueued on a stream."""
 
-    def __init__(self, streams: "StreamSet", cuda_event: "torch.cuda.Event | None", cpu_delay_steps: int | None = None) -> None:
+    def __init__(self, streams: "StreamSet", cuda_event: "torch.cuda.Event | None") -> None:
         self._streams = streams
         self._cuda_event = cuda_event
-        delay = streams.cpu_event_delay_steps if cpu_delay_steps is None else cpu_delay_steps
-        self._ready_step = streams.step + delay
+        self._ready_step = streams.step + streams.cpu_event_delay_steps
 
     def query(self) -> bool:
         if self._cuda_event is not None:
@@ -90,11 +89,9 @@ class StreamSet:
         finally:
             torch.cuda.set_stream(current)
 
-    def record(self, stream: "torch.cuda.Stream | None", cpu_delay_steps: int | None = None) -> CopyEvent:
-        """An event after the work enqueued on ``stream``; on the CPU it completes after ``cpu_delay_steps``
-        steps (default ``cpu_event_delay_steps``)."""
+    def record(self, stream: "torch.cuda.Stream | None") -> CopyEvent:
         if stream is None:
-            return CopyEvent(self, None, cpu_delay_steps)
+            return CopyEvent(self, None)
         event = torch.cuda.Event()
         event.record(stream)
         return CopyEvent(self, event)

@@ -156,10 +156,17 @@ class Coordinator:
         copy engines once its rows reached the host: :class:`~hisparse_sglang.coordinator.staging.PrefillStaging`)."""
         self._check_new(slot)
         self._check_length(slot, prefill_len, "prefill_len")
-        if self._writes_host:
+        if self._writes_host and not self.host_pool.shared:
             staging = self.prefill_staging.stage(slot, prefill_len)
-        else:  # a reader's staging event completes at once; see _order_after_staging
-            staging = self.streams.record(self.streams.staging)
+        else:  # a shared pool (coordinator/staging.py): its writer copies at once, a reader's event completes at once
+            locs = self.req_to_token[slot, :prefill_len].to(torch.int64)
+            rows = self.allocator.translate(locs)
+            with self.streams.on(self.streams.staging):
+                if self._writes_host:
+                    self.ops.copy_rows(self.device_layers, self.host_layers, rows, locs, max_blocks=BACKGROUND_COPY_BLOCKS)
+                staging = self.streams.record(self.streams.staging)
+                self.streams.keep_alive(locs, self.streams.staging)
+                self.streams.keep_alive(rows, self.streams.staging)
         self.requests[slot] = RequestRecord(
             self.slots, slot, prefill_len, decoding=False, staging=staging, mode_step=self.streams.step
         )

@@ -17,6 +17,10 @@ host to name every contiguous run of rows, and the rows of a request are known o
 The request's staging event is a :class:`StagedCopy`: it reports the copy done only once enqueued and
 done, and a wait on it (a demotion of the request) enqueues it first. A request that ends before its copy
 was enqueued is dropped (:meth:`PrefillStaging.drop`): its host rows are not needed.
+
+A host pool shared by the TP ranks of a node (docs/shared-host-pool.md) is staged by its writer with
+``copy_rows`` at admission, as before: its readers may read a request's host rows once the ranks agreed that the
+writer's copy is done, which the writer could not tell them for a copy it has not enqueued yet.
 """
 
 from __future__ import annotations
@@ -131,10 +135,7 @@ class PrefillStaging:
             host_rows = torch.empty(prefill_len, dtype=rows.dtype, pin_memory=streams.is_cuda)
             host_locs.copy_(locs, non_blocking=True)
             host_rows.copy_(rows, non_blocking=True)
-            # The CPU rank tests of a shared pool check the writer's rows after every step, in a lock-step
-            # with no event a reader could wait on: there the plan arrives at once (the copy's completion
-            # is still delayed), as a copy kernel's rows did; elsewhere its arrival takes the CPU delay too.
-            arrived = streams.record(streams.staging, cpu_delay_steps=0 if coordinator.host_pool.shared else None)
+            arrived = streams.record(streams.staging)
             streams.keep_alive(locs, streams.staging)
             streams.keep_alive(rows, streams.staging)
         copy = StagedCopy(self, slot)

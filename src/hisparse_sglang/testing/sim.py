@@ -584,6 +584,15 @@ class SimulatedServer:
         assert not lost, f"admitted requests neither ended nor live: {sorted(lost)[:8]}"
 
     # ------------------------------------------------------------------ checks
+    def settle_copies(self) -> None:
+        """On a GPU: wait for the copies in flight, enqueueing first the staging copies whose rows have reached the
+        host (coordinator/staging.py), so that every copy is done at the step the CPU stand-in's (without a delay)
+        is; nothing on the CPU."""
+        if self.streams.is_cuda:
+            torch.cuda.synchronize(self.device)
+            self.coordinator.prefill_staging.issue_ready()
+            torch.cuda.synchronize(self.device)
+
     def check_invariants(self) -> None:
         """Raise AssertionError if any ownership or content invariant is broken."""
         if self.streams.is_cuda:
