@@ -450,8 +450,8 @@ class CudaOps:
         """
         if src_rows.numel() == 0:
             return
-        first = src_layers[0]
-        row_bytes = first.numel() // first.shape[0] * first.element_size()
+        # The LayerSet's row size, kept when it was built (ops.layers), or one layer's.
+        row_bytes = getattr(src_layers, "row_bytes", None) or layer_row_bytes(src_layers[0])
         self.module.copy_rows(
             self._pointers(src_layers),
             self._pointers(dst_layers),
