@@ -170,9 +170,9 @@ class PrefillStaging:
                 coordinator.ops.copy_rows(coordinator.device_layers, coordinator.host_layers, plan.rows, plan.locs,
                                           max_blocks=BACKGROUND_COPY_BLOCKS)
                 self.by_kernel += 1
+            # plan.locs and plan.rows were kept alive for the staging stream by stage(): a tensor recorded on a
+            # stream is reused only after the work that stream had when the tensor was freed.
             plan.copy.enqueued = streams.record(streams.staging)
-            streams.keep_alive(plan.locs, streams.staging)
-            streams.keep_alive(plan.rows, streams.staging)
 
     def drop(self, slot: int) -> bool:
         """Forget ``slot``'s plan if its copy was not enqueued (the request ended: its host rows are not
