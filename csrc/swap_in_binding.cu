@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "copy_rows.cuh"
 #include "decode_rows.cuh"
@@ -494,6 +495,75 @@ void hisparse_copy_rows(
                  std::to_string(row_bytes) + " B, " + std::to_string(p.layers) + " layers)");
 }
 
+// For every run (s, d, n) of runs and every layer l: rows [s, s + n) of src layer l to rows [d, d + n) of dst
+// layer l, by the copy engines (no SM), in one cudaMemcpyBatchAsync on the stream: the host names each run
+// once instead of one cudaMemcpyAsync per run and layer. src_layers / dst_layers: the layers' base
+// pointers (uint64 [L] on the CPU); src_capacity / dst_capacity: rows per layer, which every run must fit.
+void hisparse_copy_row_runs(
+    TensorView src_layers, TensorView dst_layers, TensorView runs, int64_t row_bytes, int64_t src_capacity,
+    int64_t dst_capacity, int64_t stream) {
+  constexpr const char* op = "copy_row_runs";
+  require_tensor(on_cpu(src_layers) && is_uint(src_layers, 64) && src_layers.ndim() == 1, op, "src_layers",
+                 "uint64 [L] on the CPU", src_layers);
+  require_tensor(on_cpu(dst_layers) && is_uint(dst_layers, 64) && dst_layers.numel() == src_layers.numel(), op,
+                 "dst_layers", "uint64 [L] on the CPU like src_layers", dst_layers);
+  require_tensor(on_cpu(runs) && is_int(runs, 64) && runs.ndim() == 2 && runs.size(1) == 3 &&
+                     (runs.size(0) == 0 || (runs.stride(1) == 1 && runs.stride(0) == 3)),
+                 op, "runs", "a contiguous int64 [R, 3] tensor on the CPU", runs);
+  require(row_bytes > 0, op, "row_bytes must be positive; got " + std::to_string(row_bytes));
+  const int64_t count = runs.size(0);
+  const int64_t layers = src_layers.numel();
+  if (count == 0 || layers == 0) return;
+  const int64_t* run = data_of<int64_t>(runs);
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t src = run[3 * r], dst = run[3 * r + 1], rows = run[3 * r + 2];
+    require(rows > 0 && src >= 0 && dst >= 0 && src <= src_capacity - rows && dst <= dst_capacity - rows, op,
+            "run " + std::to_string(r) + " (first source row " + std::to_string(src) + ", first destination row " +
+                std::to_string(dst) + ", rows " + std::to_string(rows) + ") must be non-empty and within " +
+                std::to_string(src_capacity) + " source and " + std::to_string(dst_capacity) + " destination rows");
+  }
+  const uint64_t* src_base = data_of<uint64_t>(src_layers);
+  const uint64_t* dst_base = data_of<uint64_t>(dst_layers);
+  const size_t copies = size_t(count) * size_t(layers);
+  std::vector<void*> dsts(copies);
+  std::vector<const void*> srcs(copies);
+  std::vector<size_t> sizes(copies);
+  size_t i = 0;
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int64_t r = 0; r < count; ++r, ++i) {
+      srcs[i] = reinterpret_cast<const char*>(src_base[l]) + run[3 * r] * row_bytes;
+      dsts[i] = reinterpret_cast<char*>(dst_base[l]) + run[3 * r + 1] * row_bytes;
+      sizes[i] = size_t(run[3 * r + 2] * row_bytes);
+    }
+  }
+  const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
+  clear_stale_error();
+#if CUDART_VERSION >= 12080 && !defined(HISPARSE_COPY_RUNS_ONE_BY_ONE)
+  // One attribute for every copy: sources in stream order (after the forward that wrote them); the copy
+  // should overlap the SMs' work rather than use them.
+  cudaMemcpyAttributes attributes{};
+  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t first_copy = 0;
+#if CUDART_VERSION >= 13000
+  check_cuda(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), copies, &attributes, &first_copy, 1,
+                                  cuda_stream),
+             op, "cudaMemcpyBatchAsync of " + std::to_string(copies) + " copies");
+#else
+  size_t failed = 0;
+  check_cuda(cudaMemcpyBatchAsync(dsts.data(), const_cast<void**>(srcs.data()), sizes.data(), copies, &attributes,
+                                  &first_copy, 1, &failed, cuda_stream),
+             op, "cudaMemcpyBatchAsync of " + std::to_string(copies) + " copies (copy " + std::to_string(failed) + ")");
+#endif
+#else
+  // A toolkit before CUDA 12.8 (or the build that tests this path): one cudaMemcpyAsync per run and layer.
+  for (size_t c = 0; c < copies; ++c) {
+    check_cuda(cudaMemcpyAsync(dsts[c], srcs[c], sizes[c], cudaMemcpyDefault, cuda_stream), op,
+               "cudaMemcpyAsync " + std::to_string(c) + " of " + std::to_string(copies));
+  }
+#endif
+}
+
 namespace {
 
 void require_plan(const TensorView& plan, const char* op) {
@@ -817,6 +887,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in_occupancy, hisparse_swap_in_occupancy);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in_positions, hisparse_swap_in_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swap_in_positions_occupancy, hisparse_swap_in_positions_occupancy);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(copy_rows, hisparse_copy_rows);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(copy_row_runs, hisparse_copy_row_runs);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(backup_newest, hisparse_backup_newest);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bind_rows, hisparse_bind_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bind_verify_slots, hisparse_bind_verify_slots);

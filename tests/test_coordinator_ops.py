@@ -15,7 +15,8 @@ def recording_ops(calls: list):
         return reference.swap_in(*args, **kwargs)
 
     return types.SimpleNamespace(
-        swap_in=swap_in, copy_rows=reference.copy_rows, backup_newest=reference.backup_newest, bind_rows=reference.bind_rows
+        swap_in=swap_in, copy_rows=reference.copy_rows, copy_row_runs=reference.copy_row_runs,
+        backup_newest=reference.backup_newest, bind_rows=reference.bind_rows,
     )
 
 
@@ -40,14 +41,15 @@ def test_copies_beside_the_forward_take_a_capped_grid_and_the_ones_it_waits_for_
     from hisparse_sglang.coordinator import staging
     from hisparse_sglang.coordinator.core import BACKGROUND_COPY_BLOCKS
 
-    monkeypatch.setattr(staging, "DMA_MAX_RUNS", 0)
+    monkeypatch.setattr(staging, "DMA_MAX_COPIES", 0)
     calls: list = []
 
     def copy_rows(*args, max_blocks=0, **kwargs):
         calls.append((inspect.stack()[1].function, max_blocks))
         return reference.copy_rows(*args, max_blocks=max_blocks, **kwargs)
 
-    ops = types.SimpleNamespace(swap_in=reference.swap_in, copy_rows=copy_rows, backup_newest=reference.backup_newest,
+    ops = types.SimpleNamespace(swap_in=reference.swap_in, copy_rows=copy_rows, copy_row_runs=reference.copy_row_runs,
+                                backup_newest=reference.backup_newest,
                                 bind_rows=reference.bind_rows)
     config = HiSparseConfig(top_k=8, device_buffer_size=16, page_size=4, host_to_device_ratio=4,
                             switch_cooldown_steps=0, promote_free_fraction=0.0)

@@ -8,7 +8,8 @@ import torch
 
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.coordinator import staging
-from hisparse_sglang.coordinator.staging import copy_row_runs, row_runs
+from hisparse_sglang.coordinator.staging import row_runs
+from hisparse_sglang.ops.reference import copy_row_runs
 from hisparse_sglang.testing.sim import SimulatedServer, token_rows
 
 
@@ -30,6 +31,22 @@ def test_each_run_is_copied_in_every_layer_and_nothing_else():
         want[10:13] = src[layer][2:5]
         want[0] = src[layer][0]
         assert torch.equal(dst[layer], want)
+
+
+@pytest.mark.parametrize("runs,text", [
+    ([[10, 0, 7]], r"run 0 \(first source row 10, first destination row 0, rows 7\) must be non-empty and within 16"),
+    ([[0, 0, 4], [0, 14, 3]], r"run 1 .* within 16 source and 16 destination rows"),
+    ([[0, 0, 0]], r"run 0 .*rows 0\) must be non-empty"),
+    ([[-1, 0, 2]], r"run 0 \(first source row -1"),
+])
+def test_a_run_outside_a_layer_is_refused_by_name_before_any_copy(runs, text):
+    src = [torch.ones(16, 4, dtype=torch.int32) for _ in range(2)]
+    dst = [torch.zeros(16, 4, dtype=torch.int32) for _ in range(2)]
+    with pytest.raises(ValueError, match=text):
+        copy_row_runs(src, dst, torch.tensor(runs))
+    assert not any(layer.any() for layer in dst)
+    with pytest.raises(ValueError, match=r"runs must be int64 \[R, 3\]"):
+        copy_row_runs(src, dst, torch.tensor([1, 2, 3]))
 
 
 def server(delay: int) -> SimulatedServer:
@@ -65,7 +82,7 @@ def test_the_copy_is_enqueued_once_the_rows_reached_the_host_and_only_then_repor
 
 
 def test_a_request_of_too_many_runs_is_copied_by_copy_rows(monkeypatch):
-    monkeypatch.setattr(staging, "DMA_MAX_RUNS", 0)
+    monkeypatch.setattr(staging, "DMA_MAX_COPIES", 0)
     sim = server(delay=0)
     uid = sim.add_request(40, 8)
     plans = sim.coordinator.prefill_staging

@@ -60,8 +60,8 @@ class Coordinator:
         device_layers: one device KV tensor per layer, rows along dim 0.
         req_to_token: int32 ``[R, C]`` logical location of each position of each request slot
             (SGLang's ``ReqToTokenPool.req_to_token``).
-        ops: module with ``swap_in``, ``copy_rows``, ``backup_newest`` and ``bind_rows`` (the CUDA ops
-            or their reference twins).
+        ops: module with ``swap_in``, ``copy_rows``, ``copy_row_runs``, ``backup_newest`` and ``bind_rows``
+            (the CUDA ops or their reference twins).
         streams: side streams and events (CPU stand-in by default).
         agree: makes event-dependent decisions identical across TP ranks (all-reduce MIN of a
             list of booleans); identity on one rank.

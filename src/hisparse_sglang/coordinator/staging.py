@@ -10,9 +10,9 @@ host to name every contiguous run of rows, and the rows of a request are known o
 1. :meth:`PrefillStaging.stage` (at admission): after the prefill, the request's logical locations and
    device rows travel to pinned host memory (a few hundred KB, no host wait);
 2. :meth:`PrefillStaging.issue_ready` (each later coordinator step, once they arrived): the host splits
-   them into runs in which both advance by one and enqueues one copy per run and layer; a request of more
-   than :data:`DMA_MAX_RUNS` runs is copied by ``copy_rows`` instead (its host cost: one copy call per run
-   and layer, ~14 us each from Python).
+   them into runs in which both advance by one and hands the copy engines one copy per run and layer, in one
+   batch (``ops.copy_row_runs``); a request of more than :data:`DMA_MAX_COPIES` copies is copied by
+   ``copy_rows`` instead.
 
 The request's staging event is a :class:`StagedCopy`: it reports the copy done only once enqueued and
 done, and a wait on it (a demotion of the request) enqueues it first. A request that ends before its copy
@@ -25,7 +25,7 @@ writer's copy is done, which the writer could not tell them for a copy it has no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,7 +34,7 @@ from hisparse_sglang.streams import CopyEvent
 if TYPE_CHECKING:
     from hisparse_sglang.coordinator.core import Coordinator
 
-__all__ = ["BACKGROUND_COPY_BLOCKS", "DMA_MAX_RUNS", "PrefillStaging", "StagedCopy", "copy_row_runs", "row_runs"]
+__all__ = ["BACKGROUND_COPY_BLOCKS", "DMA_MAX_COPIES", "PrefillStaging", "StagedCopy", "row_runs"]
 
 BACKGROUND_COPY_BLOCKS = 16
 """CTAs a copy kernel beside the forward may take (a prefill staged by ``copy_rows``, a promotion to device pages;
@@ -43,9 +43,10 @@ each on its own stream, ``copy_rows``'s ``max_blocks``). Uncapped it takes every
 bf16 layers delayed a decode-like loop by 22.5 ms (staging) / 23.3 ms (promotion) uncapped, by 17.4 / 5.8 ms at 16
 CTAs (``benchmarks/bench_background_copy.py``)."""
 
-DMA_MAX_RUNS = 4
-"""Most runs of contiguous rows a request's staging copies by the copy engines (one copy per run and layer
-enqueued from Python: 4 runs x 61 layers ~ 3.5 ms of host time); beyond, ``copy_rows`` copies it."""
+DMA_MAX_COPIES = 16384
+"""Most copies (runs of contiguous rows x layers) a request's staging hands the copy engines, in one batch
+(``ops.copy_row_runs``): a 16K-token prompt of 61 layers whose every 64-row page is a run of its own is 15,616
+copies; beyond, ``copy_rows`` copies it."""
 
 
 def row_runs(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> torch.Tensor:
@@ -55,15 +56,6 @@ def row_runs(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> torch.Tensor:
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks.nonzero().flatten() + 1])
     ends = torch.cat([starts[1:], torch.tensor([src_rows.numel()], dtype=torch.int64)])
     return torch.stack([src_rows[starts], dst_rows[starts], ends - starts], dim=1)
-
-
-def copy_row_runs(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor], runs: torch.Tensor) -> None:
-    """Copy each run of ``runs`` (:func:`row_runs`) in every layer: rows ``[s, s + n)`` of a source layer to
-    ``[d, d + n)`` of its destination layer, one ``copy_`` each (asynchronous between the GPU and pinned
-    host memory: the copy engines)."""
-    for src_row, dst_row, count in runs.tolist():
-        for src, dst in zip(src_layers, dst_layers):
-            dst.narrow(0, dst_row, count).copy_(src.narrow(0, src_row, count), non_blocking=True)
 
 
 class StagedCopy:
@@ -112,7 +104,7 @@ class PrefillStaging:
 
     Attributes:
         by_dma: requests staged by the copy engines so far.
-        by_kernel: requests staged by ``copy_rows`` (more than :data:`DMA_MAX_RUNS` runs).
+        by_kernel: requests staged by ``copy_rows`` (more than :data:`DMA_MAX_COPIES` copies).
     """
 
     def __init__(self, coordinator: "Coordinator") -> None:
@@ -163,8 +155,8 @@ class PrefillStaging:
         with streams.on(streams.staging):
             # A row <= 0 is not on the GPU (never for a request just prefilled): copy_rows handles it as
             # every other copy does.
-            if runs.shape[0] <= DMA_MAX_RUNS and bool((runs[:, 0] > 0).all()):
-                copy_row_runs(coordinator.device_layers, coordinator.host_layers, runs)
+            if runs.shape[0] * len(coordinator.device_layers) <= DMA_MAX_COPIES and bool((runs[:, 0] > 0).all()):
+                coordinator.ops.copy_row_runs(coordinator.device_layers, coordinator.host_layers, runs)
                 self.by_dma += 1
             else:
                 coordinator.ops.copy_rows(coordinator.device_layers, coordinator.host_layers, plan.rows, plan.locs,
