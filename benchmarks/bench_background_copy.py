@@ -10,8 +10,8 @@ request costs the requests decoding beside it. ``--blocks`` lists the caps (the 
 take ``coordinator.staging.BACKGROUND_COPY_BLOCKS``); ``dma`` among them copies each layer's rows as one contiguous
 ``Tensor.copy_`` instead (the copy engines, no SM: the best case of a copy by DMA, whose rows would come in pages),
 ``dma/PAGES`` one ``copy_`` per run of PAGES pages of 64 rows (a request's pages in runs of that length), and
-``batch/PAGES`` the same runs, each to a shuffled place, handed to the copy engines in one batch
-(``CudaOps.copy_row_runs``, what the coordinator stages a prefill with). The host's time to enqueue each copy is
+``runs/PAGES`` the same runs, each to a shuffled place, by ``CudaOps.copy_row_runs`` (one ``cudaMemcpyAsync`` per
+run and layer from C++: what the coordinator stages a prefill with). The host's time to enqueue each copy is
 printed too: one ``copy_`` per page from Python is bound by it, and such a row gives no delay (the loop starts once
 the copy is enqueued).
 
@@ -43,19 +43,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--direction", choices=("d2h", "h2d"), default="d2h", help="d2h: staging; h2d: promotion")
     parser.add_argument("--blocks", default="0,64,32,16,8,dma",
                         help="grid caps, comma-separated (0: the whole GPU; dma: one contiguous copy per layer; dma/PAGES, "
-                             "batch/PAGES: runs of PAGES pages, one copy_ each or one batch)")
+                             "runs/PAGES: runs of PAGES pages, by one copy_ each from Python or by copy_row_runs)")
     parser.add_argument("--gemms", type=int, default=8, help="GEMMs per loop step")
     parser.add_argument("--m", type=int, default=16, help="rows of each GEMM's activation (tokens of a batch)")
     parser.add_argument("--repeats", type=int, default=3, help="copies per cap (the median is printed)")
     args = parser.parse_args(argv)
     try:
-        args.blocks = [b if b.startswith(("dma", "batch/")) else int(b) for b in args.blocks.split(",")]
+        args.blocks = [b if b.startswith(("dma", "runs/")) else int(b) for b in args.blocks.split(",")]
         for b in args.blocks:
             pages = b.partition("/")[2] if isinstance(b, str) else ""
             if isinstance(b, str) and b != "dma" and not (pages.isdigit() and int(pages) > 0):
                 raise ValueError(b)
     except ValueError:
-        parser.error(f"--blocks {args.blocks!r}: comma-separated integers, dma, dma/PAGES or batch/PAGES")
+        parser.error(f"--blocks {args.blocks!r}: comma-separated integers, dma, dma/PAGES or runs/PAGES")
     if any(isinstance(b, int) and b < 0 for b in args.blocks) or min(args.tokens, args.layers, args.gemms, args.m, args.repeats) < 1:
         parser.error("--blocks must be >= 0; --tokens, --layers, --gemms, --m, --repeats >= 1")
     if args.row_bytes <= 0 or args.row_bytes % 16:
@@ -137,15 +137,15 @@ def main(argv: list[str] | None = None) -> int:
             def copy():
                 for s_layer, d_layer in zip(src, dst):
                     d_layer.copy_(s_layer, non_blocking=True)
-        elif isinstance(blocks, str) and blocks.startswith("batch/"):  # runs of PAGES pages to shuffled places
+        elif isinstance(blocks, str) and blocks.startswith("runs/"):  # runs of PAGES pages to shuffled places
             run = 64 * int(blocks[6:])
             starts = torch.arange(0, args.tokens, run)
             full = args.tokens // run  # the whole runs trade places; a shorter last run stays
             places = starts.clone()
             places[:full] = starts[:full][torch.randperm(full)]
-            runs = torch.stack([starts, places, (args.tokens - starts).clamp(max=run)], 1)
+            page_runs = torch.stack([starts, places, (args.tokens - starts).clamp(max=run)], 1)
             def copy():
-                ops.copy_row_runs(src, dst, runs)
+                ops.copy_row_runs(src, dst, page_runs)
         elif isinstance(blocks, str):  # dma/PAGES: one copy_ per run of PAGES pages of 64 rows, as pages would come
             run = 64 * int(blocks[4:])
             def copy():

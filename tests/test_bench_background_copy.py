@@ -19,8 +19,8 @@ def test_the_defaults_copy_one_16k_prompt_of_61_bf16_layers_at_several_caps_and_
     assert args.blocks == [0, 64, 32, 16, 8, "dma"]
     assert bench_background_copy.parse_args(["--blocks", "dma,4"]).blocks == ["dma", 4]
     assert bench_background_copy.parse_args(["--blocks", "dma/16,0"]).blocks == ["dma/16", 0]
-    assert bench_background_copy.parse_args(["--blocks", "batch/1,batch/16"]).blocks == ["batch/1", "batch/16"]
-    for bad in ("dma/0", "dma/x", "dma16", "-1", "batch", "batch/0", "batch/x"):
+    assert bench_background_copy.parse_args(["--blocks", "runs/1,runs/16"]).blocks == ["runs/1", "runs/16"]
+    for bad in ("dma/0", "dma/x", "dma16", "-1", "runs", "runs/0", "runs/x"):
         with pytest.raises(SystemExit):
             bench_background_copy.parse_args(["--blocks", bad])
 

@@ -33,7 +33,7 @@ def test_swap_in_block_size_reaches_the_op(block_size):
 
 
 def test_copies_beside_the_forward_take_a_capped_grid_and_the_ones_it_waits_for_do_not(monkeypatch):
-    """Staging a prefill to the host by ``copy_rows`` (too many runs of rows for the copy engines) and promoting a
+    """Staging a prefill to the host by ``copy_rows`` (a row not on the GPU, forced here) and promoting a
     request run on their own streams while the forward runs: they get ``max_blocks=BACKGROUND_COPY_BLOCKS``
     (uncapped, the CUDA copy would hold every SM for its whole length); no other copy is capped."""
     import inspect
@@ -41,7 +41,13 @@ def test_copies_beside_the_forward_take_a_capped_grid_and_the_ones_it_waits_for_
     from hisparse_sglang.coordinator import staging
     from hisparse_sglang.coordinator.core import BACKGROUND_COPY_BLOCKS
 
-    monkeypatch.setattr(staging, "DMA_MAX_COPIES", 0)
+    def runs_with_a_row_off_the_gpu(src_rows, dst_rows):  # never for a request just prefilled
+        runs = row_runs(src_rows, dst_rows)
+        runs[0, 0] = 0
+        return runs
+
+    row_runs = staging.row_runs
+    monkeypatch.setattr(staging, "row_runs", runs_with_a_row_off_the_gpu)
     calls: list = []
 
     def copy_rows(*args, max_blocks=0, **kwargs):
@@ -60,8 +66,8 @@ def test_copies_beside_the_forward_take_a_capped_grid_and_the_ones_it_waits_for_
     server.finish(uids[2])  # the resident one: its pages let an offloaded one be promoted
     for _ in range(3):
         server.step()
-    assert ("issue", BACKGROUND_COPY_BLOCKS) in calls  # PrefillStaging.issue
+    assert ("_enqueue", BACKGROUND_COPY_BLOCKS) in calls  # PrefillStaging._enqueue
     assert ("_start_promotions", BACKGROUND_COPY_BLOCKS) in calls, f"no promotion copy: {calls}"
     capped = {name for name, blocks in calls if blocks}
-    assert capped == {"issue", "_start_promotions"}, calls
+    assert capped == {"_enqueue", "_start_promotions"}, calls
     assert ("_complete_promotion", 0) in calls  # the tail decoded meanwhile: the next step reads it

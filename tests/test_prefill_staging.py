@@ -81,12 +81,89 @@ def test_the_copy_is_enqueued_once_the_rows_reached_the_host_and_only_then_repor
     sim.check_invariants()
 
 
-def test_a_request_of_too_many_runs_is_copied_by_copy_rows(monkeypatch):
-    monkeypatch.setattr(staging, "DMA_MAX_COPIES", 0)
+def runs_with_a_row_off_the_gpu(src_rows, dst_rows):
+    """row_runs as if the first row were not on the GPU (device row 0), which a request just prefilled never has."""
+    runs = row_runs(src_rows, dst_rows)
+    runs[0, 0] = 0
+    return runs
+
+
+def test_a_request_with_a_row_off_the_gpu_is_copied_by_copy_rows(monkeypatch):
+    monkeypatch.setattr(staging, "row_runs", runs_with_a_row_off_the_gpu)
     sim = server(delay=0)
     uid = sim.add_request(40, 8)
     plans = sim.coordinator.prefill_staging
     assert (plans.by_dma, plans.by_kernel) == (0, 1) and host_rows_hold_the_prompt(sim, uid, 40)
+
+
+def one_row_per_run(src_rows, dst_rows):
+    """Every row a run of its own (every page handed out of order, at one row per page)."""
+    return torch.stack([src_rows, dst_rows, torch.ones_like(src_rows)], dim=1)
+
+
+def chunked_server(monkeypatch, calls: list) -> SimulatedServer:
+    """3 layers, at most 30 copies in flight (10 runs), a prompt of 40 one-row runs: 4 chunks; each chunk's copy
+    is done two steps after it was enqueued. ``calls``: (copies in flight before, runs) per copy_row_runs."""
+    from hisparse_sglang.ops import reference
+
+    monkeypatch.setattr(staging, "DMA_MAX_OUTSTANDING", 30)
+    monkeypatch.setattr(staging, "row_runs", one_row_per_run)
+    sim = server(delay=2)
+    copy = reference.copy_row_runs
+
+    def recording(src, dst, runs):
+        calls.append((sim.coordinator.prefill_staging.outstanding(), runs.shape[0]))
+        copy(src, dst, runs)
+
+    monkeypatch.setattr(reference, "copy_row_runs", recording)
+    return sim
+
+
+def test_a_request_of_many_runs_is_enqueued_a_chunk_at_a_time_within_the_bound(monkeypatch):
+    calls: list = []
+    sim = chunked_server(monkeypatch, calls)
+    uid = sim.add_request(40, 30)
+    record = sim.coordinator.requests[sim.requests[uid].slot]
+    plans = sim.coordinator.prefill_staging
+    for _ in range(16):
+        sim.step()
+        sim.check_invariants()
+        if len(calls) < 4:
+            assert plans.unstaged_len(record.slot) == 40 and not record.staging.query()
+    assert [runs for _, runs in calls] == [10, 10, 10, 10]
+    assert all(before + 3 * runs <= 30 for before, runs in calls), calls
+    assert (plans.by_dma, plans.by_kernel, plans.waiting()) == (1, 0, 0)
+    assert record.staging.query() and host_rows_hold_the_prompt(sim, uid, 40)
+
+
+def test_a_request_that_ends_mid_copy_enqueues_no_more_and_leaks_nothing(monkeypatch):
+    calls: list = []
+    sim = chunked_server(monkeypatch, calls)
+    uid = sim.add_request(40, 30)
+    slot = sim.requests[uid].slot
+    staged = sim.coordinator.requests[slot].staging
+    while not calls:
+        sim.step()
+    sim.abort(uid)
+    # The free of its rows waited for the chunk that was enqueued: the copy's event is that chunk's.
+    assert staged.enqueued is not None and sim.coordinator.prefill_staging.waiting() == 0
+    for _ in range(8):
+        sim.step()
+    assert len(calls) == 1
+    sim.check_all_free()
+    assert sim.coordinator.prefill_staging.unstaged_len(slot) == 0
+
+
+def test_waiting_for_a_copy_mid_way_enqueues_the_rest_at_once(monkeypatch):
+    calls: list = []
+    sim = chunked_server(monkeypatch, calls)
+    uid = sim.add_request(40, 30)
+    record = sim.coordinator.requests[sim.requests[uid].slot]
+    while not calls:
+        sim.step()
+    record.staging.synchronize()  # as a demotion of the request orders itself after the copy
+    assert [runs for _, runs in calls] == [10, 30]
+    assert host_rows_hold_the_prompt(sim, uid, 40)
 
 
 def test_a_request_that_ends_before_its_copy_was_enqueued_is_never_copied():

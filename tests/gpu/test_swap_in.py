@@ -278,16 +278,11 @@ def test_copy_rows_every_layer_both_directions(row_bytes, index_dtype, max_block
         assert_same(f"host layer {layer}", host[layer][src], back[layer][src])
 
 
-# The build without cudaMemcpyBatchAsync (a toolkit before CUDA 12.8): one cudaMemcpyAsync per run and layer.
-ONE_BY_ONE = ("HISPARSE_COPY_RUNS_ONE_BY_ONE",)
-
-
-@pytest.mark.parametrize("build", [(), ONE_BY_ONE], ids=["batched", "one-by-one"])
 @pytest.mark.parametrize("row_bytes", [1152, 656, 64])
-def test_copy_row_runs_matches_reference_both_directions(build, row_bytes):
+def test_copy_row_runs_matches_reference_both_directions(row_bytes):
     """Runs of rows (a 64-row page each, shorter ones, one row) of every layer by the copy engines, device -> host
     (staging) and back, equal to the reference twin's; nothing outside the runs is touched."""
-    ops = cuda_ops(variant(build) if build else None)
+    ops = cuda_ops()
     layers, host_rows, device_rows = 5, 600, 400
     device = [torch.arange(device_rows * row_bytes, dtype=torch.int64).add(layer * 11).remainder(253).to(torch.uint8)
               .reshape(device_rows, row_bytes).cuda() for layer in range(layers)]

@@ -178,7 +178,7 @@ def copy_rows(
 
 def copy_row_runs(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor], runs: torch.Tensor) -> None:
     """For every run ``(s, d, n)`` of ``runs`` and every layer: rows ``[s, s + n)`` of the source layer to rows
-    ``[d, d + n)`` of its destination layer (the CUDA twin: by the copy engines, one batch of copies).
+    ``[d, d + n)`` of its destination layer (the CUDA twin: by the copy engines, one ``cudaMemcpyAsync`` each).
 
     Args:
         src_layers, dst_layers: as :func:`copy_rows`'s (between the GPU and pinned host memory on a GPU).

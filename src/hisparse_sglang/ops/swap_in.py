@@ -479,8 +479,8 @@ class CudaOps:
         self, src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor], runs: torch.Tensor
     ) -> None:
         """CUDA twin of :func:`hisparse_sglang.ops.reference.copy_row_runs`: every run of every layer by the copy
-        engines, in one ``cudaMemcpyBatchAsync`` on the current stream (host tensors pinned; ``runs`` on the CPU,
-        checked against both layers' rows by the binding)."""
+        engines, one ``cudaMemcpyAsync`` each on the current stream, issued from C++ (host tensors pinned; ``runs``
+        on the CPU, checked against both layers' rows by the binding before any copy)."""
         if len(src_layers) != len(dst_layers):
             raise ValueError(f"{len(src_layers)} source layers but {len(dst_layers)} destination layers.")
         if not src_layers or runs.numel() == 0:

@@ -590,8 +590,10 @@ class SimulatedServer:
         is; nothing on the CPU."""
         if self.streams.is_cuda:
             torch.cuda.synchronize(self.device)
-            self.coordinator.prefill_staging.issue_ready()
-            torch.cuda.synchronize(self.device)
+            staging = self.coordinator.prefill_staging
+            while staging.waiting():  # every row plan has arrived and no copy is in flight: each round enqueues
+                staging.issue_ready()
+                torch.cuda.synchronize(self.device)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any ownership or content invariant is broken."""
