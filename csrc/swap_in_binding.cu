@@ -527,7 +527,8 @@ void hisparse_copy_row_runs(
   clear_stale_error();
   // One cudaMemcpyAsync per run and layer: ~1.8 us of host time each on an H200 while the copy engines' queue
   // has room (976 copies: 1.7 ms); beyond ~1,000 outstanding copies a call waits for the queue, hence the
-  // coordinator's DMA_MAX_COPIES. (cudaMemcpyBatchAsync, one call for all, was refused there: "invalid argument".)
+  // coordinator's DMA_MAX_OUTSTANDING. (cudaMemcpyBatchAsync, one call for all, was refused there: "invalid
+  // argument".)
   for (int64_t l = 0; l < layers; ++l) {
     for (int64_t r = 0; r < count; ++r) {
       const char* src = reinterpret_cast<const char*>(src_base[l]) + run[3 * r] * row_bytes;
