@@ -32,22 +32,14 @@ def test_swap_in_block_size_reaches_the_op(block_size):
     assert set(calls) == {block_size}
 
 
-def test_copies_beside_the_forward_take_a_capped_grid_and_the_ones_it_waits_for_do_not(monkeypatch):
+def test_copies_beside_the_forward_take_a_capped_grid_and_the_ones_it_waits_for_do_not(row_off_the_gpu):
     """Staging a prefill to the host by ``copy_rows`` (a row not on the GPU, forced here) and promoting a
     request run on their own streams while the forward runs: they get ``max_blocks=BACKGROUND_COPY_BLOCKS``
     (uncapped, the CUDA copy would hold every SM for its whole length); no other copy is capped."""
     import inspect
 
-    from hisparse_sglang.coordinator import staging
     from hisparse_sglang.coordinator.core import BACKGROUND_COPY_BLOCKS
 
-    def runs_with_a_row_off_the_gpu(src_rows, dst_rows):  # never for a request just prefilled
-        runs = row_runs(src_rows, dst_rows)
-        runs[0, 0] = 0
-        return runs
-
-    row_runs = staging.row_runs
-    monkeypatch.setattr(staging, "row_runs", runs_with_a_row_off_the_gpu)
     calls: list = []
 
     def copy_rows(*args, max_blocks=0, **kwargs):

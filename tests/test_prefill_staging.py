@@ -81,15 +81,7 @@ def test_the_copy_is_enqueued_once_the_rows_reached_the_host_and_only_then_repor
     sim.check_invariants()
 
 
-def runs_with_a_row_off_the_gpu(src_rows, dst_rows):
-    """row_runs as if the first row were not on the GPU (device row 0), which a request just prefilled never has."""
-    runs = row_runs(src_rows, dst_rows)
-    runs[0, 0] = 0
-    return runs
-
-
-def test_a_request_with_a_row_off_the_gpu_is_copied_by_copy_rows(monkeypatch):
-    monkeypatch.setattr(staging, "row_runs", runs_with_a_row_off_the_gpu)
+def test_a_request_with_a_row_off_the_gpu_is_copied_by_copy_rows(row_off_the_gpu):
     sim = server(delay=0)
     uid = sim.add_request(40, 8)
     plans = sim.coordinator.prefill_staging
