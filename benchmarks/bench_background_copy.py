@@ -35,6 +35,15 @@ import torch
 ENQUEUE_BOUND = 0.25
 
 
+def run_rows(block: str) -> int:
+    """Rows per run of a ``dma/PAGES`` or ``runs/PAGES`` entry of ``--blocks`` (pages of 64 rows); ValueError if
+    PAGES is not a positive integer."""
+    pages = block.partition("/")[2]
+    if not (pages.isdigit() and int(pages) > 0):
+        raise ValueError(block)
+    return 64 * int(pages)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16384, help="rows per layer copied (one prompt's tokens)")
@@ -51,9 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.blocks = [b if b.startswith(("dma", "runs/")) else int(b) for b in args.blocks.split(",")]
         for b in args.blocks:
-            pages = b.partition("/")[2] if isinstance(b, str) else ""
-            if isinstance(b, str) and b != "dma" and not (pages.isdigit() and int(pages) > 0):
-                raise ValueError(b)
+            if isinstance(b, str) and b != "dma":
+                run_rows(b)
     except ValueError:
         parser.error(f"--blocks {args.blocks!r}: comma-separated integers, dma, dma/PAGES or runs/PAGES")
     if any(isinstance(b, int) and b < 0 for b in args.blocks) or min(args.tokens, args.layers, args.gemms, args.m, args.repeats) < 1:
@@ -138,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 for s_layer, d_layer in zip(src, dst):
                     d_layer.copy_(s_layer, non_blocking=True)
         elif isinstance(blocks, str) and blocks.startswith("runs/"):  # runs of PAGES pages to shuffled places
-            run = 64 * int(blocks[6:])
+            run = run_rows(blocks)
             starts = torch.arange(0, args.tokens, run)
             full = args.tokens // run  # the whole runs trade places; a shorter last run stays
             places = starts.clone()
@@ -147,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             def copy():
                 ops.copy_row_runs(src, dst, page_runs)
         elif isinstance(blocks, str):  # dma/PAGES: one copy_ per run of PAGES pages of 64 rows, as pages would come
-            run = 64 * int(blocks[4:])
+            run = run_rows(blocks)
             def copy():
                 for s_layer, d_layer in zip(src, dst):
                     for start in range(0, args.tokens, run):

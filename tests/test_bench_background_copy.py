@@ -25,6 +25,12 @@ def test_the_defaults_copy_one_16k_prompt_of_61_bf16_layers_at_several_caps_and_
             bench_background_copy.parse_args(["--blocks", bad])
 
 
+def test_a_run_entry_copies_runs_of_its_pages():
+    # runs/16 is 16 pages of 64 rows (976 copies of a 16K prompt of 61 layers), not a slice of its spelling
+    assert [bench_background_copy.run_rows(b) for b in ("runs/16", "runs/4", "runs/1", "dma/16", "runs/128")] == [
+        1024, 256, 64, 1024, 8192]
+
+
 @pytest.mark.parametrize("bad", [["--blocks", "16,x"], ["--blocks", "-1"], ["--row-bytes", "100"], ["--layers", "0"]])
 def test_bad_arguments_are_refused_by_name(bad, capsys):
     with pytest.raises(SystemExit):
