@@ -49,10 +49,12 @@ def op_sets():
 
     cuda = CudaOps()
     kernels = types.SimpleNamespace(
-        swap_in=cuda.swap_in, copy_rows=cuda.copy_rows, backup_newest=cuda.backup_newest, bind_rows=cuda.bind_rows
+        swap_in=cuda.swap_in, copy_rows=cuda.copy_rows, copy_row_runs=cuda.copy_row_runs,
+        backup_newest=cuda.backup_newest, bind_rows=cuda.bind_rows,
     )
     twins = types.SimpleNamespace(
-        swap_in=cuda.swap_in, copy_rows=cuda.copy_rows, backup_newest=cuda.backup_newest, bind_rows=reference.bind_rows
+        swap_in=cuda.swap_in, copy_rows=cuda.copy_rows, copy_row_runs=cuda.copy_row_runs,
+        backup_newest=cuda.backup_newest, bind_rows=reference.bind_rows,
     )
     return {"kernels": kernels, "torch twins": twins}
 

@@ -11,6 +11,8 @@
   machine, once its cause of missed deadlines was found: docs/shared-host-pool.md, "Known problems") and
   the three nvcc builds of tests/test_bench_cli.py (53 s; skipped where nvcc is missing).
 * ``e2e``: serves a real model; needs a GPU and HISPARSE_E2E=1 (see docs/gpu-e2e.md).
+
+Fixture ``row_off_the_gpu``: a prefill's staging finds its first row off the GPU and goes to ``copy_rows``.
 """
 
 from __future__ import annotations
@@ -64,3 +66,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="slow test; set HISPARSE_RUN_SLOW=1 to run it"))
         if item.get_closest_marker("e2e") and (not _has_gpu() or os.environ.get("HISPARSE_E2E") != "1"):
             item.add_marker(pytest.mark.skip(reason="end-to-end test; needs a GPU and HISPARSE_E2E=1 (docs/gpu-e2e.md)"))
+
+
+@pytest.fixture
+def row_off_the_gpu(monkeypatch):
+    """``coordinator.staging.row_runs`` as if a prefill's first row were not on the GPU (device row 0), which a
+    request just prefilled never has: its staging goes to ``copy_rows``."""
+    from hisparse_sglang.coordinator import staging
+
+    row_runs = staging.row_runs
+
+    def runs_with_a_row_off_the_gpu(src_rows, dst_rows):
+        runs = row_runs(src_rows, dst_rows)
+        runs[0, 0] = 0
+        return runs
+
+    monkeypatch.setattr(staging, "row_runs", runs_with_a_row_off_the_gpu)

@@ -91,3 +91,9 @@ def test_verify_caps_of_the_log_lines_sum_to_the_counters():
     one_line = dict(figures, bytes_moved=1.5 * 2**20, verify_rows_capped_total=1)
     assert scrape.compare_with_log(one_line, LINE)["mismatches"] == []
 
+
+
+def test_log_line_staging_counts_are_read_when_the_line_has_them():
+    (line,) = scrape.parse_log_lines(LINE + ", prefills staged by DMA 12, by kernel 3")
+    assert (line["prefills_staged_by_dma"], line["prefills_staged_by_kernel"]) == (12, 3)
+    assert "prefills_staged_by_dma" not in scrape.parse_log_lines(LINE)[0]  # an older plugin's line

@@ -249,8 +249,8 @@ def test_swap_in_verify_refuses_a_top_k_of_another_shape():
 
 def test_ops_without_the_verify_ops_are_refused_by_name():
     decode_only = types.SimpleNamespace(
-        swap_in=reference.swap_in, copy_rows=reference.copy_rows, backup_newest=reference.backup_newest,
-        bind_rows=reference.bind_rows,
+        swap_in=reference.swap_in, copy_rows=reference.copy_rows, copy_row_runs=reference.copy_row_runs,
+        backup_newest=reference.backup_newest, bind_rows=reference.bind_rows,
     )
     sim = server()
     sim.coordinator.ops = decode_only

@@ -366,6 +366,7 @@ def recording_ops(seen: list):
     return types.SimpleNamespace(
         swap_in=swap_in,
         copy_rows=reference.copy_rows,
+        copy_row_runs=reference.copy_row_runs,
         backup_newest=reference.backup_newest,
         bind_rows=reference.bind_rows,
     )

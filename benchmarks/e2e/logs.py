@@ -49,6 +49,8 @@ HISPARSE_FIELDS = (
     ("host_rows_used", re.compile(r"host rows (\d+)/"), int),
     ("switch_work_max_ms", re.compile(r"switch work max ([0-9.]+) ms/step"), float),
     ("step_host_ms", re.compile(r"step host work ([0-9.]+) ms"), float),
+    ("staged_by_dma", re.compile(r"prefills staged by DMA (\d+)"), int),
+    ("staged_by_kernel", re.compile(r"by kernel (\d+)"), int),
 )
 
 
@@ -109,6 +111,8 @@ def summarize_hisparse(text: str) -> dict | None:
             "hit_rate_pct_min": top("hit_rate_pct", min),
             "step_host_ms_median": top("step_host_ms", statistics.median),
             "device_rows_used_max": top("device_rows_used"), "host_rows_used_max": top("host_rows_used"),
+            # totals since the server started: the last line's are the largest
+            "staged_by_dma": top("staged_by_dma"), "staged_by_kernel": top("staged_by_kernel"),
             "all_resident": all(r.get("offloaded", 0) == 0 for r in busy) if busy else None}
 
 

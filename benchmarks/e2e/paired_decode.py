@@ -220,7 +220,9 @@ def render(variants: list[str], summary: dict, meta: dict, rounds: list[dict] | 
                          f"requests resident and {plugin['offloaded_max']} offloaded at once, lowest LRU hit rate "
                          + (f"{hit} %" if hit is not None else "none (no request offloaded)")
                          + f", host work per step {plugin['step_host_ms_median']} ms (median), mode switches up to "
-                         f"{plugin['switch_work_max_ms']} ms")
+                         f"{plugin['switch_work_max_ms']} ms"
+                         + (f", prefills staged by DMA {plugin['staged_by_dma']}, by the copy kernel "
+                            f"{plugin['staged_by_kernel']}" if plugin.get("staged_by_dma") is not None else ""))
     if rounds and any(r.get("sched") for r in rounds):
         lines += ["\nThe measured scheduler's main thread per output token, medians over the rounds (ms on a CPU, ms "
                   "waiting on a run queue, involuntary context switches per 1,000 tokens):\n",

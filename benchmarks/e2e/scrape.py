@@ -41,6 +41,7 @@ LOG_LINE_RE = re.compile(
     r"switch work max (?P<switch_ms_max>[0-9.]+) ms/step, "
     r"step host work (?P<step_host_ms>[0-9.]+) ms \(max (?P<step_host_ms_max>[0-9.]+)\)"
     r"(?:, verify caps (?P<verify_rows_capped>\d+) \((?P<verify_drafts_dropped>\d+) drafts dropped\))?"
+    r"(?:, prefills staged by DMA (?P<prefills_staged_by_dma>\d+), by kernel (?P<prefills_staged_by_kernel>\d+))?"
 )
 # Report keys of the log line and how far the line's rounding lets a figure stray from the metric.
 LOG_TOLERANCE = {

@@ -39,7 +39,7 @@ def test_decode_loop_matches_reference(resident_first, item_bytes):
         assert (cpu.add_request(prompt_len, output_len) is None) == (gpu.add_request(prompt_len, output_len) is None)
     switches = 0
     for step in range(140):
-        torch.cuda.synchronize()  # copies complete at the same step as on the CPU
+        gpu.settle_copies()  # copies complete at the same step as on the CPU
         cpu_report = cpu.step()
         gpu_report = gpu.step()
         assert cpu_report == gpu_report, f"step {step}: {cpu_report} != {gpu_report}"
@@ -89,7 +89,7 @@ def test_verify_loop_matches_reference(num_draft_tokens, top_k, item_bytes):
     for prompt_len, output_len in [(1500, 120), (2600, 90), (700, 150), (300, 200), (2000, 60)]:
         assert (cpu.add_request(prompt_len, output_len) is None) == (gpu.add_request(prompt_len, output_len) is None)
     for step in range(100):
-        torch.cuda.synchronize()
+        gpu.settle_copies()
         cpu_report = cpu.step()
         gpu_report = gpu.step()
         assert cpu_report == gpu_report, f"step {step}: {cpu_report} != {gpu_report}"

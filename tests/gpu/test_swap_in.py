@@ -258,7 +258,8 @@ def test_graph_replays_many_times_with_changing_inputs():
 
 @pytest.mark.parametrize("row_bytes", [1152, 656, 64])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_copy_rows_every_layer_both_directions(row_bytes, index_dtype):
+@pytest.mark.parametrize("max_blocks", [0, 1, 16])  # 0: the whole grid; the coordinator's background copies: 16
+def test_copy_rows_every_layer_both_directions(row_bytes, index_dtype, max_blocks):
     ops = cuda_ops()
     layers = 5
     host = [torch.arange(300 * row_bytes, dtype=torch.int64).add(layer * 7).remainder(251).to(torch.uint8)
@@ -266,15 +267,55 @@ def test_copy_rows_every_layer_both_directions(row_bytes, index_dtype):
     device = [torch.full((200, row_bytes), POISON, dtype=torch.uint8, device="cuda") for _ in range(layers)]
     src = torch.randperm(300)[:97]
     dst = torch.randperm(200)[:97]
-    ops.copy_rows(host, device, src.to("cuda", index_dtype), dst.to("cuda", index_dtype))
+    ops.copy_rows(host, device, src.to("cuda", index_dtype), dst.to("cuda", index_dtype), max_blocks=max_blocks)
     back = [torch.zeros((300, row_bytes), dtype=torch.uint8).pin_memory() for _ in range(layers)]
-    ops.copy_rows(device, back, dst.to("cuda", index_dtype), src.to("cuda", index_dtype))
+    ops.copy_rows(device, back, dst.to("cuda", index_dtype), src.to("cuda", index_dtype), max_blocks=max_blocks)
     torch.cuda.synchronize()
     for layer in range(layers):
         expected = torch.full((200, row_bytes), POISON, dtype=torch.uint8)
         expected[dst] = host[layer][src]
         assert_same(f"device layer {layer}", expected, device[layer])
         assert_same(f"host layer {layer}", host[layer][src], back[layer][src])
+
+
+@pytest.mark.parametrize("row_bytes", [1152, 656, 64])
+def test_copy_row_runs_matches_reference_both_directions(row_bytes):
+    """Runs of rows (a 64-row page each, shorter ones, one row) of every layer by the copy engines, device -> host
+    (staging) and back, equal to the reference twin's; nothing outside the runs is touched."""
+    ops = cuda_ops()
+    layers, host_rows, device_rows = 5, 600, 400
+    device = [torch.arange(device_rows * row_bytes, dtype=torch.int64).add(layer * 11).remainder(253).to(torch.uint8)
+              .reshape(device_rows, row_bytes).cuda() for layer in range(layers)]
+    host = [torch.full((host_rows, row_bytes), POISON, dtype=torch.uint8).pin_memory() for _ in range(layers)]
+    runs = torch.tensor([[64, 320, 64], [0, 0, 64], [300, 200, 37], [399, 599, 1], [130, 70, 5]], dtype=torch.int64)
+    expected = [layer.clone() for layer in host]
+    reference.copy_row_runs([layer.cpu() for layer in device], expected, runs)
+    ops.copy_row_runs(device, host, runs)
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        assert_same(f"host layer {layer}", expected[layer], host[layer])
+    back = [torch.full((device_rows, row_bytes), POISON, dtype=torch.uint8, device="cuda") for _ in range(layers)]
+    swapped = runs[:, [1, 0, 2]].contiguous()
+    ops.copy_row_runs(host, back, swapped)
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        want = torch.full((device_rows, row_bytes), POISON, dtype=torch.uint8)
+        reference.copy_row_runs([expected[layer]], [want], swapped)
+        assert_same(f"device layer {layer}", want, back[layer])
+
+
+def test_copy_row_runs_refuses_a_run_outside_a_layer_by_name():
+    ops = cuda_ops()
+    device = [torch.zeros((16, 64), dtype=torch.uint8, device="cuda")]
+    host = [torch.zeros((32, 64), dtype=torch.uint8).pin_memory()]
+    for runs, text in (([[10, 0, 7]], r"run 0 \(first source row 10, first destination row 0, rows 7\)"),
+                       ([[0, 0, 4], [0, 30, 3]], r"run 1 .*within 16 source and 32 destination rows"),
+                       ([[0, 0, 0]], r"run 0 .*rows 0\) must be non-empty")):
+        with pytest.raises(ValueError, match="copy_row_runs: " + text):
+            ops.copy_row_runs(device, host, torch.tensor(runs))
+        with pytest.raises(ValueError, match=text.split(" .*")[0]):
+            reference.copy_row_runs([device[0].cpu()], [host[0].clone()], torch.tensor(runs))
+    assert not host[0].any()  # nothing was copied by a refused call
 
 
 def test_the_largest_buffer_that_fits_this_gpu_runs_and_matches_reference():

@@ -523,7 +523,9 @@ def storm_checks() -> None:
     sh = logs.summarize_hisparse(hs)
     check(sh == {"lines": 3, "switch_work_max_ms": 1.25, "demotions_per_min_max": 30.5, "promotions_per_min_max": 6.0,
                  "offloaded_max": 33, "resident_max": 5, "hit_rate_pct_min": 24.8, "step_host_ms_median": 0.12,
-                 "device_rows_used_max": 130944, "host_rows_used_max": 820352, "all_resident": False},
+                 "device_rows_used_max": 130944, "host_rows_used_max": 820352,
+                 "staged_by_dma": None, "staged_by_kernel": None,  # lines of a plugin that did not count them
+                 "all_resident": False},
           f"HiSparse summary {sh}")
     check(logs.summarize_hisparse(hs.split("\n")[2]) ["switch_work_max_ms"] is None, "older line without switch work")
     check(logs.summarize_hisparse("HiSparse: admitting request r1 directly") is None and logs.summarize_log(hs)["hisparse"] == sh,

@@ -23,6 +23,7 @@ import torch
 from hisparse_sglang.config import HiSparseConfig
 from hisparse_sglang.coordinator.policy import ModePolicy
 from hisparse_sglang.coordinator.speculative import VerifySteps
+from hisparse_sglang.coordinator.staging import BACKGROUND_COPY_BLOCKS, PrefillStaging
 from hisparse_sglang.coordinator.state import (
     DECODE_STEPS,
     OFFLOADED,
@@ -45,7 +46,7 @@ from hisparse_sglang.ops.reference import BIND_BUFFER_SLOT
 from hisparse_sglang.ops.tables import SwapInTables
 from hisparse_sglang.streams import CopyEvent, StreamSet
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "BACKGROUND_COPY_BLOCKS"]
 
 
 class Coordinator:
@@ -59,8 +60,8 @@ class Coordinator:
         device_layers: one device KV tensor per layer, rows along dim 0.
         req_to_token: int32 ``[R, C]`` logical location of each position of each request slot
             (SGLang's ``ReqToTokenPool.req_to_token``).
-        ops: module with ``swap_in``, ``copy_rows``, ``backup_newest`` and ``bind_rows`` (the CUDA ops
-            or their reference twins).
+        ops: module with ``swap_in``, ``copy_rows``, ``copy_row_runs``, ``backup_newest`` and ``bind_rows``
+            (the CUDA ops or their reference twins).
         streams: side streams and events (CPU stand-in by default).
         agree: makes event-dependent decisions identical across TP ranks (all-reduce MIN of a
             list of booleans); identity on one rank.
@@ -146,20 +147,26 @@ class Coordinator:
         # either plain decode steps or verify steps, whichever comes first.
         self.speculative = VerifySteps(self)
         self._step_kind: str | None = None
+        # Prefills' KV on its way to the host by the copy engines (coordinator/staging.py).
+        self.prefill_staging = PrefillStaging(self)
 
     # ================================================================== admission
     def admit_prefilled(self, slot: int, prefill_len: int) -> None:
-        """A request finished prefill: its ``prefill_len`` tokens are resident; stage them to host."""
+        """A request finished prefill: its ``prefill_len`` tokens are resident; stage them to host (by the
+        copy engines once its rows reached the host: :class:`~hisparse_sglang.coordinator.staging.PrefillStaging`)."""
         self._check_new(slot)
         self._check_length(slot, prefill_len, "prefill_len")
-        locs = self.req_to_token[slot, :prefill_len].to(torch.int64)
-        rows = self.allocator.translate(locs)
-        with self.streams.on(self.streams.staging):
-            if self._writes_host:  # a reader's staging event completes at once; see _order_after_staging
-                self.ops.copy_rows(self.device_layers, self.host_layers, rows, locs)
-            staging = self.streams.record(self.streams.staging)
-            self.streams.keep_alive(locs, self.streams.staging)
-            self.streams.keep_alive(rows, self.streams.staging)
+        if self._writes_host and not self.host_pool.shared:
+            staging = self.prefill_staging.stage(slot, prefill_len)
+        else:  # a shared pool (coordinator/staging.py): its writer copies at once, a reader's event completes at once
+            locs = self.req_to_token[slot, :prefill_len].to(torch.int64)
+            rows = self.allocator.translate(locs)
+            with self.streams.on(self.streams.staging):
+                if self._writes_host:
+                    self.ops.copy_rows(self.device_layers, self.host_layers, rows, locs, max_blocks=BACKGROUND_COPY_BLOCKS)
+                staging = self.streams.record(self.streams.staging)
+                self.streams.keep_alive(locs, self.streams.staging)
+                self.streams.keep_alive(rows, self.streams.staging)
         self.requests[slot] = RequestRecord(
             self.slots, slot, prefill_len, decoding=False, staging=staging, mode_step=self.streams.step
         )
@@ -172,6 +179,7 @@ class Coordinator:
         its KV streams to the host). Otherwise a request that must be demoted at its first decode
         step waits until its staging copy is done.
         """
+        self.prefill_staging.issue_ready()
         if not self.pending:
             return []
         flags = []
@@ -240,6 +248,7 @@ class Coordinator:
             self._enter_step_kind(DECODE_STEPS)
         bound = self._check_decode_batch(slots, seq_lens, new_locs)
         self.streams.step += 1
+        self.prefill_staging.issue_ready()
         switched = False
         if self._promoting or self.slots.num_offloaded or not self.config.resident_first or (
             len(bound) > self.allocator.device_rows.free_pages
@@ -423,6 +432,8 @@ class Coordinator:
             return
         self.streams.wait_for_producer()
         self._fence_copies()
+        if self.prefill_staging.drop(slot):
+            record.staging = None  # never enqueued: the host rows of an ending request are not needed
         if record.staging is not None:
             record.staging.wait_on_current_stream()
         if record.promotion is not None:
@@ -537,6 +548,8 @@ class Coordinator:
             bytes_swapped_in=counters[1] * self.host_pool.item_bytes,
             verify_rows_capped=counters[2],
             verify_drafts_dropped=counters[3],
+            prefills_staged_by_dma=self.prefill_staging.by_dma,
+            prefills_staged_by_kernel=self.prefill_staging.by_kernel,
         )
 
     # ================================================================== internals: decode step
@@ -724,7 +737,7 @@ class Coordinator:
             # Positions up to the newest are on the host once the forward in flight (the producer,
             # which backs its new tokens up) is done: streams.on orders the copy after it.
             with self.streams.on(self.streams.promotion):
-                self.ops.copy_rows(self.host_layers, self.device_layers, locs, rows)
+                self.ops.copy_rows(self.host_layers, self.device_layers, locs, rows, max_blocks=BACKGROUND_COPY_BLOCKS)
                 event = self.streams.record(self.streams.promotion)
                 self.streams.keep_alive(locs, self.streams.promotion)
                 self.streams.keep_alive(rows, self.streams.promotion)

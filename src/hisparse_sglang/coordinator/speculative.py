@@ -195,9 +195,11 @@ class VerifyOps(Protocol):
         dst_layers: Sequence[torch.Tensor],
         src_rows: torch.Tensor,
         dst_rows: torch.Tensor,
+        *,
+        max_blocks: int = 0,
     ) -> None:
         """Every layer: ``dst[dst_rows[i]] = src[src_rows[i]]`` (int64 row tensors on the GPU; the op
-        both twins already have)."""
+        both twins already have; ``max_blocks`` caps the CUDA twin's grid)."""
 
 
 class VerifySteps:
@@ -285,6 +287,7 @@ class VerifySteps:
             record.seq_len = committed
             record.spec.wanted_len = allocated
         coordinator.streams.step += 1
+        coordinator.prefill_staging.issue_ready()
         switched = False
         if coordinator._promoting or coordinator.slots.num_offloaded or not coordinator.config.resident_first or (
             coordinator.policy.pages_needed_for_new_tokens(records) > coordinator.allocator.device_rows.free_pages

@@ -8,10 +8,14 @@ slot; :class:`RequestRecord` is the view the rest of the coordinator works with.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from hisparse_sglang.streams import CopyEvent
+
+if TYPE_CHECKING:
+    from hisparse_sglang.coordinator.staging import StagedCopy
 
 __all__ = [
     "RESIDENT", "OFFLOADED", "DECODE_STEPS", "VERIFY_STEPS", "Promotion", "SpecState", "SlotTable", "RequestRecord",
@@ -144,7 +148,8 @@ class RequestRecord:
             flight). All of them are on the host once the prefill's staging copy and the forward
             that wrote the newest one are done.
         mode: RESIDENT or OFFLOADED.
-        staging: copy of the prefill KV to the host, while it may be in flight.
+        staging: copy of the prefill KV to the host, while it may be in flight (a
+            :class:`~hisparse_sglang.coordinator.staging.StagedCopy` while its enqueue may be pending).
         promotion: an offloaded request's promotion in flight.
         mode_step: coordinator step of the last mode switch.
         spec: the speculative state once the request has verified drafts (None before, and always
@@ -154,7 +159,7 @@ class RequestRecord:
     __slots__ = ("slot", "staging", "promotion", "mode_step", "spec", "_table")
 
     def __init__(self, table: SlotTable, slot: int, seq_len: int, decoding: bool,
-                 staging: CopyEvent | None = None, mode_step: int = 0) -> None:
+                 staging: CopyEvent | StagedCopy | None = None, mode_step: int = 0) -> None:
         self._table = table
         self.slot = slot
         self.staging = staging

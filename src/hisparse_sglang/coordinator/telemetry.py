@@ -39,6 +39,9 @@ class CoordinatorStats:
     # Speculative decoding: verify rows whose accept length cap_accepted lowered, and the drafts they dropped.
     verify_rows_capped: int = 0
     verify_drafts_dropped: int = 0
+    # Prefills staged to the host by the copy engines, and by copy_rows (a row off the GPU; coordinator/staging.py).
+    prefills_staged_by_dma: int = 0
+    prefills_staged_by_kernel: int = 0
 
 
 class Telemetry:

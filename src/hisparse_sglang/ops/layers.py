@@ -17,7 +17,8 @@ class LayerSet(tuple):
     reading every layer's pointer on each call (61 layers for DeepSeek-V3.2, every decode step).
 
     Attributes:
-        pointer_tables: the uint64 table of base pointers per device, built by the CUDA ops.
+        pointer_tables: the uint64 table of base pointers per device, built by the CUDA ops (on the CPU: the
+            one the host names to the copy engines).
         row_bytes: bytes of one row of the first layer (the layers of a pool share one layout); None
             without layers.
     """

@@ -16,7 +16,7 @@ import torch
 from hisparse_sglang.ops.swap_in_plan import positions_per_group
 from hisparse_sglang.ops.tables import SwapInTables
 
-__all__ = ["swap_in", "copy_rows", "backup_newest", "bind_rows", "AGE_CAP", "BIND_BUFFER_SLOT"]
+__all__ = ["swap_in", "copy_rows", "copy_row_runs", "backup_newest", "bind_rows", "AGE_CAP", "BIND_BUFFER_SLOT"]
 
 
 AGE_CAP = 32767
@@ -151,6 +151,8 @@ def copy_rows(
     dst_layers: Sequence[torch.Tensor],
     src_rows: torch.Tensor,
     dst_rows: torch.Tensor,
+    *,
+    max_blocks: int = 0,
 ) -> None:
     """For every layer ``l``: ``dst_layers[l][dst_rows[i]] = src_layers[l][src_rows[i]]``.
 
@@ -158,6 +160,9 @@ def copy_rows(
         src_layers, dst_layers: one tensor per layer, rows along dim 0, identical row layout
             (host tensors pinned, device tensors on the GPU; any direction).
         src_rows, dst_rows: integer ``[n]``; ``dst_rows`` distinct.
+        max_blocks: the CUDA twin's cap on its grid (how much of the GPU the copy may occupy; 0: its default,
+            four CTAs per SM);
+            the result does not depend on it.
     """
     if len(src_layers) != len(dst_layers):
         raise ValueError(f"{len(src_layers)} source layers but {len(dst_layers)} destination layers.")
@@ -169,6 +174,38 @@ def copy_rows(
         src_index = src_rows.to(device=src.device, dtype=torch.int64)
         dst_index = dst_rows.to(device=dst.device, dtype=torch.int64)
         dst[dst_index] = src[src_index].to(dst.device)
+
+
+def copy_row_runs(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor], runs: torch.Tensor) -> None:
+    """For every run ``(s, d, n)`` of ``runs`` and every layer: rows ``[s, s + n)`` of the source layer to rows
+    ``[d, d + n)`` of its destination layer (the CUDA twin: by the copy engines, one ``cudaMemcpyAsync`` each).
+
+    Args:
+        src_layers, dst_layers: as :func:`copy_rows`'s (between the GPU and pinned host memory on a GPU).
+        runs: int64 ``[R, 3]`` on the CPU (first source row, first destination row, rows), each run non-empty
+            and within both layers; destination runs do not overlap.
+
+    Raises:
+        ValueError: the layer lists differ in length, ``runs`` is not ``[R, 3]``, or a run is empty or leaves
+            a layer (naming the run).
+    """
+    if len(src_layers) != len(dst_layers):
+        raise ValueError(f"{len(src_layers)} source layers but {len(dst_layers)} destination layers.")
+    if runs.dim() != 2 or runs.shape[1] != 3:
+        raise ValueError(f"runs must be int64 [R, 3] (first source row, first destination row, rows); got {list(runs.shape)}.")
+    if not src_layers:
+        return
+    src_capacity, dst_capacity = src_layers[0].shape[0], dst_layers[0].shape[0]
+    spans = runs.tolist()
+    for index, (src_row, dst_row, count) in enumerate(spans):
+        if count <= 0 or src_row < 0 or dst_row < 0 or src_row + count > src_capacity or dst_row + count > dst_capacity:
+            raise ValueError(
+                f"run {index} (first source row {src_row}, first destination row {dst_row}, rows {count}) must be "
+                f"non-empty and within {src_capacity} source and {dst_capacity} destination rows."
+            )
+    for src_row, dst_row, count in spans:
+        for src, dst in zip(src_layers, dst_layers):
+            dst.narrow(0, dst_row, count).copy_(src.narrow(0, src_row, count), non_blocking=True)
 
 
 def backup_newest(

@@ -130,7 +130,7 @@ class CudaOps:
         self._occupancy: dict[tuple[int, int, int, int | None, int | None], int] = {}
         self._multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
         self._no_counters = torch.empty(0, dtype=torch.int64, device=device)
-        self._layer_pointers: dict[tuple[int, ...], torch.Tensor] = {}
+        self._layer_pointers: dict[tuple, torch.Tensor] = {}  # by (device or "cpu", pointers...)
 
     def _stream(self) -> int:
         """The raw handle of this GPU's current stream, which every launch takes (the capture stream while
@@ -433,6 +433,19 @@ class CudaOps:
             pointers = tables[key] = torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64).to(self.device)
         return pointers
 
+    def _host_pointers(self, layers: Sequence[torch.Tensor]) -> torch.Tensor:
+        """uint64 table of the layers' base pointers on the CPU (what the host names to the copy engines); kept
+        on a LayerSet, else here by pointers."""
+        tables = getattr(layers, "pointer_tables", None)
+        key = torch.device("cpu")
+        if tables is None:
+            tables = self._layer_pointers
+            key = ("cpu", *(t.data_ptr() for t in layers))
+        pointers = tables.get(key)
+        if pointers is None:
+            pointers = tables[key] = torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64)
+        return pointers
+
     def copy_rows(
         self,
         src_layers: Sequence[torch.Tensor],
@@ -450,8 +463,8 @@ class CudaOps:
         """
         if src_rows.numel() == 0:
             return
-        first = src_layers[0]
-        row_bytes = first.numel() // first.shape[0] * first.element_size()
+        # The LayerSet's row size, kept when it was built (ops.layers), or one layer's.
+        row_bytes = getattr(src_layers, "row_bytes", None) or layer_row_bytes(src_layers[0])
         self.module.copy_rows(
             self._pointers(src_layers),
             self._pointers(dst_layers),
@@ -459,6 +472,27 @@ class CudaOps:
             dst_rows,
             row_bytes,
             max_blocks,
+            self._stream(),
+        )
+
+    def copy_row_runs(
+        self, src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor], runs: torch.Tensor
+    ) -> None:
+        """CUDA twin of :func:`hisparse_sglang.ops.reference.copy_row_runs`: every run of every layer by the copy
+        engines, one ``cudaMemcpyAsync`` each on the current stream, issued from C++ (host tensors pinned; ``runs``
+        on the CPU, checked against both layers' rows by the binding before any copy)."""
+        if len(src_layers) != len(dst_layers):
+            raise ValueError(f"{len(src_layers)} source layers but {len(dst_layers)} destination layers.")
+        if not src_layers or runs.numel() == 0:
+            return
+        row_bytes = getattr(src_layers, "row_bytes", None) or layer_row_bytes(src_layers[0])
+        self.module.copy_row_runs(
+            self._host_pointers(src_layers),
+            self._host_pointers(dst_layers),
+            runs.to(torch.int64).contiguous(),
+            row_bytes,
+            src_layers[0].shape[0],
+            dst_layers[0].shape[0],
             self._stream(),
         )
 

@@ -584,8 +584,23 @@ class SimulatedServer:
         assert not lost, f"admitted requests neither ended nor live: {sorted(lost)[:8]}"
 
     # ------------------------------------------------------------------ checks
+    def settle_copies(self) -> None:
+        """On a GPU: wait for the copies in flight, enqueueing first the staging copies whose rows have reached the
+        host (coordinator/staging.py), so that every copy is done at the step the CPU stand-in's (without a delay)
+        is; nothing on the CPU."""
+        if self.streams.is_cuda:
+            torch.cuda.synchronize(self.device)
+            staging = self.coordinator.prefill_staging
+            while staging.waiting():  # every row plan has arrived and no copy is in flight: each round enqueues
+                staging.issue_ready()
+                torch.cuda.synchronize(self.device)
+
     def check_invariants(self) -> None:
         """Raise AssertionError if any ownership or content invariant is broken."""
+        if self.streams.is_cuda:
+            # Between steps: a staging copy enqueued by the step's prepare (its rows had just reached the
+            # host) may still run on its stream; the host rows it writes are checked once it is done.
+            torch.cuda.synchronize(self.device)
         if self.speculative is not None:
             self._check_speculative_invariants()
             return
@@ -616,10 +631,12 @@ class SimulatedServer:
                 self._check_buffer(request, buffer_id)
                 if record.promotion is not None:
                     owned_rows.append(self.allocator.device_rows.page_rows(record.promotion.pages))
-            # Between steps every token is on the host: the prefill's by the staging copy, each
-            # decoded one by the swap-in of the step that wrote it (backup_newest).
-            host = self.host_pool.layers[0][locs.cpu()]
-            expected = token_rows(request.uid, torch.arange(request.seq_len), 0, self.item_bytes)
+            # Between steps every token is on the host: the prefill's once its staging copy is enqueued
+            # (a CPU copy is done when enqueued), each decoded one by the swap-in of the step that wrote it
+            # (backup_newest).
+            unstaged = coordinator.prefill_staging.unstaged_len(request.slot)
+            host = self.host_pool.layers[0][locs[unstaged:].cpu()]
+            expected = token_rows(request.uid, torch.arange(unstaged, request.seq_len), 0, self.item_bytes)
             assert torch.equal(host, expected), f"host rows of request {request.uid} are wrong"
         assert self.allocator.logical.used_pages == logical_pages, (
             f"host rows leaked: {self.allocator.logical.used_pages} pages allocated, {logical_pages} owned"
@@ -1070,11 +1087,12 @@ class SimulatedServer:
                 self._check_buffer(request, buffer_id)
                 if record.promotion is not None:
                     owned_rows.append(self.allocator.device_rows.page_rows(record.promotion.pages))
-            # Every committed token is on its host row (the prefill's by staging or PD, each accepted
-            # one by its commit), in every layer; the draft layer's too.
+            # Every committed token is on its host row (the prefill's by staging once enqueued, or PD, each
+            # accepted one by its commit), in every layer; the draft layer's too.
+            unstaged = coordinator.prefill_staging.unstaged_len(request.slot)
             for layer_id, layer in enumerate(self.host_pool.layers):
-                want = token_rows(request.uid, torch.arange(committed), layer_id, self.item_bytes)
-                assert torch.equal(layer[locs[:committed].cpu()], want), (
+                want = token_rows(request.uid, torch.arange(unstaged, committed), layer_id, self.item_bytes)
+                assert torch.equal(layer[locs[unstaged:committed].cpu()], want), (
                     f"host rows of request {request.uid} layer {layer_id} are wrong"
                 )
             want = token_rows(request.uid, torch.arange(committed), self.draft_layer_id, self.item_bytes)

@@ -405,6 +405,9 @@ class SGLangHiSparseCoordinator(compat.CoordinatorCalls):
             "promotions_total": stats.promotions,
             "verify_rows_capped_total": stats.verify_rows_capped,
             "verify_drafts_dropped_total": stats.verify_drafts_dropped,
+            # prefills staged to the host by the copy engines and by the copy kernel (coordinator/staging.py)
+            "prefills_staged_by_dma_total": stats.prefills_staged_by_dma,
+            "prefills_staged_by_kernel_total": stats.prefills_staged_by_kernel,
             "lookups_total": stats.swap_in_lookups,
             "misses_total": stats.swap_in_misses,
             "device_rows_used": pools.device_rows_used,

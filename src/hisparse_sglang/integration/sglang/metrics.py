@@ -136,12 +136,14 @@ def report(coordinator, log: bool, prometheus_labels: dict | None) -> dict:
         logger.info(
             "HiSparse: hit rate %s, moved %.1f MiB, resident %d, offloaded %d (promoting %d), "
             "demotions %.1f/min, promotions %.1f/min, device rows %d/%d, host rows %d/%d (quarantined %d), "
-            "switch work max %.2f ms/step, step host work %.3f ms (max %.2f)%s",
+            "switch work max %.2f ms/step, step host work %.3f ms (max %.2f)%s, "
+            "prefills staged by DMA %d, by kernel %d",
             hit, values["bytes_moved"] / 2**20, values["resident"], values["offloaded"], values["promoting"],
             values["demotions_per_min"], values["promotions_per_min"], values["device_rows_used"],
             values["device_rows_total"], values["host_rows_used"], values["host_rows_total"],
             values["host_rows_quarantined"],
             values["switch_ms_max"], values["step_host_ms"], values["step_host_ms_max"], caps,
+            values["prefills_staged_by_dma_total"], values["prefills_staged_by_kernel_total"],
         )
     if prometheus_labels is not None:
         from hisparse_sglang.integration.sglang.runtime import runtime_of
