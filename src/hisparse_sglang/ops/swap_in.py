@@ -130,7 +130,7 @@ class CudaOps:
         self._occupancy: dict[tuple[int, int, int, int | None, int | None], int] = {}
         self._multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
         self._no_counters = torch.empty(0, dtype=torch.int64, device=device)
-        self._layer_pointers: dict[tuple, torch.Tensor] = {}  # by (device or "cpu", pointers...)
+        self._layer_pointers: dict[tuple, torch.Tensor] = {}  # by (device, pointers...)
 
     def _stream(self) -> int:
         """The raw handle of this GPU's current stream, which every launch takes (the capture stream while
@@ -420,30 +420,18 @@ class CudaOps:
         )
         return out
 
-    def _pointers(self, layers: Sequence[torch.Tensor]) -> torch.Tensor:
-        """uint64 table of the layers' base pointers on this GPU: kept on a LayerSet, else here by pointers."""
+    def _pointers(self, layers: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+        """uint64 table of the layers' base pointers on ``device`` (this GPU by default; the CPU for the table the
+        host names to the copy engines): kept on a LayerSet, else here by device and pointers."""
+        device = self.device if device is None else device
         tables = getattr(layers, "pointer_tables", None)
-        if tables is not None:
-            key = self.device
-        else:
-            tables = self._layer_pointers
-            key = tuple(t.data_ptr() for t in layers)
-        pointers = tables.get(key)
-        if pointers is None:
-            pointers = tables[key] = torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64).to(self.device)
-        return pointers
-
-    def _host_pointers(self, layers: Sequence[torch.Tensor]) -> torch.Tensor:
-        """uint64 table of the layers' base pointers on the CPU (what the host names to the copy engines); kept
-        on a LayerSet, else here by pointers."""
-        tables = getattr(layers, "pointer_tables", None)
-        key = torch.device("cpu")
+        key = device
         if tables is None:
             tables = self._layer_pointers
-            key = ("cpu", *(t.data_ptr() for t in layers))
+            key = (device, *(t.data_ptr() for t in layers))
         pointers = tables.get(key)
         if pointers is None:
-            pointers = tables[key] = torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64)
+            pointers = tables[key] = torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64).to(device)
         return pointers
 
     def copy_rows(
@@ -487,8 +475,8 @@ class CudaOps:
             return
         row_bytes = getattr(src_layers, "row_bytes", None) or layer_row_bytes(src_layers[0])
         self.module.copy_row_runs(
-            self._host_pointers(src_layers),
-            self._host_pointers(dst_layers),
+            self._pointers(src_layers, torch.device("cpu")),
+            self._pointers(dst_layers, torch.device("cpu")),
             runs.to(torch.int64).contiguous(),
             row_bytes,
             src_layers[0].shape[0],
