@@ -68,6 +68,17 @@ void require_tensor(bool condition, const char* op, const char* name, const char
   if (!condition) TVM_FFI_THROW(ValueError) << op << ": " << name << " must be " << expected << "; got " << describe(t);
 }
 
+// Rejects a pair of layer tables (the layers' base addresses) unless both are uint64 [L] on CUDA (`cuda`) or on
+// the CPU, with as many layers: "<op>: <second> must be uint64 [L] on CUDA like <first>; got ...".
+void require_layer_tables(const TensorView& first, const TensorView& second, bool cuda, const char* op,
+                          const char* first_name, const char* second_name) {
+  const auto placed = [cuda](const TensorView& t) { return cuda ? on_cuda(t) : on_cpu(t); };
+  const std::string expected = std::string("uint64 [L] on ") + (cuda ? "CUDA" : "the CPU");
+  require_tensor(placed(first) && is_uint(first, 64) && first.ndim() == 1, op, first_name, expected.c_str(), first);
+  require_tensor(placed(second) && is_uint(second, 64) && second.ndim() == 1 && second.numel() == first.numel(), op,
+                 second_name, (expected + " like " + first_name).c_str(), second);
+}
+
 // Rejects a combination of arguments; the message names the values.
 void require(bool condition, const char* op, const std::string& message) {
   if (!condition) TVM_FFI_THROW(ValueError) << op << ": " << message;
@@ -448,10 +459,7 @@ void hisparse_copy_rows(
     TensorView src_layers, TensorView dst_layers, TensorView src_rows, TensorView dst_rows, int64_t row_bytes,
     int64_t max_blocks, int64_t stream) {
   constexpr const char* op = "copy_rows";
-  require_tensor(on_cuda(src_layers) && is_uint(src_layers, 64) && src_layers.ndim() == 1, op, "src_layers",
-                 "uint64 [L] on CUDA", src_layers);
-  require_tensor(on_cuda(dst_layers) && is_uint(dst_layers, 64) && dst_layers.numel() == src_layers.numel(), op,
-                 "dst_layers", "uint64 [L] on CUDA like src_layers", dst_layers);
+  require_layer_tables(src_layers, dst_layers, true, op, "src_layers", "dst_layers");
   require_tensor(on_cuda(src_rows) && (is_int(src_rows, 32) || is_int(src_rows, 64)), op, "src_rows",
                  "int32/int64 on CUDA", src_rows);
   require_tensor(on_cuda(dst_rows) && (is_int(dst_rows, 32) || is_int(dst_rows, 64)) &&
@@ -502,10 +510,7 @@ void hisparse_copy_row_runs(
     TensorView src_layers, TensorView dst_layers, TensorView runs, int64_t row_bytes, int64_t src_capacity,
     int64_t dst_capacity, int64_t stream) {
   constexpr const char* op = "copy_row_runs";
-  require_tensor(on_cpu(src_layers) && is_uint(src_layers, 64) && src_layers.ndim() == 1, op, "src_layers",
-                 "uint64 [L] on the CPU", src_layers);
-  require_tensor(on_cpu(dst_layers) && is_uint(dst_layers, 64) && dst_layers.numel() == src_layers.numel(), op,
-                 "dst_layers", "uint64 [L] on the CPU like src_layers", dst_layers);
+  require_layer_tables(src_layers, dst_layers, false, op, "src_layers", "dst_layers");
   require_tensor(on_cpu(runs) && is_int(runs, 64) && runs.ndim() == 2 && runs.size(1) == 3 &&
                      (runs.size(0) == 0 || (runs.stride(1) == 1 && runs.stride(0) == 3)),
                  op, "runs", "a contiguous int64 [R, 3] tensor on the CPU", runs);
@@ -738,11 +743,7 @@ void hisparse_commit_accepted(
   require_tensor(on_cuda(accept_lens) && accept_lens.ndim() == 1 && accept_lens.size(0) == batch &&
                      is_index(accept_lens) && (batch == 0 || accept_lens.stride(0) == 1),
                  op, "accept_lens", "a contiguous int32/int64 [B] tensor on CUDA, B as req_pool_indices", accept_lens);
-  require_tensor(on_cuda(device_layers) && is_uint(device_layers, 64) && device_layers.ndim() == 1, op,
-                 "device_layers", "uint64 [L] on CUDA", device_layers);
-  require_tensor(on_cuda(host_layers) && is_uint(host_layers, 64) && host_layers.ndim() == 1 &&
-                     host_layers.numel() == device_layers.numel(),
-                 op, "host_layers", "uint64 [L] on CUDA like device_layers", host_layers);
+  require_layer_tables(device_layers, host_layers, true, op, "device_layers", "host_layers");
   require(row_bytes > 0 && row_bytes % 16 == 0, op,
           "row_bytes must be a positive multiple of 16; got " + std::to_string(row_bytes));
   const int64_t layers = device_layers.numel();
