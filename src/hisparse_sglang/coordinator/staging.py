@@ -47,8 +47,8 @@ CTAs (``benchmarks/bench_background_copy.py``)."""
 DMA_MAX_OUTSTANDING = 1024
 """Most staging copies (runs of rows x layers, one ``cudaMemcpyAsync`` each by ``ops.copy_row_runs``) enqueued and
 not yet done. On H200s, 976 copies of a 16K-token prompt of 61 layers (16 runs) took 1.7-2.6 ms of host time to
-enqueue and delayed a decode-like loop by 3.4-5.3 ms (``copy_rows`` at 16 CTAs: 17.8-18.8 ms); 3,904 at once took 22 ms
-to enqueue, each call past about a thousand waiting for room in the copy engines' queue. So the copies of a
+enqueue and delayed a decode-like loop by 3.4-5.3 ms (``copy_rows`` at 16 CTAs: 17.8-18.7 ms); 3,904 at once took
+22 ms to enqueue, each call past about a thousand waiting for room in the copy engines' queue. So the copies of a
 request of more runs are enqueued a chunk at a time, whenever the chunks before it are done."""
 
 
